@@ -1,0 +1,234 @@
+"""``autopp.grad`` / ``autopp.value_and_grad``: JAX's own functions, plus a marker for ``parallelize``.
+
+Outside :func:`autopp.parallelize` they *are* ``jax.grad`` / ``jax.value_and_grad``. While
+``parallelize`` traces a step they bind :data:`value_and_grad_p`, one equation that carries the
+forward jaxpr of the loss; the pipeline is built from that forward and its per-stage VJPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from autopp import _compat
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def marking_gradients():
+    """While active, autopp.grad binds :data:`value_and_grad_p` instead of differentiating."""
+    depth = getattr(_state, "depth", 0)
+    _state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _state.depth = depth
+
+
+def _marking() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GradSpec:
+    """What one ``autopp.value_and_grad`` call differentiates (the static part of the equation).
+
+    ``forward`` has invars ``[*lifted, *flat_args]``: ``lifted`` are values the loss closes over that
+    were traced in the step; ``flat_args`` the flattened positional arguments. Outvars are
+    ``[loss, *aux_leaves]``.
+    """
+
+    forward: jex_core.ClosedJaxpr
+    num_lifted: int
+    diff_mask: tuple[bool, ...]  # over forward invars
+    has_aux: bool
+    aux_tree: Any
+    grad_tree: Any  # tree of the gradients (args[argnums]) over the differentiated leaves
+    name: str
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.forward.out_avals) - 1
+
+    @property
+    def diff_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, d in enumerate(self.diff_mask) if d)
+
+    def __hash__(self):
+        return id(self)
+
+
+def _vag_impl(*args, spec: GradSpec):
+    diff_idx = spec.diff_indices
+
+    def loss_of_diff(diff_vals):
+        vals = list(args)
+        for i, v in zip(diff_idx, diff_vals):
+            vals[i] = v
+        outs = jax.core.eval_jaxpr(spec.forward.jaxpr, spec.forward.consts, *vals)
+        return outs[0], outs[1:]
+
+    (loss, aux), grads = jax.value_and_grad(loss_of_diff, has_aux=True)([args[i] for i in diff_idx])
+    return [loss, *aux, *grads]
+
+
+def _vag_abstract_eval(*avals, spec: GradSpec):
+    outs = list(spec.forward.out_avals)
+    return outs + [avals[i] for i in spec.diff_indices]
+
+
+value_and_grad_p = jex_core.Primitive("autopp_value_and_grad")
+value_and_grad_p.multiple_results = True
+value_and_grad_p.def_impl(_vag_impl)
+value_and_grad_p.def_abstract_eval(_vag_abstract_eval)
+_compat.register_fallback_lowering(value_and_grad_p, _vag_impl)
+
+
+def _as_tuple_argnums(argnums, num_args: int) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(a, int) for a in nums):
+        raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}.")
+    out = []
+    for a in nums:
+        if not -num_args <= a < num_args:
+            raise ValueError(
+                f"argnums {argnums!r} refers to argument {a}, but the function was called with "
+                f"{num_args} positional argument(s)."
+            )
+        out.append(a % num_args)
+    return tuple(out)
+
+
+def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, name: str):
+    if kwargs:
+        fun = functools.partial(fun, **kwargs)
+    nums = _as_tuple_argnums(argnums, len(args))
+    flat_args, in_tree = jax.tree_util.tree_flatten(list(args))
+    leaf_counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    starts = np.cumsum([0] + leaf_counts)
+    arg_mask = [False] * len(flat_args)
+    for a in nums:
+        for i in range(starts[a], starts[a + 1]):
+            arg_mask[i] = True
+    for i, (leaf, d) in enumerate(zip(flat_args, arg_mask)):
+        dtype = jnp.result_type(leaf)
+        if d and not allow_int and not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"{name} requires real- or complex-valued inputs (input dtype that is a sub-dtype of "
+                f"np.inexact), but got {dtype.name} for a leaf of argument(s) {nums}. If you want to "
+                "use integer-valued inputs, pass allow_int=True or move the leaf out of argnums."
+            )
+
+    def flat_fun(*leaves):
+        out = fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"{name} with has_aux=True requires the function to return a (loss, aux) pair, "
+                    f"got {type(out).__name__}."
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        loss = jnp.asarray(loss) if not _compat.is_tracer(loss) else loss
+        if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+            raise TypeError(
+                f"{name}: the differentiated function must return a real scalar loss, got "
+                f"{jax.typeof(loss)}. Reduce the loss to a scalar (e.g. with jnp.mean)."
+            )
+        aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
+        flat_fun.aux_tree = aux_tree
+        return [loss, *aux_leaves]
+
+    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    aux_tree = flat_fun.aux_tree
+    jaxpr = closed.jaxpr
+    # Values the loss closes over that belong to the surrounding trace become explicit inputs.
+    lifted_vars, lifted_vals, kept_vars, kept_vals = [], [], [], []
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        if _compat.is_tracer(c):
+            lifted_vars.append(v)
+            lifted_vals.append(c)
+        else:
+            kept_vars.append(v)
+            kept_vals.append(c)
+    forward = jex_core.ClosedJaxpr(
+        jex_core.Jaxpr(kept_vars, [*lifted_vars, *jaxpr.invars], jaxpr.outvars, jaxpr.eqns, jaxpr.effects),
+        kept_vals,
+    )
+    diff_mask = tuple([False] * len(lifted_vars) + arg_mask)
+    grad_args = [args[a] for a in nums]
+    grad_tree = jax.tree_util.tree_structure(grad_args[0] if isinstance(argnums, int) else tuple(grad_args))
+    spec = GradSpec(
+        forward=forward,
+        num_lifted=len(lifted_vars),
+        diff_mask=diff_mask,
+        has_aux=has_aux,
+        aux_tree=aux_tree,
+        grad_tree=grad_tree,
+        name=name,
+    )
+    outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)
+    loss, aux_leaves, grads = outs[0], outs[1 : 1 + spec.num_aux], outs[1 + spec.num_aux :]
+    aux = jax.tree_util.tree_unflatten(aux_tree, aux_leaves)
+    return loss, aux, jax.tree_util.tree_unflatten(grad_tree, grads)
+
+
+def value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+) -> Callable:
+    """Exactly ``jax.value_and_grad``; inside :func:`autopp.parallelize` it also marks the loss.
+
+    Returns ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux=True``.
+    """
+    jax_fn = jax.value_and_grad(fun, argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int)
+
+    @functools.wraps(fun)
+    def wrapper(*args, **kwargs):
+        if not _marking():
+            return jax_fn(*args, **kwargs)
+        if holomorphic:
+            raise ValueError("autopp.value_and_grad(holomorphic=True) is not supported inside autopp.parallelize.")
+        loss, aux, grads = _bind(fun, argnums, has_aux, allow_int, args, kwargs, "autopp.value_and_grad")
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapper
+
+
+def grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+) -> Callable:
+    """Exactly ``jax.grad``; inside :func:`autopp.parallelize` it also marks the loss.
+
+    Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``.
+    """
+    jax_fn = jax.grad(fun, argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int)
+
+    @functools.wraps(fun)
+    def wrapper(*args, **kwargs):
+        if not _marking():
+            return jax_fn(*args, **kwargs)
+        if holomorphic:
+            raise ValueError("autopp.grad(holomorphic=True) is not supported inside autopp.parallelize.")
+        _, aux, grads = _bind(fun, argnums, has_aux, allow_int, args, kwargs, "autopp.grad")
+        return (grads, aux) if has_aux else grads
+
+    return wrapper

@@ -1,0 +1,239 @@
+"""Trace a training step to a flat jaxpr with one gradient equation (the first of autopp's four phases)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from autopp import _compat
+from autopp._grad import GradSpec, marking_gradients, value_and_grad_p
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """A training step as one flat jaxpr whose single ``autopp_value_and_grad`` equation is the loss."""
+
+    jaxpr: jex_core.ClosedJaxpr
+    """The whole step; calls (``jit``) inlined, so the gradient equation is at top level."""
+    in_tree: Any
+    """Tree of the positional arguments (a tuple)."""
+    out_tree: Any
+    """Tree of the step's result."""
+    grad_index: int
+    """Index of the gradient equation in ``jaxpr.jaxpr.eqns``."""
+    batch_mask: tuple[bool, ...]
+    """Per flat input: whether it belongs to a batch argument (split into microbatches)."""
+    leaf_paths: tuple[str, ...]
+    """Per flat input: its pytree path, for error messages (e.g. ``args[2]['tokens']``)."""
+    batch_argnums: tuple[int, ...]
+    """The positional arguments that hold the batch."""
+
+    @property
+    def grad_eqn(self) -> jex_core.JaxprEqn:
+        return self.jaxpr.jaxpr.eqns[self.grad_index]
+
+    @property
+    def spec(self) -> GradSpec:
+        return self.grad_eqn.params["spec"]
+
+    @property
+    def microbatched_grad_inputs(self) -> tuple[bool, ...]:
+        """Per input of the gradient equation: whether it derives from a batch argument (is microbatched)."""
+        jaxpr = self.jaxpr.jaxpr
+        dep = {v for v, b in zip(jaxpr.invars, self.batch_mask) if b}
+        for i, e in enumerate(jaxpr.eqns):
+            if i != self.grad_index and any(not isinstance(a, jex_core.Literal) and a in dep for a in e.invars):
+                dep.update(e.outvars)
+        return tuple(not isinstance(a, jex_core.Literal) and a in dep for a in self.grad_eqn.invars)
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable hash of the traced computation (shapes, dtypes and operations)."""
+        import hashlib
+
+        return hashlib.sha256(str(self.jaxpr).encode()).hexdigest()[:16]
+
+
+def _inline_calls(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
+    """Inline nested plain calls (``jit``) so that the gradient equation sits at top level."""
+    if not any(_compat.call_body(e) is not None for e in closed.jaxpr.eqns):
+        return closed
+
+    def interpret(*args):
+        return _eval_inlining(closed.jaxpr, closed.consts, args)
+
+    return jax.make_jaxpr(interpret)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars])
+
+
+def _eval_inlining(jaxpr, consts, args):
+    env = {}
+
+    def read(a):
+        return a.val if isinstance(a, jex_core.Literal) else env[a]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        body = _compat.call_body(eqn)
+        if body is not None:
+            outs = _eval_inlining(body.jaxpr, body.consts, invals)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _contains_grad(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is value_and_grad_p:
+            return True
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            if _contains_grad(sub):
+                return True
+    return False
+
+
+def _path_str(path) -> str:
+    return "".join(str(k) for k in path)
+
+
+def normalize_batch_argnums(batch_argnums, num_args: int) -> tuple[int, ...]:
+    if num_args == 0:
+        raise ValueError("autopp.parallelize: the step was called with no positional arguments; pass the batch positionally.")
+    if batch_argnums is None:
+        return (num_args - 1,)
+    nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    for a in nums:
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise TypeError(f"batch_argnums must be an int or a tuple of ints, got {batch_argnums!r}.")
+        if not -num_args <= a < num_args:
+            raise ValueError(
+                f"batch_argnums={batch_argnums!r} refers to argument {a}, but the step was called with "
+                f"{num_args} positional argument(s); use an index in [0, {num_args})."
+            )
+    return tuple(sorted({a % num_args for a in nums}))
+
+
+def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...]) -> TracedStep:
+    """Trace ``step_fn(*args)`` (arrays or ``ShapeDtypeStruct``s) with autopp's gradient marker."""
+    args = tuple(args)
+    flat_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
+    leaf_paths = tuple(f"args[{p[0].idx}]" + _path_str(p[1:]) for p, _ in flat_with_paths)
+    batch_mask = tuple(p[0].idx in batch_argnums for p, _ in flat_with_paths)
+    bad = []
+    for (path, leaf), is_batch, name in zip(flat_with_paths, batch_mask, leaf_paths):
+        if is_batch and not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            bad.append(f"  {name}: {type(leaf).__name__} {leaf!r:.60}")
+        elif is_batch and np.ndim(leaf) == 0 and not isinstance(leaf, jax.ShapeDtypeStruct):
+            bad.append(f"  {name}: a scalar has no batch dimension to split")
+    if bad:
+        raise TypeError(
+            "autopp.parallelize: every leaf of the batch argument(s) "
+            f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "
+            "array); these are not:\n" + "\n".join(bad) + "\nConvert them with jnp.asarray(...), or move "
+            "non-batch values to another argument and set batch_argnums accordingly."
+        )
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) if not isinstance(x, jax.ShapeDtypeStruct) else x
+                for _, x in flat_with_paths]
+
+    def flat_step(*leaves):
+        out = step_fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+        flat_out, out_tree = jax.tree_util.tree_flatten(out)
+        flat_step.out_tree = out_tree
+        return flat_out
+
+    with marking_gradients(), jax.disable_jit():
+        closed = jax.make_jaxpr(flat_step)(*abstract)
+    out_tree = flat_step.out_tree
+    closed = _inline_calls(closed)
+    grads = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive is value_and_grad_p]
+    if not grads:
+        nested = any(
+            _contains_grad(sub) for e in closed.jaxpr.eqns for sub in jex_core.jaxprs_in_params(e.params)
+        )
+        if nested:
+            raise ValueError(
+                "autopp.parallelize: autopp.grad / autopp.value_and_grad is called inside a control-flow "
+                "construct (lax.scan, lax.cond, vmap, ...) of the step; call it at the top level of the step."
+            )
+        raise ValueError(
+            "autopp.parallelize: the step takes no gradient with autopp.grad or autopp.value_and_grad, so "
+            "there is nothing to pipeline. Replace jax.grad / jax.value_and_grad in the step with "
+            "autopp.grad / autopp.value_and_grad (same arguments)."
+        )
+    if len(grads) > 1:
+        raise ValueError(
+            f"autopp.parallelize: the step takes {len(grads)} gradients with autopp.grad; exactly one is "
+            "supported. Combine the losses into one function, or use jax.grad for the others."
+        )
+    return TracedStep(
+        jaxpr=closed,
+        in_tree=in_tree,
+        out_tree=out_tree,
+        grad_index=grads[0],
+        batch_mask=batch_mask,
+        leaf_paths=leaf_paths,
+        batch_argnums=batch_argnums,
+    )
+
+
+def check_batch_divisible(traced: TracedStep, num_microbatches: int) -> None:
+    """Every batch leaf's leading dimension must split into ``num_microbatches`` equal parts."""
+    bad = []
+    for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, traced.leaf_paths):
+        if is_batch and v.aval.shape[0] % num_microbatches:
+            bad.append(f"  {name}: leading dimension {v.aval.shape[0]}")
+    if bad:
+        sizes = sorted({v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b})
+        ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
+        raise ValueError(
+            f"autopp.parallelize: the batch cannot be split into num_microbatches={num_microbatches} equal "
+            "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) +
+            f"\nUse a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size."
+        )
+
+
+def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: TracedStep,
+                             num_microbatches: int) -> jex_core.ClosedJaxpr:
+    """The loss's forward jaxpr at microbatch size (what each pipeline stage runs per microbatch).
+
+    The step is traced again with every batch leaf's leading dimension divided by ``num_microbatches``;
+    the loss inputs derived from the batch must shrink the same way, everything else must not change.
+    """
+    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    small = []
+    for x, is_batch in zip(flat, traced.batch_mask):
+        shape, dtype = tuple(np.shape(x)), jax.numpy.result_type(x)
+        if is_batch:
+            shape = (shape[0] // num_microbatches,) + shape[1:]
+        small.append(jax.ShapeDtypeStruct(shape, dtype))
+    mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums)
+    full_in = [a.aval for a in traced.grad_eqn.invars]
+    mb_in = [a.aval for a in mb.grad_eqn.invars]
+    problems = []
+    for k, (f, m, is_mb) in enumerate(zip(full_in, mb_in, traced.microbatched_grad_inputs)):
+        expect = (f.shape[0] // num_microbatches,) + f.shape[1:] if is_mb and f.shape else f.shape
+        if is_mb and (not f.shape or f.shape[0] % num_microbatches):
+            problems.append(f"  loss input #{k}: shape {f.shape} derives from the batch but has no leading "
+                            f"dimension divisible by {num_microbatches}")
+        elif m.shape != expect or m.dtype != f.dtype:
+            problems.append(f"  loss input #{k}: {f.str_short()} at full batch, {m.str_short()} per microbatch "
+                            f"(expected {expect})")
+    if len(full_in) != len(mb_in) or problems:
+        raise ValueError(
+            "autopp.parallelize: the loss inputs do not scale with the batch, so the batch cannot be split "
+            "into microbatches along axis 0:\n" + "\n".join(problems) + "\nKeep the batch dimension first in "
+            "everything the step passes from the batch to the loss, and do not reduce over it before the loss."
+        )
+    return mb.spec.forward

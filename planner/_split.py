@@ -1,0 +1,188 @@
+"""Split a forward jaxpr into contiguous pipeline stages: balanced by cost, cut where few bytes cross."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from jax.extend import core as jex_core
+
+from autopp.profiler._costs import aval_bytes, eqn_cost
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSplit:
+    """Which forward equations each stage runs."""
+
+    stage_eqns: tuple[tuple[int, ...], ...]
+    """Per stage, indices into the forward jaxpr's equations, in order. Equations that depend only on
+    parameters (casts, transposes of a tied embedding) appear in every stage that uses their result."""
+    stage_costs: tuple[float, ...]
+    """Per stage, the FLOPs of its batch-dependent equations (the quantity that was balanced)."""
+    cut_bytes: tuple[int, ...]
+    """Per cut between stage k and k+1, bytes of activations that cross it (per microbatch-sized batch)."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_eqns)
+
+    def to_dict(self) -> dict:
+        return {"stage_eqns": [list(s) for s in self.stage_eqns], "stage_costs": list(self.stage_costs),
+                "cut_bytes": list(self.cut_bytes)}
+
+
+def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) -> set:
+    """Variables whose value depends on a batch (microbatched) input."""
+    dep = {v for v, b in zip(jaxpr.invars, batch_invars) if b}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
+            dep.update(eqn.outvars)
+    return dep
+
+
+def _min_bottleneck(costs: list[float], num_stages: int) -> float:
+    """Smallest achievable maximum stage cost for ``num_stages`` contiguous non-empty stages."""
+    lo, hi = max(costs), sum(costs)
+
+    def stages_needed(cap: float) -> int:
+        count, acc = 1, 0.0
+        for c in costs:
+            if acc + c > cap:
+                count, acc = count + 1, c
+            else:
+                acc += c
+        return count
+
+    for _ in range(100):
+        if hi - lo <= 1e-9 * max(1.0, hi):
+            break
+        mid = (lo + hi) / 2
+        if stages_needed(mid) <= num_stages:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _min_cross_partition(costs, cross, num_stages, cap):
+    """DP over cut positions: stage costs <= cap, minimising the summed bytes of all cuts.
+
+    ``cross[i]`` is the cost of a cut before element i (1 <= i < n). Returns cut positions
+    ``0 = c_0 < c_1 < ... < c_S = n`` or None if infeasible.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    # dp[k][j]: best cost for the first j elements split into k stages (j is a cut position).
+    prev = [inf] * (n + 1)
+    prev[0] = 0.0
+    parents = []
+    for k in range(1, num_stages + 1):
+        cur = [inf] * (n + 1)
+        par = [-1] * (n + 1)
+        window = collections.deque()  # indices i with increasing prev[i], candidates for the start
+        lo = 0
+        for j in range(1, n + 1):
+            i_new = j - 1
+            if prev[i_new] < inf:
+                while window and prev[window[-1]] >= prev[i_new]:
+                    window.pop()
+                window.append(i_new)
+            while prefix[j] - prefix[lo] > cap * (1 + 1e-12) and lo < j:
+                lo += 1
+            while window and window[0] < lo:
+                window.popleft()
+            if window:
+                i = window[0]
+                cur[j] = prev[i] + (cross[j] if j < n else 0.0)
+                par[j] = i
+        parents.append(par)
+        prev = cur
+    if prev[n] == inf:
+        return None
+    cuts = [n]
+    j = n
+    for k in range(num_stages - 1, -1, -1):
+        j = parents[k][j]
+        cuts.append(j)
+    return cuts[::-1]
+
+
+def split_stages(
+    forward: jex_core.ClosedJaxpr,
+    batch_invars: Sequence[bool],
+    num_stages: int,
+    *,
+    balance_tolerance: float = 0.05,
+) -> StageSplit:
+    """Assign the forward equations to ``num_stages`` contiguous stages.
+
+    Stages are balanced by FLOPs (the bottleneck stage is within ``balance_tolerance`` of the best
+    possible), and among such splits the one moving the fewest activation bytes is taken.
+    """
+    jaxpr = forward.jaxpr
+    eqns = jaxpr.eqns
+    dep = batch_dependent_vars(jaxpr, batch_invars)
+    seq = [i for i, e in enumerate(eqns) if any(v in dep for v in e.outvars)]
+    if len(seq) < num_stages:
+        raise ValueError(
+            f"autopp: the loss has only {len(seq)} operation(s) that depend on the batch, so it cannot be "
+            f"split into {num_stages} pipeline stages; use num_stages <= {max(1, len(seq))}."
+        )
+    pos = {eq: k for k, eq in enumerate(seq)}
+    costs = []
+    for i in seq:
+        c = eqn_cost(eqns[i])
+        costs.append(c.flops + c.transcendentals + 1.0)
+    n = len(seq)
+    # Bytes crossing a cut before seq position k: batch-dependent values defined before k, used at or after k.
+    last_use: dict = {}
+    for i in seq:
+        for a in eqns[i].invars:
+            if not isinstance(a, jex_core.Literal) and a in dep:
+                last_use[a] = pos[i]
+    for a in jaxpr.outvars:
+        if not isinstance(a, jex_core.Literal) and a in dep:
+            last_use[a] = n
+    diff = [0.0] * (n + 2)
+    for i in seq:
+        for v in eqns[i].outvars:
+            if v in last_use and last_use[v] > pos[i]:
+                b = aval_bytes(v.aval)
+                diff[pos[i] + 1] += b
+                diff[last_use[v] + 1] -= b
+    cross = [0.0] * (n + 1)
+    acc = 0.0
+    for k in range(n + 1):
+        acc += diff[k]
+        cross[k] = acc
+    bottleneck = _min_bottleneck(costs, num_stages)
+    cuts = _min_cross_partition(costs, cross, num_stages, bottleneck * (1 + balance_tolerance))
+    assert cuts is not None, "the minimal bottleneck must admit a partition"
+    stage_of = {}
+    for s in range(num_stages):
+        for k in range(cuts[s], cuts[s + 1]):
+            stage_of[seq[k]] = s
+    # Parameter-only equations go (duplicated) to every stage that uses their results.
+    needed_at: dict = collections.defaultdict(set)
+    for a in jaxpr.outvars:
+        if not isinstance(a, jex_core.Literal):
+            needed_at[a].add(num_stages - 1)
+    placement: dict[int, set[int]] = {}
+    for i in range(len(eqns) - 1, -1, -1):
+        e = eqns[i]
+        stages = {stage_of[i]} if i in stage_of else set().union(*(needed_at.get(v, set()) for v in e.outvars))
+        if not stages:
+            continue  # dead code
+        placement[i] = stages
+        for a in e.invars:
+            if not isinstance(a, jex_core.Literal):
+                needed_at[a] |= stages
+    stage_eqns = tuple(tuple(i for i in range(len(eqns)) if s in placement.get(i, ())) for s in range(num_stages))
+    stage_costs = tuple(sum(costs[k] for k in range(cuts[s], cuts[s + 1])) for s in range(num_stages))
+    cut_bytes = tuple(int(cross[cuts[s]]) for s in range(1, num_stages))
+    return StageSplit(stage_eqns=stage_eqns, stage_costs=stage_costs, cut_bytes=cut_bytes)

@@ -1,0 +1,19 @@
+"""Pipeline runtime: schedules, stage programs, executor (``autopp.runtime``)."""
+
+from autopp.runtime._schedule import (
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    ScheduleError,
+    bubble_fraction,
+    dispatch_order,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    validate,
+    zb_h1,
+)
+
+__all__ = ["SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError", "bubble_fraction", "dispatch_order",
+           "get_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate", "zb_h1"]

@@ -1,0 +1,634 @@
+"""Build a step's instruction list once, then run it: every program dispatched asynchronously.
+
+The builder turns (traced step, stage split, schedule, devices) into a flat list of tasks over a slot
+array. Each task is ``(fn, input slots, output slots, slots to free)``; ``fn`` is a jitted program, a
+``jax.device_put`` or a placement helper. Running a step is one pass over that list: no tracing, no
+compilation after the first call, no host synchronisation; a buffer is dropped right after its last use.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from autopp.runtime._placement import OuterPlacement, place_outer
+from autopp.runtime._schedule import Action, Schedule, dispatch_order
+from autopp.runtime._stage import StagePrograms, stage_graphs
+
+Literal = jex_core.Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    fn: Callable
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    label: str
+    frees: tuple[int, ...] = ()
+
+
+def _vars(atoms):
+    return [a for a in atoms if not isinstance(a, Literal)]
+
+
+class StageMeshes:
+    """The devices of each stage and the shardings the runtime uses on them."""
+
+    def __init__(self, stage_devices: Sequence[Sequence[jax.Device]]):
+        self.devices = [tuple(d) for d in stage_devices]
+        self.meshes = [Mesh(np.array(d), ("data",)) for d in self.devices]
+        self.replicated = [NamedSharding(m, P()) for m in self.meshes]
+        self._multi: dict[frozenset[int], NamedSharding] = {}
+
+    def batch_sharding(self, loc: int, shape) -> NamedSharding:
+        """Leading dim over the stage's data axis when it divides evenly, else replicated."""
+        n = len(self.devices[loc])
+        if n > 1 and len(shape) >= 1 and shape[0] % n == 0:
+            return NamedSharding(self.meshes[loc], P("data"))
+        return self.replicated[loc]
+
+    def multi(self, locs: frozenset[int]) -> NamedSharding:
+        """Replicated over the devices of several stages (one value kept on all of them)."""
+        if locs not in self._multi:
+            devs = [d for loc in sorted(locs) for d in self.devices[loc]]
+            self._multi[locs] = NamedSharding(Mesh(np.array(devs), ("stages",)), P())
+        return self._multi[locs]
+
+
+def _place(sharding):
+    def place(x):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return (x,)
+        return (jax.device_put(x, sharding),)
+
+    return place
+
+
+def _extract(loc_sharding, loc_devices):
+    devset = set(loc_devices)
+
+    def extract(x):
+        bufs = [s.data for s in x.addressable_shards if s.device in devset]
+        return (jax.make_array_from_single_device_arrays(x.shape, loc_sharding, bufs),)
+
+    return extract
+
+
+def _assemble(sharding, shape):
+    def assemble(*parts):
+        bufs = [s.data for p in parts for s in p.addressable_shards]
+        return (jax.make_array_from_single_device_arrays(shape, sharding, bufs),)
+
+    return assemble
+
+
+def _put(shardings):
+    shardings = list(shardings)
+
+    def put(*xs):
+        return jax.device_put(list(xs), shardings)
+
+    return put
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    num_microbatches: int
+    loss_reduction: str
+    schedule: Schedule
+
+
+class Executable:
+    """A built step: call :meth:`run` with the flat step inputs."""
+
+    def __init__(self, tasks, num_slots, input_slots, const_slots, output_fns, out_tree, description):
+        self.tasks = tasks
+        self.num_slots = num_slots
+        self.input_slots = input_slots
+        self.const_slots = const_slots
+        self.output_fns = output_fns
+        self.out_tree = out_tree
+        self.description = description
+        self._plain = [(t.fn, t.ins, t.outs, t.frees) for t in tasks]
+
+    def run(self, flat_args: Sequence[Any]):
+        env: list[Any] = [None] * self.num_slots
+        for slot, value in self.const_slots:
+            env[slot] = value
+        for slot, value in zip(self.input_slots, flat_args):
+            env[slot] = value
+        outs = [fn(env) for fn in self.output_fns[0]]  # outputs that are step inputs
+        for fn, ins, outs_slots, frees in self._plain:
+            res = fn(*[env[i] for i in ins])
+            for o, r in zip(outs_slots, res):
+                env[o] = r
+            for f in frees:
+                env[f] = None
+        flat = [fn(env) for fn in self.output_fns[1]]
+        return flat
+
+
+class _Builder:
+    def __init__(self, traced, forward, split, meshes: StageMeshes, config: PipelineConfig):
+        self.traced = traced
+        self.forward = forward
+        self.jaxpr = traced.jaxpr.jaxpr
+        self.outer_consts = dict(zip(self.jaxpr.constvars, traced.jaxpr.consts))
+        self.grad = traced.grad_eqn
+        self.spec = traced.spec
+        self.split = split
+        self.meshes = meshes
+        self.config = config
+        self.S = split.num_stages
+        self.M = config.num_microbatches
+        self.tasks: list[Task] = []
+        self.num_slots = 0
+        self.avail: dict[tuple, int] = {}
+        self.const_slots: list[tuple[int, Any]] = []
+        self.protected: set[int] = set()
+
+    # -- slots and tasks ---------------------------------------------------------------------
+    def new_slot(self) -> int:
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def emit(self, fn, ins, n_out, label) -> list[int]:
+        outs = [self.new_slot() for _ in range(n_out)]
+        self.tasks.append(Task(fn, tuple(ins), tuple(outs), label))
+        return outs
+
+    def const(self, value) -> int:
+        s = self.new_slot()
+        self.const_slots.append((s, value))
+        self.protected.add(s)
+        return s
+
+    # -- the forward split ----------------------------------------------------------------------
+    def analyse(self):
+        spec, grad, S, M = self.spec, self.grad, self.S, self.M
+        fwd = self.forward.jaxpr
+        self.fwd = fwd
+        self.mb_invar = list(self.traced.microbatched_grad_inputs)
+        self.diff_mask = list(spec.diff_mask)
+        # Where each forward outvar (loss, aux) is produced.
+        defined_at = {}
+        for s, ids in enumerate(self.split.stage_eqns):
+            for i in ids:
+                for v in fwd.eqns[i].outvars:
+                    defined_at[v] = s  # later stages overwrite: the last definer emits it
+        self.out_stage = []
+        for k, a in enumerate(fwd.outvars):
+            if isinstance(a, Literal):
+                self.out_stage.append(S - 1)
+            elif a in defined_at:
+                self.out_stage.append(defined_at[a])
+            else:
+                raise ValueError(
+                    "autopp.parallelize: the loss function returns one of its inputs unchanged as "
+                    f"{'the loss' if k == 0 else f'aux leaf {k - 1}'}; compute it inside the loss function "
+                    "(e.g. `x + 0`) or return it from the step directly."
+                )
+        for k in range(1, len(fwd.outvars)):
+            dt = fwd.outvars[k].aval.dtype
+            if self.config.loss_reduction == "mean" and not jnp.issubdtype(dt, jnp.inexact):
+                raise TypeError(
+                    f"autopp.parallelize: aux leaf {k - 1} has dtype {dt}; with loss_reduction='mean' aux "
+                    "values are averaged over microbatches, which needs a floating dtype. Return it as a "
+                    "float (e.g. .astype(jnp.float32)) or use loss_reduction='sum'."
+                )
+        self.graphs = stage_graphs(self.forward, self.split.stage_eqns, self.diff_mask, self.out_stage)
+        invar_pos = {v: k for k, v in enumerate(fwd.invars)}
+        self.invar_pos = invar_pos
+        # Owner of each forward input: the first stage that uses it.
+        self.users: dict[int, list[int]] = collections.defaultdict(list)
+        for g in self.graphs:
+            for v in g.inputs:
+                if v in invar_pos:
+                    self.users[invar_pos[v]].append(g.index)
+        self.owner = {k: (self.users[k][0] if self.users[k] else 0) for k in range(len(fwd.invars))}
+
+    def _invar_name(self, k) -> str:
+        a = self.grad.invars[k]
+        if not isinstance(a, Literal) and a in self.jaxpr.invars:
+            return self.traced.leaf_paths[self.jaxpr.invars.index(a)]
+        return f"loss argument #{k - self.spec.num_lifted}"
+
+    # -- values at locations ---------------------------------------------------------------------
+    def need(self, v, loc: int) -> int:
+        """Slot holding outer variable ``v`` on stage ``loc``, emitting the transfer if needed."""
+        key = (v, loc)
+        if key in self.avail:
+            return self.avail[key]
+        if isinstance(v, Literal):
+            raise AssertionError("literals are inlined")
+        if v in self.outer_consts:
+            s = self.const(jax.device_put(self.outer_consts[v], self.meshes.replicated[loc]))
+        elif v in self.invar_index:
+            k = self.invar_index[v]
+            if self.traced.batch_mask[k]:
+                (s,) = self.emit(_put([self.meshes.batch_sharding(loc, v.aval.shape)]), [self.input_slot[k]], 1,
+                                 f"put batch {self.traced.leaf_paths[k]} -> stage {loc}")
+            else:
+                homes = self.placement.input_homes.get(k, frozenset())
+                assert loc in homes, (v, loc, homes)
+                (s,) = self.emit(_extract(self.meshes.replicated[loc], self.meshes.devices[loc]),
+                                 [self.placed_input[k]], 1, f"view {self.traced.leaf_paths[k]} on stage {loc}")
+        else:
+            srcs = [l for (u, l) in self.avail if u is v]
+            assert srcs, f"no location holds {v} (needed on stage {loc})"
+            (s,) = self.emit(_put([self.meshes.replicated[loc]]), [self.avail[(v, srcs[0])]], 1,
+                             f"put {v} stage {srcs[0]} -> {loc}")
+        self.avail[key] = s
+        return s
+
+    # -- outer programs -------------------------------------------------------------------------
+    def outer_program(self, eqn_ids: list[int], loc: int, label: str, consumers_outside) -> None:
+        eqns = [self.jaxpr.eqns[i] for i in eqn_ids]
+        defined = set()
+        ins = []
+        for e in eqns:
+            for a in _vars(e.invars):
+                if a not in defined and a not in ins:
+                    ins.append(a)
+            defined.update(e.outvars)
+        outs = [v for e in eqns for v in e.outvars if v in consumers_outside(set(eqn_ids))]
+        if not outs:
+            return
+        const_ins = [v for v in ins if v in self.outer_consts]
+        ins = [v for v in ins if v not in self.outer_consts]
+        sub = jex_core.Jaxpr(const_ins, ins, outs, eqns, self.jaxpr.effects)
+        consts = [self.outer_consts[v] for v in const_ins]
+        rep = self.meshes.replicated[loc]
+        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
+                     in_shardings=(rep,) * len(ins), out_shardings=(rep,) * len(outs))
+        in_slots = [self.need(v, loc) for v in ins]
+        out_slots = self.emit(fn, in_slots, len(outs), label)
+        for v, s in zip(outs, out_slots):
+            self.avail[(v, loc)] = s
+
+    # -- the whole step -------------------------------------------------------------------------
+    def build(self) -> Executable:
+        self.analyse()
+        S, M, spec, grad, fwd = self.S, self.M, self.spec, self.grad, self.fwd
+        jaxpr = self.jaxpr
+        self.invar_index = {v: k for k, v in enumerate(jaxpr.invars)}
+        # Requirements of the gradient equation's inputs.
+        grad_in_required = []
+        for k in range(len(grad.invars)):
+            if self.diff_mask[k]:
+                grad_in_required.append(frozenset({self.owner[k]}))
+            else:
+                grad_in_required.append(frozenset(self.users[k]))
+        num_aux = spec.num_aux
+        grad_out_loc = [self.out_stage[0]] + [self.out_stage[1 + j] for j in range(num_aux)]
+        grad_out_loc += [self.owner[k] for k in spec.diff_indices]
+        self.placement = place_outer(jaxpr, self.traced.grad_index, grad_in_required, grad_out_loc,
+                                     self.traced.batch_mask)
+        pl = self.placement
+        # Step inputs: one slot per user leaf, placed at home at the start of every step.
+        self.input_slot = [self.new_slot() for _ in jaxpr.invars]
+        self.placed_input = {}
+        for k, v in enumerate(jaxpr.invars):
+            homes = pl.input_homes.get(k)
+            if self.traced.batch_mask[k] or not homes:
+                continue
+            if len(homes) == 1:
+                (loc,) = homes
+                (s,) = self.emit(_place(self.meshes.replicated[loc]), [self.input_slot[k]], 1,
+                                 f"place {self.traced.leaf_paths[k]} on stage {loc}")
+                self.avail[(v, loc)] = s
+            else:
+                (s,) = self.emit(_place(self.meshes.multi(homes)), [self.input_slot[k]], 1,
+                                 f"place {self.traced.leaf_paths[k]} on stages {sorted(homes)}")
+            self.placed_input[k] = s
+
+        # Which outer variables are used where: consumers outside a program need its outputs.
+        users_of = collections.defaultdict(set)
+        for i, e in enumerate(jaxpr.eqns):
+            for a in _vars(e.invars):
+                users_of[a].add(i)
+        step_outs = set(_vars(jaxpr.outvars))
+
+        def consumers_outside(ids):
+            def needed(v):
+                return v in step_outs or bool(users_of[v] - ids)
+            return {v for i in ids for v in jaxpr.eqns[i].outvars if needed(v)}
+
+        # Pre-processing (ancestors of the gradient), one program per location.
+        pre_by_loc = collections.defaultdict(list)
+        for i in sorted(pl.eqn_locs):
+            if pl.region[i] == "pre":
+                for loc in pl.eqn_locs[i]:
+                    pre_by_loc[loc].append(i)
+        for loc in sorted(pre_by_loc):
+            self.outer_program(pre_by_loc[loc], loc, f"pre stage {loc}", consumers_outside)
+
+        self.build_pipeline()
+
+        # Post-processing (optimizer, metrics), by phase then location.
+        post = collections.defaultdict(list)
+        for (i, loc), ph in pl.phase.items():
+            if pl.region[i] == "post":
+                post[(ph, loc)].append(i)
+        for key in sorted(post):
+            ph, loc = key
+            self.outer_program(sorted(post[key]), loc, f"post phase {ph} stage {loc}", consumers_outside)
+
+        # Outputs.
+        early, late = [], []
+        self.output_slots = set()
+        for a, locs in zip(jaxpr.outvars, pl.out_locs):
+            if isinstance(a, Literal):
+                val = jnp.asarray(a.val, dtype=a.aval.dtype)
+                late.append(lambda env, val=val: val)
+            elif a in self.invar_index and (self.traced.batch_mask[self.invar_index[a]] or not locs):
+                k = self.invar_index[a]
+                slot = self.input_slot[k]
+                late.append(lambda env, slot=slot: env[slot])
+                self.output_slots.add(slot)
+            elif len(locs) == 1:
+                (loc,) = locs
+                slot = self.need(a, loc)
+                late.append(lambda env, slot=slot: env[slot])
+                self.output_slots.add(slot)
+            else:
+                parts = [self.need(a, loc) for loc in sorted(locs)]
+                (slot,) = self.emit(_assemble(self.meshes.multi(frozenset(locs)), a.aval.shape), parts, 1,
+                                    f"assemble output {a}")
+                late.append(lambda env, slot=slot: env[slot])
+                self.output_slots.add(slot)
+        self.insert_frees()
+        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, (early, late),
+                          self.traced.out_tree, self.describe())
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def build_pipeline(self):
+        S, M, spec, grad, fwd = self.S, self.M, self.spec, self.grad, self.fwd
+        meshes = self.meshes
+        seed = 1.0 / M if self.config.loss_reduction == "mean" else 1.0
+        loss_var = fwd.outvars[0]
+        progs: list[StagePrograms] = []
+        producer_stage = {}
+        for g in self.graphs:
+            for v in g.outputs:
+                producer_stage.setdefault(v, g.index)
+        self.producer_stage = producer_stage
+        for g in self.graphs:
+            s = g.index
+            rep = meshes.replicated[s]
+            is_param = [v in self.invar_pos and self.diff_mask[self.invar_pos[v]] for v in g.inputs]
+            in_sh = []
+            for v in g.inputs:
+                mb = v not in self.invar_pos or self.mb_invar[self.invar_pos[v]]
+                in_sh.append(meshes.batch_sharding(s, v.aval.shape) if mb else rep)
+            out_sh = [meshes.batch_sharding(s, v.aval.shape) if v not in fwd.outvars else rep for v in g.outputs]
+            seeds = {i: seed for i, v in enumerate(g.outputs) if v is loss_var}
+            grad_sh = [rep for v, p in zip(g.inputs, is_param) if p and g.diff_inputs[g.inputs.index(v)]]
+            act_ct_sh = [meshes.batch_sharding(s, v.aval.shape)
+                         for v, p, d in zip(g.inputs, is_param, g.diff_inputs) if d and not p]
+            progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
+                                       out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh))
+        self.progs = progs
+
+        # Per-step inputs of each stage that do not change across microbatches.
+        static_in: dict[tuple[int, int], int] = {}  # (stage, input position) -> slot
+        mb_slots: dict[tuple[int, int, int], int] = {}  # (stage, input position, microbatch) -> slot
+        for g in self.graphs:
+            s = g.index
+            mb_positions = []
+            for pos, v in enumerate(g.inputs):
+                if v not in self.invar_pos:
+                    continue
+                k = self.invar_pos[v]
+                outer_v = grad.invars[k]
+                if self.mb_invar[k]:
+                    mb_positions.append(pos)
+                elif isinstance(outer_v, Literal):
+                    static_in[(s, pos)] = self.const(jax.device_put(jnp.asarray(outer_v.val, outer_v.aval.dtype),
+                                                                    meshes.replicated[s]))
+                elif self.diff_mask[k] and self.owner[k] != s:
+                    o = self.owner[k]
+                    (slot,) = self.emit(_put([meshes.replicated[s]]), [self.need(outer_v, o)], 1,
+                                        f"put shared parameter {self._invar_name(k)} stage {o} -> {s}")
+                    static_in[(s, pos)] = slot
+                else:
+                    static_in[(s, pos)] = self.need(outer_v, s)
+            if mb_positions:
+                full = [self.need(grad.invars[self.invar_pos[g.inputs[p]]], s) for p in mb_positions]
+                shapes = [g.inputs[p].aval.shape for p in mb_positions]
+                out_sh = [meshes.batch_sharding(s, sh) for sh in shapes for _ in range(M)]
+
+                def split(*xs, M=M):
+                    return tuple(x.reshape((M, x.shape[0] // M) + x.shape[1:])[m] for x in xs for m in range(M))
+
+                fn = jax.jit(split, out_shardings=tuple(out_sh))
+                outs = self.emit(fn, full, len(mb_positions) * M, f"split microbatches stage {s}")
+                for j, p in enumerate(mb_positions):
+                    for m in range(M):
+                        mb_slots[(s, p, m)] = outs[j * M + m]
+
+        # Gradient accumulators start at zero.
+        acc: dict[int, list[int]] = {}
+        for s, pr in enumerate(progs):
+            if pr.param_idx:
+                g = self.graphs[s]
+                avals = [g.inputs[i].aval for i in pr.param_idx]
+                rep = meshes.replicated[s]
+                fn = jax.jit(lambda avals=avals: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
+                             out_shardings=(rep,) * len(avals))
+                acc[s] = self.emit(fn, [], len(avals), f"zero gradients stage {s}")
+            else:
+                acc[s] = []
+
+        act_at: dict[tuple[Any, int, int], int] = {}  # (fwd var, microbatch, stage) -> slot
+        ct_parts: dict[tuple[Any, int], list[int]] = collections.defaultdict(list)  # (var, mb) -> slots
+        fwd_state: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (s, m) -> (input slots, kept residuals)
+        out_parts: dict[int, list[int]] = collections.defaultdict(list)  # fwd outvar index -> per-mb slots
+        outvar_idx = {}
+        for k, a in enumerate(fwd.outvars):
+            if not isinstance(a, Literal):
+                outvar_idx.setdefault(a, k)
+
+        def input_slots(s, m):
+            g = self.graphs[s]
+            slots = []
+            for pos, v in enumerate(g.inputs):
+                if (s, pos) in static_in:
+                    slots.append(static_in[(s, pos)])
+                elif (s, pos, m) in mb_slots:
+                    slots.append(mb_slots[(s, pos, m)])
+                else:
+                    slots.append(act_at[(v, m, s)])
+            return slots
+
+        def ship_outputs(s, m, out_slots):
+            g = self.graphs[s]
+            by_dest = collections.defaultdict(list)
+            for v, slot in zip(g.outputs, out_slots):
+                if v in outvar_idx and self.out_stage[outvar_idx[v]] == s:
+                    out_parts[outvar_idx[v]].append(slot)
+                for t in range(s + 1, S):
+                    if v in self.graphs[t].inputs and producer_stage.get(v) == s:
+                        by_dest[t].append((v, slot))
+            for t, items in by_dest.items():
+                shs = [meshes.batch_sharding(t, v.aval.shape) for v, _ in items]
+                outs = self.emit(_put(shs), [sl for _, sl in items], len(items), f"send {s}->{t} mb {m}")
+                for (v, _), o in zip(items, outs):
+                    act_at[(v, m, t)] = o
+
+        def ship_input_cts(s, m, ct_slots):
+            pr, g = progs[s], self.graphs[s]
+            by_dest = collections.defaultdict(list)
+            for i, slot in zip(pr.act_idx, ct_slots):
+                v = g.inputs[i]
+                by_dest[producer_stage[v]].append((v, slot))
+            for t, items in by_dest.items():
+                shs = [meshes.batch_sharding(t, v.aval.shape) for v, _ in items]
+                outs = self.emit(_put(shs), [sl for _, sl in items], len(items), f"send grad {s}->{t} mb {m}")
+                for (v, _), o in zip(items, outs):
+                    ct_parts[(v, m)].append(o)
+
+        def output_cts(s, m):
+            pr, g = progs[s], self.graphs[s]
+            slots = []
+            for i in pr.diff_out_idx:
+                v = g.outputs[i]
+                parts = list(ct_parts.pop((v, m), []))
+                if v is loss_var:
+                    parts.append(self.seed_slot(s, v.aval, seed))
+                if not parts:
+                    parts.append(self.seed_slot(s, v.aval, 0.0))
+                if len(parts) == 1:
+                    slots.append(parts[0])
+                else:
+                    (sl,) = self.emit(_sum_program(len(parts), meshes.replicated[s]), parts, 1, f"sum grads {v}")
+                    slots.append(sl)
+            return slots
+
+        order = dispatch_order(self.config.schedule)
+        rows = self.config.schedule.rows
+        next_in_row = {}
+        for r, row in enumerate(rows):
+            acts = [a for a in row if a is not None]
+            for a, b in zip(acts, acts[1:]):
+                next_in_row[a] = b
+        fused = set()
+        for rank, act in order:
+            s, m = act.stage, act.microbatch
+            pr = progs[s]
+            if act.kind == "F":
+                ins = input_slots(s, m)
+                nxt = next_in_row.get(act)
+                if pr.can_fuse and nxt is not None and nxt.kind == "B" and nxt.stage == s and nxt.microbatch == m:
+                    outs = self.emit(pr.fwd_bwd, ins + acc[s], len(pr.graph.outputs) + len(acc[s]) + len(pr.act_idx),
+                                     f"{s}F{m}+{s}B{m}")
+                    n_o = len(pr.graph.outputs)
+                    ship_outputs(s, m, outs[:n_o])
+                    acc[s] = outs[n_o:n_o + len(acc[s])]
+                    ship_input_cts(s, m, outs[n_o + len(acc[s]):])
+                    fused.add(nxt)
+                    continue
+                outs = self.emit(pr.fwd, ins, len(pr.graph.outputs) + pr.num_kept, f"{s}F{m}")
+                n_o = len(pr.graph.outputs)
+                fwd_state[(s, m)] = (ins, outs[n_o:])
+                ship_outputs(s, m, outs[:n_o])
+            elif act.kind == "B":
+                if act in fused:
+                    continue
+                ins, kept = fwd_state.pop((s, m))
+                forwarded = [ins[i] for i in pr.forwarded_inputs]
+                cts = output_cts(s, m)
+                outs = self.emit(pr.bwd, kept + forwarded + cts + acc[s], len(acc[s]) + len(pr.act_idx), f"{s}B{m}")
+                acc[s] = outs[:len(acc[s])]
+                ship_input_cts(s, m, outs[len(acc[s]):])
+            else:
+                raise ValueError(
+                    f"schedule action {act} of kind {act.kind!r} is not supported by this runtime yet; use a "
+                    "schedule of F and B actions (gpipe, 1f1b)."
+                )
+
+        # Loss and aux: reduce the per-microbatch values on the stage that produced them.
+        for k in range(1 + spec.num_aux):
+            a = fwd.outvars[k]
+            s = self.out_stage[k]
+            outer = grad.outvars[k]
+            if isinstance(a, Literal):
+                self.avail[(outer, s)] = self.const(jax.device_put(jnp.asarray(a.val, a.aval.dtype),
+                                                                   meshes.replicated[s]))
+                continue
+            parts = out_parts[k]
+            assert len(parts) == M, (k, len(parts))
+            mean = self.config.loss_reduction == "mean"
+            fn = jax.jit(lambda *xs, mean=mean: (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
+                         out_shardings=(meshes.replicated[s],))
+            (sl,) = self.emit(fn, parts, 1, f"reduce {'loss' if k == 0 else f'aux {k - 1}'} stage {s}")
+            self.avail[(outer, s)] = sl
+
+        # Gradients: each on its owner, contributions of other stages (shared parameters) added.
+        for j, k in enumerate(spec.diff_indices):
+            outer = grad.outvars[1 + spec.num_aux + j]
+            o = self.owner[k]
+            contrib = []
+            for s in self.users[k]:
+                pos = self.graphs[s].inputs.index(fwd.invars[k])
+                if pos not in progs[s].param_idx:
+                    continue
+                slot = acc[s][progs[s].param_idx.index(pos)]
+                if s != o:
+                    (slot,) = self.emit(_put([meshes.replicated[o]]), [slot], 1, f"send shared grad {s}->{o}")
+                contrib.append(slot)
+            if not contrib:
+                aval = fwd.invars[k].aval
+                fn = jax.jit(lambda aval=aval: (jnp.zeros(aval.shape, aval.dtype),),
+                             out_shardings=(meshes.replicated[o],))
+                contrib = self.emit(fn, [], 1, f"zero grad {self._invar_name(k)}")
+            if len(contrib) > 1:
+                contrib = self.emit(_sum_program(len(contrib), meshes.replicated[o]), contrib, 1,
+                                    f"sum shared grad {self._invar_name(k)}")
+            self.avail[(outer, o)] = contrib[0]
+
+    _seed_cache: dict
+
+    def seed_slot(self, s, aval, value) -> int:
+        cache = self.__dict__.setdefault("_seed_cache", {})
+        key = (s, aval.shape, str(aval.dtype), value)
+        if key not in cache:
+            cache[key] = self.const(jax.device_put(jnp.full(aval.shape, value, aval.dtype), self.meshes.replicated[s]))
+        return cache[key]
+
+    def insert_frees(self):
+        last = {}
+        for t, task in enumerate(self.tasks):
+            for i in task.ins:
+                last[i] = t
+            for o in task.outs:
+                last.setdefault(o, t)
+        keep = self.protected | self.output_slots
+        frees = collections.defaultdict(list)
+        for slot, t in last.items():
+            if slot not in keep:
+                frees[t].append(slot)
+        self.tasks = [dataclasses.replace(task, frees=tuple(frees.get(t, ()))) for t, task in enumerate(self.tasks)]
+
+    def describe(self) -> list[str]:
+        return [t.label for t in self.tasks]
+
+
+def _sum_program(n, sharding):
+    return jax.jit(lambda *xs: (sum(xs[1:], xs[0]),), out_shardings=(sharding,))
+
+
+def build_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
+                     schedule) -> Executable:
+    """Build the step's instruction list. ``forward`` is the loss's forward jaxpr at microbatch size."""
+    meshes = StageMeshes(stage_devices)
+    config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule)
+    return _Builder(traced, forward, split, meshes, config).build()

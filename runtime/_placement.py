@@ -1,0 +1,169 @@
+"""Where each equation of the step *outside* the pipeline runs (pre-processing, optimizer, metrics).
+
+Locations are stage indices. The rules:
+
+* The gradient equation's inputs are required where the pipeline uses them; its outputs (loss,
+  gradients) live where the pipeline leaves them.
+* An equation that reads a value derived from the pipeline's outputs ("anchored") runs on the one
+  location that already holds the most bytes of its anchored inputs; the others are transferred
+  (e.g. the per-stage partial norms of ``clip_by_global_norm`` meet on one stage, and the resulting
+  scalar is sent back to every stage).
+* Every other equation (pre-processing that feeds the gradient, optimizer bookkeeping such as Adam's
+  step count) is computed on every location that needs its result, and the step inputs it reads are
+  kept on all of those locations, so that feeding the results back in moves nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+from jax.extend import core as jex_core
+
+from autopp.profiler._costs import aval_bytes
+
+Literal = jex_core.Literal
+
+
+def _vars(atoms):
+    return [a for a in atoms if not isinstance(a, Literal)]
+
+
+@dataclasses.dataclass
+class OuterPlacement:
+    """Placement of the step's non-pipeline equations."""
+
+    eqn_locs: dict[int, frozenset[int]]
+    """Per outer equation index (not the gradient equation): the locations that compute it."""
+    region: dict[int, str]
+    """Per outer equation: ``"pre"`` (before the pipeline) or ``"post"``."""
+    phase: dict[tuple[int, int], int]
+    """Per (equation, location): the phase, i.e. how many cross-location hops precede it."""
+    input_homes: dict[int, frozenset[int]]
+    """Per non-batch step input (flat index): the locations that keep it."""
+    batch_locs: dict[int, frozenset[int]]
+    """Per batch step input: the locations the full batch leaf is shipped to."""
+    out_locs: list[frozenset[int] | None]
+    """Per step output: locations that hold it (None: a literal or an unplaced input)."""
+
+
+def place_outer(
+    jaxpr: jex_core.Jaxpr,
+    grad_index: int,
+    grad_in_required: Sequence[frozenset[int]],
+    grad_out_loc: Sequence[int],
+    batch_mask: Sequence[bool],
+    default_loc: int = 0,
+) -> OuterPlacement:
+    eqns = jaxpr.eqns
+    grad = eqns[grad_index]
+    producer = {}
+    for i, e in enumerate(eqns):
+        for v in e.outvars:
+            producer[v] = i
+    # Ancestors of the gradient equation run before the pipeline.
+    pre = set()
+    stack = [producer[v] for v in _vars(grad.invars) if v in producer]
+    while stack:
+        i = stack.pop()
+        if i in pre:
+            continue
+        pre.add(i)
+        stack.extend(producer[v] for v in _vars(eqns[i].invars) if v in producer)
+
+    avail: dict = {}  # var -> frozenset of locations that hold it (anchored values)
+    for v, loc in zip(grad.outvars, grad_out_loc):
+        avail[v] = frozenset({loc})
+    eqn_locs: dict[int, frozenset[int]] = {}
+    anchored = set()
+    for i, e in enumerate(eqns):
+        if i == grad_index or i in pre:
+            continue
+        ins = [v for v in _vars(e.invars) if v in avail]
+        if not ins:
+            continue
+        weight = collections.Counter()
+        for v in ins:
+            for loc in avail[v]:
+                weight[loc] += aval_bytes(v.aval) + 1
+        best = max(sorted(weight), key=lambda loc: weight[loc])
+        eqn_locs[i] = frozenset({best})
+        anchored.add(i)
+        for v in e.outvars:
+            avail[v] = eqn_locs[i]
+
+    # Requirements flow backwards from anchored equations and the gradient's inputs.
+    required: dict = collections.defaultdict(set)
+    for v, locs in zip(grad.invars, grad_in_required):
+        if not isinstance(v, Literal):
+            required[v] |= set(locs)
+    for i in anchored:
+        for v in _vars(eqns[i].invars):
+            if v not in avail:
+                required[v] |= set(eqn_locs[i])
+    outvar_set = {v for v in _vars(jaxpr.outvars)}
+    floating = [i for i in range(len(eqns)) if i != grad_index and i not in anchored]
+    changed = True
+    while changed:
+        changed = False
+        for i in reversed(floating):
+            e = eqns[i]
+            locs = set().union(*(required.get(v, set()) for v in e.outvars))
+            if not locs and any(v in outvar_set for v in e.outvars):
+                # Only a step output (e.g. Adam's count + 1): compute it where its inputs live.
+                locs = set().union(*(required.get(v, set()) for v in _vars(e.invars)))
+                if not locs:
+                    locs = {default_loc}
+            if locs and frozenset(locs) != eqn_locs.get(i):
+                eqn_locs[i] = frozenset(locs | eqn_locs.get(i, frozenset()))
+                changed = True
+            for v in _vars(e.invars):
+                if v not in avail and not locs <= required[v]:
+                    required[v] |= locs
+                    changed = True
+    input_homes, batch_locs = {}, {}
+    for k, v in enumerate(jaxpr.invars):
+        locs = frozenset(required.get(v, set()))
+        if batch_mask[k]:
+            batch_locs[k] = locs
+        elif locs:
+            input_homes[k] = locs
+    for i in floating:
+        for v in eqns[i].outvars:
+            avail.setdefault(v, eqn_locs.get(i, frozenset()))
+
+    # Phases: hops across locations before an equation can run there.
+    phase: dict[tuple[int, int], int] = {}
+    ready: dict[tuple, int] = {}
+
+    def ready_at(v, loc):
+        if (v, loc) in ready:
+            return ready[(v, loc)]
+        if v not in producer or producer[v] == grad_index:
+            return 0
+        src = [ready[(v, l)] for l in avail.get(v, ()) if (v, l) in ready]
+        return (min(src) + 1) if src else 0
+
+    for i, e in enumerate(eqns):
+        if i == grad_index or i not in eqn_locs:
+            continue
+        for loc in sorted(eqn_locs[i]):
+            p = max([ready_at(v, loc) for v in _vars(e.invars)], default=0)
+            phase[(i, loc)] = p
+            for v in e.outvars:
+                ready[(v, loc)] = p
+    out_locs = []
+    for a in jaxpr.outvars:
+        if isinstance(a, Literal):
+            out_locs.append(None)
+        elif a in avail and avail[a]:
+            out_locs.append(avail[a])
+        elif a in jaxpr.invars:
+            k = jaxpr.invars.index(a)
+            out_locs.append(input_homes.get(k))
+        else:
+            out_locs.append(frozenset({default_loc}))
+    region = {i: ("pre" if i in pre else "post") for i in eqn_locs}
+    return OuterPlacement(eqn_locs=eqn_locs, region=region, phase=phase, input_homes=input_homes,
+                          batch_locs=batch_locs, out_locs=out_locs)

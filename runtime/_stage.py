@@ -1,0 +1,230 @@
+"""Per-stage programs: a stage's slice of the forward jaxpr, its VJP, and the jitted F / B / FB programs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+Literal = jex_core.Literal
+
+
+def _is_var(a) -> bool:
+    return not isinstance(a, Literal)
+
+
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
+    """Variables that depend on a differentiated input (only those carry cotangents)."""
+    dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
+    for eqn in jaxpr.eqns:
+        if any(_is_var(a) and a in dep for a in eqn.invars):
+            dep.update(v for v in eqn.outvars if _is_float(v.aval))
+    return {v for v in dep if _is_float(v.aval)}
+
+
+@dataclasses.dataclass
+class StageGraph:
+    """The data flow of one stage's forward slice, in terms of forward-jaxpr variables."""
+
+    index: int
+    jaxpr: jex_core.Jaxpr
+    """invars = ``inputs``, outvars = ``outputs``."""
+    consts: list
+    inputs: list
+    """Forward invars and activations produced by earlier stages, in first-use order."""
+    outputs: list
+    """Activations for later stages, then the loss/aux outvars this stage produces."""
+    diff_inputs: list[bool]
+    diff_outputs: list[bool]
+
+
+def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[int]],
+                 diff_invars: Sequence[bool], out_stage: Sequence[int]) -> list[StageGraph]:
+    """Slice the forward jaxpr into per-stage jaxprs.
+
+    ``out_stage[k]`` is the stage that emits forward outvar k (loss, aux leaves).
+    """
+    jaxpr = forward.jaxpr
+    const_of = dict(zip(jaxpr.constvars, forward.consts))
+    invar_set = set(jaxpr.invars)
+    diffable = differentiable_vars(jaxpr, diff_invars)
+    diff_invar_set = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
+    num = len(stage_eqns)
+    defined = []
+    used = []
+    for s in range(num):
+        d, u = set(), []
+        seen = set()
+        for i in stage_eqns[s]:
+            e = jaxpr.eqns[i]
+            for a in e.invars:
+                if _is_var(a) and a not in d and a not in seen:
+                    seen.add(a)
+                    u.append(a)
+            d.update(e.outvars)
+        defined.append(d)
+        used.append(u)
+    # Activation outputs: defined here and an input of a later stage that does not define it itself.
+    act_out: list[list] = [[] for _ in range(num)]
+    for t in range(num):
+        for v in used[t]:
+            if v in invar_set or v in const_of:
+                continue
+            producers = [s for s in range(t) if v in defined[s]]
+            assert producers, f"forward variable {v} is used by stage {t} before it is defined"
+            s = producers[-1]
+            if v not in act_out[s]:
+                act_out[s].append(v)
+    graphs = []
+    for s in range(num):
+        outs = list(act_out[s])
+        for k, a in enumerate(jaxpr.outvars):
+            if out_stage[k] == s and _is_var(a) and a not in outs:
+                outs.append(a)
+        ins = [v for v in used[s] if v not in const_of]
+        for v in outs:  # an output that is an input of this stage (passed through)
+            if v not in defined[s] and v not in ins and v not in const_of:
+                ins.append(v)
+        consts_used = [v for v in used[s] if v in const_of]
+        sub = jex_core.Jaxpr(consts_used, ins, outs, [jaxpr.eqns[i] for i in stage_eqns[s]], jaxpr.effects)
+        graphs.append(StageGraph(
+            index=s,
+            jaxpr=sub,
+            consts=[const_of[v] for v in consts_used],
+            inputs=ins,
+            outputs=outs,
+            diff_inputs=[(v in diff_invar_set) or (v in diffable and v not in invar_set) for v in ins],
+            diff_outputs=[v in diffable for v in outs],
+        ))
+    return graphs
+
+
+class StagePrograms:
+    """The jitted programs of one stage.
+
+    * ``fwd(*inputs) -> (*outputs, *residuals)``: outputs as in :class:`StageGraph`; residuals are what
+      the VJP keeps, minus residuals that are inputs (those are passed to ``bwd`` from the inputs).
+    * ``bwd(*residuals, *forwarded_inputs, *cotangents, *grad_acc) -> (*grad_acc, *input_cotangents)``:
+      ``cotangents`` are one per differentiable output (already summed); ``grad_acc`` one per
+      differentiable *parameter* input; ``input_cotangents`` one per differentiable activation input.
+    * ``fwd_bwd(*inputs, *grad_acc) -> (*outputs, *grad_acc, *input_cotangents)``: both at once, for a
+      stage whose differentiable outputs all have constant cotangents (the loss stage).
+    """
+
+    def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
+                 in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings):
+        self.graph = graph
+        g = graph
+        self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
+        self.param_idx = [i for i in self.diff_in_idx if is_param[i]]
+        self.act_idx = [i for i in self.diff_in_idx if not is_param[i]]
+        self.diff_out_idx = [i for i, d in enumerate(g.diff_outputs) if d]
+        self.seed_of_output = dict(seed_of_output)
+        closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
+
+        def run(inputs):
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *inputs)
+
+        diff_in_idx, diff_out_idx = self.diff_in_idx, self.diff_out_idx
+
+        def vjp_of(inputs):
+            def f(diff_vals):
+                vals = list(inputs)
+                for i, v in zip(diff_in_idx, diff_vals):
+                    vals[i] = v
+                outs = run(vals)
+                return [outs[i] for i in diff_out_idx], outs
+
+            _, vjp_fn, outs = jax.vjp(f, [inputs[i] for i in diff_in_idx], has_aux=True)
+            return outs, vjp_fn
+
+        holder = {}
+
+        def fwd_full(*inputs):
+            outs, vjp_fn = vjp_of(list(inputs))
+            leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+            holder["treedef"] = treedef
+            return (*outs, *leaves)
+
+        traced = jax.make_jaxpr(fwd_full)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in g.inputs])
+        self._vjp_treedef = holder["treedef"]
+        n_out = len(g.outputs)
+        res_vars = traced.jaxpr.outvars[n_out:]
+        in_pos = {v: i for i, v in enumerate(traced.jaxpr.invars)}
+        # Residual k is either a new value (kept) or forward input ``forwarded[k]``.
+        self.residual_source: list[tuple[str, int]] = []
+        kept = []
+        for r in res_vars:
+            if _is_var(r) and r in in_pos:
+                self.residual_source.append(("input", in_pos[r]))
+            else:
+                self.residual_source.append(("kept", len(kept)))
+                kept.append(r)
+        self.num_kept = len(kept)
+        self.forwarded_inputs = sorted({i for kind, i in self.residual_source if kind == "input"})
+        fwd_jaxpr = jex_core.ClosedJaxpr(
+            jex_core.Jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars[:n_out] + kept,
+                           traced.jaxpr.eqns, traced.jaxpr.effects),
+            traced.consts,
+        )
+
+        def fwd(*inputs):
+            return tuple(jax.core.eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, *inputs))
+
+        treedef = self._vjp_treedef
+        residual_source = self.residual_source
+        forwarded = self.forwarded_inputs
+        num_kept = self.num_kept
+        act_idx, param_idx = self.act_idx, self.param_idx
+        n_ct = len(diff_out_idx)
+        seeds = [self.seed_of_output.get(i) for i in diff_out_idx]
+        out_avals = [g.outputs[i].aval for i in diff_out_idx]
+
+        def apply_vjp(vjp_leaves, cts, grad_acc):
+            vjp_fn = jax.tree_util.tree_unflatten(treedef, vjp_leaves)
+            (grads,) = vjp_fn(cts)
+            by_input = dict(zip(diff_in_idx, grads))
+            new_acc = [a + by_input[i] for a, i in zip(grad_acc, param_idx)]
+            return (*new_acc, *[by_input[i] for i in act_idx])
+
+        def bwd(*args):
+            kept_vals = args[:num_kept]
+            fwd_vals = dict(zip(forwarded, args[num_kept:num_kept + len(forwarded)]))
+            cts = list(args[num_kept + len(forwarded):num_kept + len(forwarded) + n_ct])
+            grad_acc = args[num_kept + len(forwarded) + n_ct:]
+            leaves = [kept_vals[i] if kind == "kept" else fwd_vals[i] for kind, i in residual_source]
+            return apply_vjp(leaves, cts, grad_acc)
+
+        def fwd_bwd(*args):
+            inputs = list(args[:len(g.inputs)])
+            grad_acc = args[len(g.inputs):]
+            outs, vjp_fn = vjp_of(inputs)
+            cts = [jnp.full(a.shape, s, a.dtype) for a, s in zip(out_avals, seeds)]
+            (grads,) = vjp_fn(cts)
+            by_input = dict(zip(diff_in_idx, grads))
+            new_acc = [a + by_input[i] for a, i in zip(grad_acc, param_idx)]
+            return (*outs, *new_acc, *[by_input[i] for i in act_idx])
+
+        self.can_fuse = all(s is not None for s in seeds)
+        n_kept_fwd = n_out + num_kept
+        res_shardings = None  # residual layouts are XLA's choice
+        self.fwd = jax.jit(fwd, in_shardings=tuple(in_shardings),
+                           out_shardings=tuple(out_shardings_fwd) + (res_shardings,) * num_kept
+                           if n_kept_fwd else None)
+        acc_shardings = tuple(grad_shardings)
+        act_ct = tuple(act_ct_shardings)
+        n_bwd_in = num_kept + len(forwarded) + n_ct + len(param_idx)
+        self.bwd = jax.jit(bwd, out_shardings=acc_shardings + act_ct,
+                           donate_argnums=tuple(range(n_bwd_in - len(param_idx), n_bwd_in)))
+        self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings,
+                               out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
+                               donate_argnums=tuple(range(len(g.inputs), len(g.inputs) + len(param_idx))))
+        self.ct_seeds = seeds
