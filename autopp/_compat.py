@@ -34,3 +34,10 @@ def register_fallback_lowering(primitive, impl) -> None:
 
 def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+def new_jaxpr(constvars, invars, outvars, eqns, effects, name: str = "autopp") -> jex_core.Jaxpr:
+    """A jaxpr over existing equations (a slice of another), with the debug info JAX expects."""
+    info = jex_core.DebugInfo(name, name, tuple(f"in{i}" for i in range(len(invars))),
+                              tuple(f"out{i}" for i in range(len(outvars))))
+    return jex_core.Jaxpr(constvars, invars, outvars, eqns, effects, debug_info=info)

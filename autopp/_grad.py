@@ -163,7 +163,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
             kept_vars.append(v)
             kept_vals.append(c)
     forward = jex_core.ClosedJaxpr(
-        jex_core.Jaxpr(kept_vars, [*lifted_vars, *jaxpr.invars], jaxpr.outvars, jaxpr.eqns, jaxpr.effects),
+        _compat.new_jaxpr(kept_vars, [*lifted_vars, *jaxpr.invars], jaxpr.outvars, jaxpr.eqns, jaxpr.effects, name),
         kept_vals,
     )
     diff_mask = tuple([False] * len(lifted_vars) + arg_mask)

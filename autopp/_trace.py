@@ -138,6 +138,8 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         elif is_batch and np.ndim(leaf) == 0 and not isinstance(leaf, jax.ShapeDtypeStruct):
             bad.append(f"  {name}: a scalar has no batch dimension to split")
     if bad:
+        if len(bad) > 8:
+            bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
         raise TypeError(
             "autopp.parallelize: every leaf of the batch argument(s) "
             f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "

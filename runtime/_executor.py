@@ -9,7 +9,10 @@ compilation after the first call, no host synchronisation; a buffer is dropped r
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
+
+from autopp import _compat
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import OuterPlacement, place_outer
@@ -63,12 +68,18 @@ class StageMeshes:
         return self._multi[locs]
 
 
+def _sds(aval_like, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval_like.shape, aval_like.dtype, sharding=sharding,
+                                weak_type=getattr(aval_like, "weak_type", False))
+
+
 def _place(sharding):
     def place(x):
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return (x,)
         return (jax.device_put(x, sharding),)
 
+    place.out_avals = lambda avals: [_sds(avals[0], sharding)]
     return place
 
 
@@ -79,6 +90,7 @@ def _extract(loc_sharding, loc_devices):
         bufs = [s.data for s in x.addressable_shards if s.device in devset]
         return (jax.make_array_from_single_device_arrays(x.shape, loc_sharding, bufs),)
 
+    extract.out_avals = lambda avals: [_sds(avals[0], loc_sharding)]
     return extract
 
 
@@ -87,6 +99,7 @@ def _assemble(sharding, shape):
         bufs = [s.data for p in parts for s in p.addressable_shards]
         return (jax.make_array_from_single_device_arrays(shape, sharding, bufs),)
 
+    assemble.out_avals = lambda avals: [_sds(avals[0], sharding)]
     return assemble
 
 
@@ -96,7 +109,17 @@ def _put(shardings):
     def put(*xs):
         return jax.device_put(list(xs), shardings)
 
+    put.out_avals = lambda avals: [_sds(a, sh) for a, sh in zip(avals, shardings)]
     return put
+
+
+def _compile_all(lowered: list, max_workers: int | None = None) -> list:
+    """Compile lowered programs concurrently (XLA releases the GIL while compiling)."""
+    if len(lowered) <= 1:
+        return [lo.compile() for lo in lowered]
+    workers = max_workers or min(len(lowered), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda lo: lo.compile(), lowered))
 
 
 @dataclasses.dataclass
@@ -154,6 +177,10 @@ class _Builder:
         self.avail: dict[tuple, int] = {}
         self.const_slots: list[tuple[int, Any]] = []
         self.protected: set[int] = set()
+        self.slot_aval: dict[int, jax.ShapeDtypeStruct] = {}
+        self.pending: list[tuple[int, int]] = []  # (task index, program index)
+        self.lowered: dict[tuple, tuple[int, Any]] = {}  # (program id, input types) -> (index, lowered)
+        self._keep_alive: list = []  # keeps program ids unique while building
 
     # -- slots and tasks ---------------------------------------------------------------------
     def new_slot(self) -> int:
@@ -161,15 +188,42 @@ class _Builder:
         return self.num_slots - 1
 
     def emit(self, fn, ins, n_out, label) -> list[int]:
+        """Append a task; jitted programs are lowered now (to learn their outputs) and compiled later."""
+        in_avals = [self.slot_aval[i] for i in ins]
+        if hasattr(fn, "out_avals"):
+            out_avals = fn.out_avals(in_avals)
+        else:
+            key = (id(fn), tuple(in_avals))
+            if key not in self.lowered:
+                lowered = fn.lower(*in_avals)
+                self.lowered[key] = (len(self.lowered), lowered)
+                self._keep_alive.append(fn)
+            index, lowered = self.lowered[key]
+            out_avals = jax.tree.leaves(lowered.out_info)
+            assert all(a.sharding is not None for a in out_avals), f"{label}: every output needs a sharding"
+            self.pending.append((len(self.tasks), index))
+        assert len(out_avals) == n_out, (label, len(out_avals), n_out)
         outs = [self.new_slot() for _ in range(n_out)]
+        for o, a in zip(outs, out_avals):
+            self.slot_aval[o] = a
         self.tasks.append(Task(fn, tuple(ins), tuple(outs), label))
         return outs
 
     def const(self, value) -> int:
         s = self.new_slot()
         self.const_slots.append((s, value))
+        self.slot_aval[s] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
         self.protected.add(s)
         return s
+
+    def compile(self) -> None:
+        """Compile each distinct (program, input types) once, concurrently, and point the tasks at it."""
+        programs = sorted(self.lowered.values(), key=lambda x: x[0])
+        compiled = _compile_all([lo for _, lo in programs])
+        for t, index in self.pending:
+            self.tasks[t] = dataclasses.replace(self.tasks[t], fn=compiled[index])
+        self.num_programs = len(compiled)
+        self.pending = []
 
     # -- the forward split ----------------------------------------------------------------------
     def analyse(self):
@@ -264,7 +318,7 @@ class _Builder:
             return
         const_ins = [v for v in ins if v in self.outer_consts]
         ins = [v for v in ins if v not in self.outer_consts]
-        sub = jex_core.Jaxpr(const_ins, ins, outs, eqns, self.jaxpr.effects)
+        sub = _compat.new_jaxpr(const_ins, ins, outs, eqns, self.jaxpr.effects, label)
         consts = [self.outer_consts[v] for v in const_ins]
         rep = self.meshes.replicated[loc]
         fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
@@ -295,6 +349,8 @@ class _Builder:
         pl = self.placement
         # Step inputs: one slot per user leaf, placed at home at the start of every step.
         self.input_slot = [self.new_slot() for _ in jaxpr.invars]
+        for slot, v in zip(self.input_slot, jaxpr.invars):
+            self.slot_aval[slot] = _sds(v.aval, None)
         self.placed_input = {}
         for k, v in enumerate(jaxpr.invars):
             homes = pl.input_homes.get(k)
@@ -366,6 +422,7 @@ class _Builder:
                 late.append(lambda env, slot=slot: env[slot])
                 self.output_slots.add(slot)
         self.insert_frees()
+        self.compile()
         return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, (early, late),
                           self.traced.out_tree, self.describe())
 
@@ -395,7 +452,8 @@ class _Builder:
             act_ct_sh = [meshes.batch_sharding(s, v.aval.shape)
                          for v, p, d in zip(g.inputs, is_param, g.diff_inputs) if d and not p]
             progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
-                                       out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh))
+                                       out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
+                                       residual_sharding=functools.partial(meshes.batch_sharding, s)))
         self.progs = progs
 
         # Per-step inputs of each stage that do not change across microbatches.

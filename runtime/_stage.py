@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from autopp import _compat
+
 Literal = jex_core.Literal
 
 
@@ -94,7 +96,8 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
             if v not in defined[s] and v not in ins and v not in const_of:
                 ins.append(v)
         consts_used = [v for v in used[s] if v in const_of]
-        sub = jex_core.Jaxpr(consts_used, ins, outs, [jaxpr.eqns[i] for i in stage_eqns[s]], jaxpr.effects)
+        sub = _compat.new_jaxpr(consts_used, ins, outs, [jaxpr.eqns[i] for i in stage_eqns[s]], jaxpr.effects,
+                                f"stage {s}")
         graphs.append(StageGraph(
             index=s,
             jaxpr=sub,
@@ -120,7 +123,7 @@ class StagePrograms:
     """
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
-                 in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings):
+                 in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding):
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -171,8 +174,8 @@ class StagePrograms:
         self.num_kept = len(kept)
         self.forwarded_inputs = sorted({i for kind, i in self.residual_source if kind == "input"})
         fwd_jaxpr = jex_core.ClosedJaxpr(
-            jex_core.Jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars[:n_out] + kept,
-                           traced.jaxpr.eqns, traced.jaxpr.effects),
+            _compat.new_jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars[:n_out] + kept,
+                              traced.jaxpr.eqns, traced.jaxpr.effects, f"stage {g.index} forward"),
             traced.consts,
         )
 
@@ -214,11 +217,9 @@ class StagePrograms:
             return (*outs, *new_acc, *[by_input[i] for i in act_idx])
 
         self.can_fuse = all(s is not None for s in seeds)
-        n_kept_fwd = n_out + num_kept
-        res_shardings = None  # residual layouts are XLA's choice
+        res_shardings = tuple(residual_sharding(r.aval.shape) for r in kept)
         self.fwd = jax.jit(fwd, in_shardings=tuple(in_shardings),
-                           out_shardings=tuple(out_shardings_fwd) + (res_shardings,) * num_kept
-                           if n_kept_fwd else None)
+                           out_shardings=tuple(out_shardings_fwd) + res_shardings)
         acc_shardings = tuple(grad_shardings)
         act_ct = tuple(act_ct_shardings)
         n_bwd_in = num_kept + len(forwarded) + n_ct + len(param_idx)

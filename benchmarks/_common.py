@@ -1,0 +1,54 @@
+"""Baselines and timing helpers shared by the benchmark suites."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import autopp
+
+
+def train_step_fn(model, tx):
+    def train_step(params, opt_state, batch):
+        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+def scan_accumulation_step(model, tx, num_microbatches: int):
+    """Plain-JAX gradient accumulation: the batch as microbatches under lax.scan, one jitted program."""
+
+    def train_step(params, opt_state, batch):
+        mbs = jax.tree.map(lambda x: x.reshape((num_microbatches, -1) + x.shape[1:]), batch)
+
+        def body(carry, mb):
+            loss_sum, grad_sum = carry
+            loss, grads = jax.value_and_grad(model.loss)(params, mb)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+        grads = jax.tree.map(lambda g: g / num_microbatches, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss / num_microbatches
+
+    return train_step
+
+
+def interleaved_medians(fns: dict, state: dict, batch, rounds: int) -> dict[str, float]:
+    """Median wall time of one step of each function, alternating them round by round (noise hits all)."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            out = fn(*state[name], batch)
+            jax.block_until_ready(out)
+            times[name].append(time.perf_counter() - t)
+            state[name] = out[:-1]
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -1,0 +1,47 @@
+"""Step time of autopp against plain jax.jit with the same microbatching (lax.scan accumulation).
+
+Run: ``pytest benchmarks/bench_step.py -s`` (prints the ratio table; pytest-benchmark's own table times
+the autopp step).
+"""
+
+import jax
+import optax
+import pytest
+
+import autopp
+from autopp.models import GPT, GPTConfig
+from benchmarks._common import interleaved_medians, scan_accumulation_step, train_step_fn
+
+CONFIG = GPTConfig(layers=4, hidden=256, heads=8, seq=128, vocab=1024)
+BATCH, MICROBATCHES, ROUNDS = 16, 4, 15
+
+
+@pytest.mark.parametrize("num_stages", [1, 4])
+def test_step_time_vs_plain_jit(benchmark, num_stages):
+    model = GPT(CONFIG)
+    tx = optax.adamw(1e-4)
+    params = model.init(jax.random.key(0))
+    opt_state = tx.init(params)
+    batch = model.batch(jax.random.key(1), BATCH)
+    devices = jax.devices()[:num_stages]
+    pipelined = autopp.parallelize(train_step_fn(model, tx), num_stages=num_stages,
+                                   num_microbatches=MICROBATCHES, schedule="1f1b", devices=devices)
+    plain = jax.jit(scan_accumulation_step(model, tx, MICROBATCHES))
+    state = {"autopp": (params, opt_state), "plain": jax.device_put((params, opt_state), devices[0])}
+    fns = {"autopp": pipelined, "plain": plain}
+    interleaved_medians(fns, state, batch, rounds=2)  # compile and warm up
+    med = interleaved_medians(fns, state, batch, rounds=ROUNDS)
+    ratio = med["autopp"] / med["plain"]
+    benchmark.extra_info.update(plain_ms=med["plain"] * 1e3, autopp_ms=med["autopp"] * 1e3, ratio=ratio)
+    print(f"\n[step] GPT {CONFIG.to_dict()} batch {BATCH}, {MICROBATCHES} microbatches, {num_stages} stage(s) on "
+          f"{num_stages} CPU device(s): plain jit {med['plain'] * 1e3:.1f} ms, autopp {med['autopp'] * 1e3:.1f} ms, "
+          f"ratio {ratio:.3f}")
+
+    p_state = [state["autopp"]]
+
+    def one_step():
+        out = pipelined(*p_state[0], batch)
+        jax.block_until_ready(out)
+        p_state[0] = out[:-1]
+
+    benchmark.pedantic(one_step, rounds=5, iterations=1)

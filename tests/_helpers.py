@@ -1,0 +1,57 @@
+"""Shared pieces of the tests: zoo steps and comparison against plain jax.jit."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+import autopp
+from autopp.models import GPT, MLP, GPTConfig, MLPConfig
+
+# Adam's update g / (|g| + eps) turns fp32 summation-order noise in gradient components that are exactly
+# zero in exact arithmetic (e.g. the key bias: softmax ignores a constant shift) into O(lr) parameter
+# changes. eps = 1e-4 bounds |d update / d g| by 1/eps, so the comparison below tests the pipeline, not
+# Adam's conditioning.
+def make_optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-4))
+
+
+def tiny_gpt() -> GPT:
+    return GPT(GPTConfig(layers=4, hidden=32, heads=4, seq=16, vocab=64))
+
+
+def tiny_mlp() -> MLP:
+    return MLP(MLPConfig(sizes=(16, 32, 32, 32, 32, 32, 32, 32, 8)))
+
+
+def make_step(model, tx):
+    def train_step(params, opt_state, batch):
+        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+def run_steps(step, state, batch, n=3):
+    losses = []
+    for _ in range(n):
+        *state, loss = step(*state, batch)
+        losses.append(loss)
+    return tuple(state), losses
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-7):
+    """Leaf-by-leaf allclose; the message names the failing pytree paths."""
+    la, ta = jax.tree_util.tree_flatten_with_path(actual)
+    le, te = jax.tree_util.tree_flatten_with_path(expected)
+    assert ta == te, f"tree structures differ:\n{ta}\n{te}"
+    failures = []
+    for (path, a), (_, e) in zip(la, le):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype, (jax.tree_util.keystr(path), a.shape, e.shape)
+        if not np.allclose(a, e, rtol=rtol, atol=atol):
+            err = np.max(np.abs(a - e) - rtol * np.abs(e))
+            failures.append(f"{jax.tree_util.keystr(path)}: max excess error {err:.3g}")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,113 @@
+"""Bad input to autopp.parallelize: a ValueError/TypeError that names the offending value and the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopp
+from tests._helpers import make_optimizer, make_step, tiny_mlp
+
+
+@pytest.fixture(scope="module")
+def mlp_setup():
+    model = tiny_mlp()
+    tx = make_optimizer()
+    params = model.init(jax.random.key(0))
+    return model, make_step(model, tx), (params, tx.init(params)), model.batch(jax.random.key(1), 16)
+
+
+def test_step_without_autopp_grad(mlp_setup):
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        return jax.grad(model.loss)(params, batch)
+
+    with pytest.raises(ValueError, match=r"(?s)no gradient with autopp.grad.*Replace jax.grad"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_batch_not_divisible(mlp_setup):
+    model, step, state, batch = mlp_setup
+    with pytest.raises(ValueError, match=r"(?s)num_microbatches=3.*args\[2\]\['x'\]: leading dimension 16.*e\.g\. 2"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=3, devices=jax.devices()[:2])(*state, batch)
+
+
+def test_more_stages_than_devices(mlp_setup):
+    _, step, _, _ = mlp_setup
+    with pytest.raises(ValueError, match=r"(?s)num_stages=4 needs at least 4 devices, but 2 were given"):
+        autopp.parallelize(step, num_stages=4, devices=jax.devices()[:2])
+
+
+def test_uneven_devices(mlp_setup):
+    _, step, _, _ = mlp_setup
+    with pytest.raises(ValueError, match=r"(?s)8 devices cannot be split evenly into 3 stages"):
+        autopp.parallelize(step, num_stages=3, devices=jax.devices())
+
+
+def test_unknown_schedule_lists_valid_names(mlp_setup):
+    _, step, _, _ = mlp_setup
+    with pytest.raises(ValueError, match=r"(?s)unknown schedule 'pipedream'.*gpipe.*1f1b"):
+        autopp.parallelize(step, num_stages=2, schedule="pipedream", devices=jax.devices()[:2])
+
+
+@pytest.mark.parametrize("name", ["num_stages", "num_microbatches"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_non_positive_counts(mlp_setup, name, value):
+    _, step, _, _ = mlp_setup
+    with pytest.raises(ValueError, match=rf"(?s){name} must be a positive int, got {value}"):
+        autopp.parallelize(step, **{name: value})
+
+
+def test_non_int_counts(mlp_setup):
+    _, step, _, _ = mlp_setup
+    with pytest.raises(TypeError, match=r"(?s)num_stages must be a positive int, got 2.5"):
+        autopp.parallelize(step, num_stages=2.5)
+
+
+def test_batch_leaf_not_an_array(mlp_setup):
+    _, step, state, batch = mlp_setup
+    bad = dict(batch, y=[[0.0] * 8] * 16)
+    with pytest.raises(TypeError, match=r"(?s)args\[2\]\['y'\]\[0\]\[0\]: float.*and 120 more.*jnp.asarray"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(*state, bad)
+
+
+def test_unknown_loss_reduction(mlp_setup):
+    _, step, _, _ = mlp_setup
+    with pytest.raises(ValueError, match=r"(?s)loss_reduction='avg' is not one of \('mean', 'sum'\)"):
+        autopp.parallelize(step, loss_reduction="avg")
+
+
+def test_two_gradients_rejected(mlp_setup):
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        return autopp.grad(model.loss)(params, batch), autopp.grad(model.loss)(params, batch)
+
+    with pytest.raises(ValueError, match=r"(?s)takes 2 gradients with autopp.grad; exactly one is supported"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_grad_of_integer_input_is_type_error(mlp_setup):
+    def step(n, batch):
+        return autopp.grad(lambda n, b: jnp.sum(b) * n)(n, batch)
+
+    with pytest.raises(TypeError, match=r"(?s)int32.*allow_int=True"):
+        autopp.parallelize(step, num_stages=1, devices=jax.devices()[:1])(jnp.int32(2), jnp.ones((4, 2)))
+
+
+def test_batch_reduced_before_loss_is_rejected(mlp_setup):
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        mean_x = jnp.mean(batch["x"], axis=0)  # reduces over the batch: cannot be microbatched
+        return autopp.grad(lambda p, m, b: model.loss(p, b) + jnp.sum(m) * 0)(params, mean_x, batch)
+
+    with pytest.raises(ValueError, match=r"(?s)do not scale with the batch|cannot be split into microbatches"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_keyword_arguments_rejected(mlp_setup):
+    _, step, state, batch = mlp_setup
+    with pytest.raises(TypeError, match=r"(?s)positionally.*batch"):
+        autopp.parallelize(step, num_stages=1, devices=jax.devices()[:1])(*state, batch=batch)

@@ -1,0 +1,190 @@
+"""autopp.parallelize against plain jax.jit of the same step (no microbatching)."""
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopp
+from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt, tiny_mlp
+
+MODELS = {"mlp": (tiny_mlp, 16), "gpt": (tiny_gpt, 8)}
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name):
+    factory, batch_size = MODELS[name]
+    model = factory()
+    tx = make_optimizer()
+    params = model.init(jax.random.key(0))
+    state = (params, tx.init(params))
+    batch = model.batch(jax.random.key(1), batch_size)
+    step = make_step(model, tx)
+    expected = run_steps(jax.jit(step), state, batch)
+    return model, step, state, batch, expected
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_microbatches", [1, 4, 8])
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_matches_plain_jit(model_name, num_stages, num_microbatches, schedule):
+    model, step, state, batch, (expected_state, expected_losses) = _setup(model_name)
+    pstep = autopp.parallelize(step, num_stages=num_stages, num_microbatches=num_microbatches,
+                               schedule=schedule, devices=jax.devices()[:num_stages])
+    got_state, got_losses = run_steps(pstep, state, batch)
+    assert_trees_close(got_losses, expected_losses)
+    assert_trees_close(got_state, expected_state)
+    plan = pstep.plan_for(*state, batch)
+    assert plan.num_stages == num_stages and plan.num_microbatches == num_microbatches
+
+
+def test_tied_embedding_is_shared_and_summed():
+    model, step, state, batch, (expected_state, _) = _setup("gpt")
+    pstep = autopp.parallelize(step, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])
+    exe = pstep.executable_for(*state, batch)
+    labels = exe.description
+    # wte lives on stage 0 and is sent to the last stage each step; its gradient comes back and is summed.
+    assert any("put shared parameter" in l and "wte" in l for l in labels), labels
+    assert any("sum shared grad" in l and "wte" in l for l in labels), labels
+    got_state, _ = run_steps(pstep, state, batch)
+    assert_trees_close(got_state, expected_state)
+    assert got_state[0]["wte"].sharding.device_set == {jax.devices()[0]}
+
+
+def test_gradients_and_aux_match_jax():
+    """has_aux, argnums over two arguments, a dict batch, and returning grads and aux directly."""
+    model = tiny_gpt()
+    params = model.init(jax.random.key(0))
+    head = {"scale": jnp.full((), 0.5)}
+    batch = model.batch(jax.random.key(2), 8)
+
+    def loss_fn(params, head, batch):
+        logits = model.apply(params, batch["tokens"]) * head["scale"]
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+        acc = (logits.argmax(-1) == batch["targets"]).mean()
+        return nll, {"accuracy": acc, "logit_mean": logits.mean()}
+
+    def step(params, head, batch, grad_fn):
+        (loss, aux), grads = grad_fn(loss_fn, argnums=(0, 1), has_aux=True)(params, head, batch)
+        return loss, aux, grads
+
+    expected = jax.jit(lambda p, h, b: step(p, h, b, jax.value_and_grad))(params, head, batch)
+    pstep = autopp.parallelize(lambda p, h, b: step(p, h, b, autopp.value_and_grad), num_stages=4,
+                               num_microbatches=4, devices=jax.devices()[:4])
+    got = pstep(params, head, batch)
+    assert_trees_close(got, expected, atol=1e-6)
+
+
+def test_grad_with_aux_and_sum_reduction():
+    model = tiny_mlp()
+    params = model.init(jax.random.key(0))
+    batch = model.batch(jax.random.key(1), 16)
+
+    def loss_fn(params, batch):
+        err = model.apply(params, batch["x"]) - batch["y"]
+        return jnp.sum(err ** 2), jnp.sum(jnp.abs(err))
+
+    def step(params, batch, grad_fn):
+        grads, aux = grad_fn(loss_fn, has_aux=True)(params, batch)
+        return grads, aux
+
+    expected = jax.jit(lambda p, b: step(p, b, jax.grad))(params, batch)
+    pstep = autopp.parallelize(lambda p, b: step(p, b, autopp.grad), num_stages=2, num_microbatches=4,
+                               loss_reduction="sum", devices=jax.devices()[:2])
+    assert_trees_close(pstep(params, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_is_jax_grad_outside_parallelize():
+    f = lambda x, y: jnp.sum(jnp.sin(x) * y) ** 2
+    x, y = jnp.arange(3.0), jnp.ones(3)
+    for argnums in (0, 1, (0, 1)):
+        np.testing.assert_array_equal(autopp.grad(f, argnums)(x, y), jax.grad(f, argnums)(x, y))
+        a, b = autopp.value_and_grad(f, argnums)(x, y), jax.value_and_grad(f, argnums)(x, y)
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+    g = lambda x: (jnp.sum(x ** 2), x * 2)
+    jax.tree.map(np.testing.assert_array_equal, autopp.grad(g, has_aux=True)(x), jax.grad(g, has_aux=True)(x))
+    jax.tree.map(np.testing.assert_array_equal, jax.jit(autopp.grad(f))(x, y), jax.grad(f)(x, y))
+
+
+def test_decorator_forms_keep_signature():
+    model = tiny_mlp()
+    tx = make_optimizer()
+    step = make_step(model, tx)
+    bare = autopp.parallelize(step)
+    with_kw = autopp.parallelize(num_stages=2, devices=jax.devices()[:2])(step)
+    assert inspect.signature(bare) == inspect.signature(step)
+    assert inspect.signature(with_kw) == inspect.signature(step)
+    assert bare.__name__ == step.__name__ == "train_step"
+
+    @autopp.parallelize
+    def decorated(params, batch):
+        return autopp.grad(model.loss)(params, batch)
+
+    params = model.init(jax.random.key(0))
+    batch = model.batch(jax.random.key(1), 16)
+    assert_trees_close(decorated(params, batch), jax.jit(jax.grad(model.loss))(params, batch), atol=1e-6)
+
+
+def test_pytree_structure_and_placement_of_results():
+    model, step, state, batch, _ = _setup("mlp")
+    pstep = autopp.parallelize(step, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])
+    out = pstep(*state, batch)
+    assert jax.tree.structure(out) == jax.tree.structure(jax.eval_shape(step, *state, batch))
+    # Each layer's parameters stay on the stage that computes that layer: several stages hold parameters.
+    devices = {next(iter(leaf.sharding.device_set)) for leaf in jax.tree.leaves(out[0])}
+    assert len(devices) >= 3
+    # Feeding the results back moves no parameter or optimizer state: placement returns the same arrays.
+    exe = pstep.executable_for(*state, batch)
+    env_inputs = jax.tree.leaves(out[:2])
+    place_tasks = [t for t in exe.tasks if t.label.startswith("place")]
+    assert place_tasks
+    leaf_of_slot = dict(zip(exe.input_slots, jax.tree.leaves((*out[:2], batch))))
+    for t in place_tasks:
+        x = leaf_of_slot[t.ins[0]]
+        assert t.fn(x)[0] is x, t.label
+    assert len(env_inputs) > 0
+
+
+def test_no_recompilation_on_second_call():
+    model, step, state, batch, _ = _setup("gpt")
+    pstep = autopp.parallelize(step, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])
+    out = pstep(*state, batch)
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event or "trace" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = pstep(*out[:2], batch)
+        out = pstep(*out[:2], batch)
+        jax.block_until_ready(out)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
+def test_global_norm_clipping_crosses_stages():
+    """clip_by_global_norm needs the norm over all stages' gradients: a tight threshold makes it bind."""
+    model = tiny_mlp()
+    tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+    params = model.init(jax.random.key(0))
+    state = (params, tx.init(params))
+    batch = model.batch(jax.random.key(1), 16)
+
+    def step(params, opt_state, batch):
+        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+    expected = jax.jit(step)(*state, batch)
+    got = autopp.parallelize(step, num_stages=4, num_microbatches=2, devices=jax.devices()[:4])(*state, batch)
+    assert float(expected[2]) > 1e-2  # the clip is active
+    assert_trees_close(got, expected, atol=1e-7)
