@@ -331,6 +331,8 @@ class _Builder:
     # -- the whole step -------------------------------------------------------------------------
     def build(self) -> Executable:
         self.analyse()
+        if self.S == 1:
+            return self.build_single_program()
         S, M, spec, grad, fwd = self.S, self.M, self.spec, self.grad, self.fwd
         jaxpr = self.jaxpr
         self.invar_index = {v: k for k, v in enumerate(jaxpr.invars)}
@@ -459,6 +461,7 @@ class _Builder:
         # Per-step inputs of each stage that do not change across microbatches.
         static_in: dict[tuple[int, int], int] = {}  # (stage, input position) -> slot
         mb_slots: dict[tuple[int, int, int], int] = {}  # (stage, input position, microbatch) -> slot
+        mb_inputs: dict[int, tuple[list[int], list[int]]] = {}  # stage -> (input positions, full-batch slots)
         for g in self.graphs:
             s = g.index
             mb_positions = []
@@ -481,17 +484,21 @@ class _Builder:
                     static_in[(s, pos)] = self.need(outer_v, s)
             if mb_positions:
                 full = [self.need(grad.invars[self.invar_pos[g.inputs[p]]], s) for p in mb_positions]
-                shapes = [g.inputs[p].aval.shape for p in mb_positions]
-                out_sh = [meshes.batch_sharding(s, sh) for sh in shapes for _ in range(M)]
+                mb_inputs[s] = (mb_positions, full)
 
-                def split(*xs, M=M):
-                    return tuple(x.reshape((M, x.shape[0] // M) + x.shape[1:])[m] for x in xs for m in range(M))
+        for s, (mb_positions, full) in mb_inputs.items():
+            g = self.graphs[s]
+            shapes = [g.inputs[p].aval.shape for p in mb_positions]
+            out_sh = [meshes.batch_sharding(s, sh) for sh in shapes for _ in range(M)]
 
-                fn = jax.jit(split, out_shardings=tuple(out_sh))
-                outs = self.emit(fn, full, len(mb_positions) * M, f"split microbatches stage {s}")
-                for j, p in enumerate(mb_positions):
-                    for m in range(M):
-                        mb_slots[(s, p, m)] = outs[j * M + m]
+            def split(*xs, M=M):
+                return tuple(x.reshape((M, x.shape[0] // M) + x.shape[1:])[m] for x in xs for m in range(M))
+
+            fn = jax.jit(split, out_shardings=tuple(out_sh))
+            outs = self.emit(fn, full, len(mb_positions) * M, f"split microbatches stage {s}")
+            for j, p in enumerate(mb_positions):
+                for m in range(M):
+                    mb_slots[(s, p, m)] = outs[j * M + m]
 
         # Gradient accumulators start at zero.
         acc: dict[int, list[int]] = {}
@@ -613,14 +620,13 @@ class _Builder:
                     "schedule of F and B actions (gpipe, 1f1b)."
                 )
 
+        reduced = {}
         # Loss and aux: reduce the per-microbatch values on the stage that produced them.
         for k in range(1 + spec.num_aux):
             a = fwd.outvars[k]
             s = self.out_stage[k]
-            outer = grad.outvars[k]
             if isinstance(a, Literal):
-                self.avail[(outer, s)] = self.const(jax.device_put(jnp.asarray(a.val, a.aval.dtype),
-                                                                   meshes.replicated[s]))
+                reduced[k] = self.const(jax.device_put(jnp.asarray(a.val, a.aval.dtype), meshes.replicated[s]))
                 continue
             parts = out_parts[k]
             assert len(parts) == M, (k, len(parts))
@@ -628,8 +634,15 @@ class _Builder:
             fn = jax.jit(lambda *xs, mean=mean: (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
                          out_shardings=(meshes.replicated[s],))
             (sl,) = self.emit(fn, parts, 1, f"reduce {'loss' if k == 0 else f'aux {k - 1}'} stage {s}")
-            self.avail[(outer, s)] = sl
+            reduced[k] = sl
 
+        self.finish_pipeline(reduced, acc)
+
+    def finish_pipeline(self, reduced: dict[int, int], acc: dict[int, list[int]]) -> None:
+        """Publish the loss, aux and gradients (summing shared parameters' contributions on their owner)."""
+        spec, grad, fwd, meshes, progs = self.spec, self.grad, self.fwd, self.meshes, self.progs
+        for k, slot in reduced.items():
+            self.avail[(grad.outvars[k], self.out_stage[k])] = slot
         # Gradients: each on its owner, contributions of other stages (shared parameters) added.
         for j, k in enumerate(spec.diff_indices):
             outer = grad.outvars[1 + spec.num_aux + j]
@@ -652,6 +665,61 @@ class _Builder:
                 contrib = self.emit(_sum_program(len(contrib), meshes.replicated[o]), contrib, 1,
                                     f"sum shared grad {self._invar_name(k)}")
             self.avail[(outer, o)] = contrib[0]
+
+    def build_single_program(self) -> Executable:
+        """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it.
+
+        This is exactly gradient accumulation as one would write it by hand, so a one-stage plan costs
+        what plain ``jax.jit`` with microbatching costs.
+        """
+        M, spec, jaxpr, fwd = self.M, self.spec, self.jaxpr, self.forward
+        mean = self.config.loss_reduction == "mean"
+        mb_mask, diff_idx = self.mb_invar, spec.diff_indices
+        rep = self.meshes.replicated[0]
+
+        def accumulate(*invals):
+            stacked = [x.reshape((M, x.shape[0] // M) + x.shape[1:]) for x, mb in zip(invals, mb_mask) if mb]
+
+            def body(carry, mbs):
+                it = iter(mbs)
+                vals = [next(it) if mb else x for x, mb in zip(invals, mb_mask)]
+
+                def loss_of(diff_vals):
+                    v = list(vals)
+                    for i, d in zip(diff_idx, diff_vals):
+                        v[i] = d
+                    outs = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
+                    return outs[0], outs[1:]
+
+                (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
+                return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                 ([fwd.out_avals[0]], list(fwd.out_avals[1:]), [invals[i].aval for i in diff_idx]))
+            (loss, aux, grads), _ = jax.lax.scan(body, (zeros[0][0], zeros[1], zeros[2]), stacked)
+            outs = [loss, *aux, *grads]
+            return [o / M for o in outs] if mean else outs
+
+        def whole(*flat):
+            return tuple(_eval_with_grad_rule(jaxpr, self.traced.jaxpr.consts, flat, self.traced.grad_index,
+                                              accumulate))
+
+        in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b else rep
+                 for v, b in zip(jaxpr.invars, self.traced.batch_mask)]
+        fn = jax.jit(whole, in_shardings=tuple(in_sh), out_shardings=(rep,) * len(jaxpr.outvars))
+        self.input_slot = [self.new_slot() for _ in jaxpr.invars]
+        placed = []
+        for slot, v, sh, k in zip(self.input_slot, jaxpr.invars, in_sh, range(len(in_sh))):
+            self.slot_aval[slot] = _sds(v.aval, None)
+            (p,) = self.emit(_place(sh), [slot], 1, f"place {self.traced.leaf_paths[k]} on stage 0")
+            placed.append(p)
+        outs = self.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update")
+        self.output_slots = set(outs)
+        late = [lambda env, slot=slot: env[slot] for slot in outs]
+        self.insert_frees()
+        self.compile()
+        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, ([], late),
+                          self.traced.out_tree, self.describe())
 
     _seed_cache: dict
 
@@ -678,6 +746,26 @@ class _Builder:
 
     def describe(self) -> list[str]:
         return [t.label for t in self.tasks]
+
+
+def _eval_with_grad_rule(jaxpr, consts, args, grad_index, grad_rule):
+    """Evaluate the step's jaxpr, computing its gradient equation with ``grad_rule(*invals)``."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(a):
+        return a.val if isinstance(a, Literal) else env[a]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [read(a) for a in eqn.invars]
+        if i == grad_index:
+            outs = grad_rule(*invals)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(a) for a in jaxpr.outvars]
 
 
 def _sum_program(n, sharding):
