@@ -28,7 +28,7 @@ class StagePlan:
     param_bytes: int
     """Bytes of the parameters this stage owns."""
     cut_bytes_after: int
-    """Activation bytes sent to later stages per full batch (0 for the last stage)."""
+    """Activation bytes sent to later stages per microbatch (0 for the last stage)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -82,12 +82,12 @@ class Plan:
         lines = [
             f"pipeline: {self.num_stages} stage(s), {self.num_microbatches} microbatch(es), "
             f"schedule {self.schedule}, loss reduction {self.loss_reduction}",
-            f"{'stage':>5}  {'devices':<16} {'equations':>13}  {'GFLOP/mb':>9}  {'params MB':>9}  {'sends MB':>8}",
+            f"{'stage':>5}  {'devices':<16} {'equations':>13}  {'GFLOP/mb':>9}  {'params MB':>9}  {'sends MB/mb':>11}",
         ]
         for s in self.stages:
             eq = f"{s.equations[0]}-{s.equations[1]}"
             lines.append(
                 f"{s.index:>5}  {','.join(map(str, s.devices)):<16} {eq:>13}  {s.flops / 1e9:>9.4f}  "
-                f"{s.param_bytes / 1e6:>9.3f}  {s.cut_bytes_after / 1e6:>8.3f}"
+                f"{s.param_bytes / 1e6:>9.3f}  {s.cut_bytes_after / 1e6:>11.3f}"
             )
         return "\n".join(lines)

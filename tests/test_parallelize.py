@@ -188,3 +188,16 @@ def test_global_norm_clipping_crosses_stages():
     got = autopp.parallelize(step, num_stages=4, num_microbatches=2, devices=jax.devices()[:4])(*state, batch)
     assert float(expected[2]) > 1e-2  # the clip is active
     assert_trees_close(got, expected, atol=1e-7)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_data_parallel_inside_stages(model_name):
+    """8 devices, 4 stages: each stage is a 2-device sub-mesh with the microbatch split over its data axis."""
+    model, step, state, batch, (expected_state, expected_losses) = _setup(model_name)
+    pstep = autopp.parallelize(step, num_stages=4, num_microbatches=2, devices=jax.devices())
+    got_state, got_losses = run_steps(pstep, state, batch)
+    assert_trees_close(got_losses, expected_losses)
+    assert_trees_close(got_state, expected_state)
+    plan = pstep.plan_for(*state, batch)
+    assert [s.devices for s in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert all(len(leaf.sharding.device_set) == 2 for leaf in jax.tree.leaves(got_state[0]))
