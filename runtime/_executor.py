@@ -148,15 +148,13 @@ class Executable:
             env[slot] = value
         for slot, value in zip(self.input_slots, flat_args):
             env[slot] = value
-        outs = [fn(env) for fn in self.output_fns[0]]  # outputs that are step inputs
         for fn, ins, outs_slots, frees in self._plain:
             res = fn(*[env[i] for i in ins])
             for o, r in zip(outs_slots, res):
                 env[o] = r
             for f in frees:
                 env[f] = None
-        flat = [fn(env) for fn in self.output_fns[1]]
-        return flat
+        return [fn(env) for fn in self.output_fns]
 
 
 class _Builder:
@@ -178,6 +176,7 @@ class _Builder:
         self.const_slots: list[tuple[int, Any]] = []
         self.protected: set[int] = set()
         self.slot_aval: dict[int, jax.ShapeDtypeStruct] = {}
+        self._seed_cache: dict[tuple, int] = {}
         self.pending: list[tuple[int, int]] = []  # (task index, program index)
         self.lowered: dict[tuple, tuple[int, Any]] = {}  # (program id, input types) -> (index, lowered)
         self._keep_alive: list = []  # keeps program ids unique while building
@@ -401,31 +400,31 @@ class _Builder:
             self.outer_program(sorted(post[key]), loc, f"post phase {ph} stage {loc}", consumers_outside)
 
         # Outputs.
-        early, late = [], []
+        outputs = []
         self.output_slots = set()
         for a, locs in zip(jaxpr.outvars, pl.out_locs):
             if isinstance(a, Literal):
                 val = jnp.asarray(a.val, dtype=a.aval.dtype)
-                late.append(lambda env, val=val: val)
+                outputs.append(lambda env, val=val: val)
             elif a in self.invar_index and (self.traced.batch_mask[self.invar_index[a]] or not locs):
                 k = self.invar_index[a]
                 slot = self.input_slot[k]
-                late.append(lambda env, slot=slot: env[slot])
+                outputs.append(lambda env, slot=slot: env[slot])
                 self.output_slots.add(slot)
             elif len(locs) == 1:
                 (loc,) = locs
                 slot = self.need(a, loc)
-                late.append(lambda env, slot=slot: env[slot])
+                outputs.append(lambda env, slot=slot: env[slot])
                 self.output_slots.add(slot)
             else:
                 parts = [self.need(a, loc) for loc in sorted(locs)]
                 (slot,) = self.emit(_assemble(self.meshes.multi(frozenset(locs)), a.aval.shape), parts, 1,
                                     f"assemble output {a}")
-                late.append(lambda env, slot=slot: env[slot])
+                outputs.append(lambda env, slot=slot: env[slot])
                 self.output_slots.add(slot)
         self.insert_frees()
         self.compile()
-        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, (early, late),
+        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, outputs,
                           self.traced.out_tree, self.describe())
 
     # -- the pipeline ---------------------------------------------------------------------------
@@ -715,16 +714,15 @@ class _Builder:
             placed.append(p)
         outs = self.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update")
         self.output_slots = set(outs)
-        late = [lambda env, slot=slot: env[slot] for slot in outs]
+        outputs = [lambda env, slot=slot: env[slot] for slot in outs]
         self.insert_frees()
         self.compile()
-        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, ([], late),
+        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, outputs,
                           self.traced.out_tree, self.describe())
 
-    _seed_cache: dict
-
     def seed_slot(self, s, aval, value) -> int:
-        cache = self.__dict__.setdefault("_seed_cache", {})
+        """A constant cotangent (the loss seed, or zeros) on stage ``s``, shared by all microbatches."""
+        cache = self._seed_cache
         key = (s, aval.shape, str(aval.dtype), value)
         if key not in cache:
             cache[key] = self.const(jax.device_put(jnp.full(aval.shape, value, aval.dtype), self.meshes.replicated[s]))
