@@ -84,6 +84,86 @@ def cmd_demo(args) -> int:
     return 0 if last < first else 1
 
 
+def _model_step(args):
+    """The zoo model named on the command line, its abstract training state and step (AdamW)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autopp
+    from autopp.models import GPT, MLP, GPTConfig, MLPConfig
+
+    if args.model == "gpt":
+        config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                           dtype=args.dtype)
+        model = GPT(config)
+        batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq), jnp.int32),
+                 "targets": jax.ShapeDtypeStruct((args.batch_size, args.seq), jnp.int32)}
+    else:
+        config = MLPConfig(sizes=tuple(args.sizes))
+        model = MLP(config)
+        batch = {"x": jax.ShapeDtypeStruct((args.batch_size, config.sizes[0]), jnp.float32),
+                 "y": jax.ShapeDtypeStruct((args.batch_size, config.sizes[-1]), jnp.float32)}
+    tx = optax.adamw(1e-4)
+    params = model.init_abstract()
+    opt_state = jax.eval_shape(tx.init, params)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return config, train_step, (params, opt_state, batch)
+
+
+def _add_model_flags(p) -> None:
+    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
+    p.add_argument("--layers", type=_positive, default=4)
+    p.add_argument("--hidden", type=_positive, default=256)
+    p.add_argument("--heads", type=_positive, default=8)
+    p.add_argument("--seq", type=_positive, default=128)
+    p.add_argument("--vocab", type=_positive, default=1024)
+    p.add_argument("--dtype", default="bfloat16", help="GPT parameter/activation dtype (default bfloat16)")
+    p.add_argument("--sizes", type=_positive, nargs="+", default=[64, 128, 128, 64, 8], help="MLP layer widths")
+    p.add_argument("--batch-size", type=_positive, default=1, help="global batch (default 1)")
+
+
+def cmd_profile(args) -> int:
+    import json
+
+    if args.measure:
+        _use_cpu_devices(1)
+    from autopp.profiler import Cluster, profile
+
+    cluster = Cluster.parse(args.cluster) if args.cluster else None
+    config, step, state = _model_step(args)
+    progress = None
+    if args.measure and not args.json and sys.stderr.isatty():
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        status = console.status("profiling")
+        status.start()
+        progress = status.update
+    t = time.perf_counter()
+    try:
+        prof = profile(step, *state, cluster=cluster, measure=args.measure, progress=progress)
+    finally:
+        if progress:
+            status.stop()
+    elapsed = time.perf_counter() - t
+    if args.json:
+        out = prof.to_dict()
+        out["model"] = config.to_dict()
+        out["profile_seconds"] = elapsed
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{args.model} {config.to_dict()}, batch {args.batch_size}")
+        print(prof.table())
+        print(f"profiled in {elapsed:.2f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="autopp", description="Automatic MPMD pipeline parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,10 +181,18 @@ def main(argv=None) -> int:
     demo.add_argument("--vocab", type=_positive, default=128)
     demo.add_argument("--learning-rate", type=float, default=3e-3)
     demo.set_defaults(func=cmd_demo)
+    prof = sub.add_parser("profile", help="per-layer FLOPs, time and memory of a zoo model's training step")
+    _add_model_flags(prof)
+    prof.add_argument("--cluster", default=None, help="target cluster, e.g. 128x8xH100 (default: local devices)")
+    prof.add_argument("--measure", action="store_true", help="compile and time each distinct layer locally")
+    prof.add_argument("--json", action="store_true", help="machine-readable output")
+    prof.set_defaults(func=cmd_profile)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:
+        if os.environ.get("AUTOPP_DEBUG"):
+            raise
         print(f"autopp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

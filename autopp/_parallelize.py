@@ -18,7 +18,7 @@ from autopp._trace import (
     trace_step,
 )
 from autopp.planner._plan import Plan, StagePlan
-from autopp.planner._split import StageSplit, split_stages
+from autopp.profiler._partition import StageSplit, split_stages
 from autopp.profiler._costs import aval_bytes
 from autopp.runtime._executor import Executable, build_executable
 from autopp.runtime._schedule import SCHEDULE_NAMES, Schedule, get_schedule, validate

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,12 +53,19 @@ class TracedStep:
                 dep.update(e.outvars)
         return tuple(not isinstance(a, jex_core.Literal) and a in dep for a in self.grad_eqn.invars)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A stable hash of the traced computation (shapes, dtypes and operations)."""
-        import hashlib
-
-        return hashlib.sha256(str(self.jaxpr).encode()).hexdigest()[:16]
+        """A stable hash of the traced computation: the step's and the loss's operations and types."""
+        h = hashlib.sha256()
+        for jaxpr in (self.jaxpr.jaxpr, self.spec.forward.jaxpr):
+            h.update(repr([v.aval.str_short() for v in jaxpr.invars]).encode())
+            for eqn in jaxpr.eqns:
+                h.update(eqn.primitive.name.encode())
+                h.update(repr([getattr(a, "aval", a) for a in eqn.invars]).encode())
+                h.update(repr([v.aval for v in eqn.outvars]).encode())
+                h.update(repr(sorted((k, v if isinstance(v, (int, float, str, tuple, type(None))) else type(v).__name__)
+                                     for k, v in eqn.params.items())).encode())
+        return h.hexdigest()[:16]
 
 
 def _inline_calls(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:

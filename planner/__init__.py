@@ -1,6 +1,5 @@
-"""Plans: stage split, microbatches, schedule (``autopp.planner``)."""
+"""Plans: stages, microbatches, schedule (``autopp.planner``)."""
 
 from autopp.planner._plan import Plan, StagePlan
-from autopp.planner._split import StageSplit, split_stages
 
-__all__ = ["Plan", "StagePlan", "StageSplit", "split_stages"]
+__all__ = ["Plan", "StagePlan"]

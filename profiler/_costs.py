@@ -157,3 +157,74 @@ def eqn_cost(eqn: jex_core.JaxprEqn) -> OpCost:
             stacklevel=3,
         )
     return OpCost(float(out_size), 0.0, io, out_bytes)
+
+
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _flatten_calls(jaxpr: jex_core.Jaxpr) -> list:
+    """The jaxpr's equations with plain calls (``jit``) replaced by their bodies, recursively."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("jit", "pjit", "closed_call", "core_call"):
+            body = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+            out.extend(_flatten_calls(body.jaxpr if isinstance(body, jex_core.ClosedJaxpr) else body))
+        else:
+            out.append(e)
+    return out
+
+
+def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
+    """The jaxpr as the kernels XLA would run, as ``(kind, cost)`` pairs.
+
+    ``"matmul"``: one dot/convolution. ``"fused"``: a run of other equations between matmuls, fused into
+    one kernel whose memory traffic is only what crosses its boundary (values read from outside the run,
+    values used after it). ``"loop"``: a control-flow equation (scan, while, cond) with its nested costs.
+    Plain calls (``jit``) are looked through.
+    """
+    eqns = _flatten_calls(jaxpr)
+    last_use: dict = {}
+    for i, e in enumerate(eqns):
+        for a in e.invars:
+            if not isinstance(a, jex_core.Literal):
+                last_use[a] = i
+    for a in jaxpr.outvars:
+        if not isinstance(a, jex_core.Literal):
+            last_use[a] = len(eqns)
+    kernels: list[tuple[str, OpCost]] = []
+    run: list[int] = []
+
+    def close_run():
+        if not run:
+            return
+        inside, read = set(), set()
+        flops = trans = 0.0
+        traffic = out_bytes = 0
+        for i in run:
+            c = eqn_cost(eqns[i])
+            flops += c.flops
+            trans += c.transcendentals
+            for a in eqns[i].invars:
+                if not isinstance(a, jex_core.Literal) and a not in inside and a not in read:
+                    read.add(a)
+                    traffic += aval_bytes(a.aval)
+            inside.update(eqns[i].outvars)
+        for i in run:
+            for v in eqns[i].outvars:
+                if last_use.get(v, -1) > run[-1]:
+                    traffic += aval_bytes(v.aval)
+                    out_bytes += aval_bytes(v.aval)
+        kernels.append(("fused", OpCost(flops, trans, float(traffic), float(out_bytes))))
+        run.clear()
+
+    for i, e in enumerate(eqns):
+        if e.primitive.name in MATMUL_PRIMITIVES:
+            close_run()
+            kernels.append(("matmul", eqn_cost(e)))
+        elif e.primitive.name in ("scan", "while", "cond"):
+            close_run()
+            kernels.append(("loop", eqn_cost(e)))
+        else:
+            run.append(i)
+    close_run()
+    return kernels

@@ -11,25 +11,13 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from autopp import _compat
+from autopp.profiler._partition import differentiable_vars
 
 Literal = jex_core.Literal
 
 
 def _is_var(a) -> bool:
     return not isinstance(a, Literal)
-
-
-def _is_float(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
-def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
-    """Variables that depend on a differentiated input (only those carry cotangents)."""
-    dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
-    for eqn in jaxpr.eqns:
-        if any(_is_var(a) and a in dep for a in eqn.invars):
-            dep.update(v for v in eqn.outvars if _is_float(v.aval))
-    return {v for v in dep if _is_float(v.aval)}
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Split a forward jaxpr into contiguous pipeline stages: balanced by cost, cut where few bytes cross."""
+"""Dataflow over a forward jaxpr, and its split into contiguous groups (layers or pipeline stages)
+balanced by cost and cut where few bytes cross."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from autopp.profiler._costs import aval_bytes, eqn_cost
@@ -40,6 +42,15 @@ def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) ->
         if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
             dep.update(eqn.outvars)
     return dep
+
+
+def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
+    """Float variables that depend on a differentiated input (only those carry cotangents)."""
+    dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
+            dep.update(v for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.inexact))
+    return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 
 
 def _min_bottleneck(costs: list[float], num_stages: int) -> float:

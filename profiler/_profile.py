@@ -1,0 +1,292 @@
+"""``autopp.profiler.profile``: a traced step's per-layer costs, memory and times for a cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import networkx as nx
+import numpy as np
+from jax.extend import core as jex_core
+
+from autopp._trace import TracedStep, normalize_batch_argnums, trace_step
+from autopp.profiler._cluster import Cluster
+from autopp.profiler._costs import aval_bytes, eqn_cost, jaxpr_cost, kernel_costs
+from autopp.profiler._graph import cost_graph, format_layer_table
+from autopp.profiler._layers import Layer, group_layers
+from autopp.profiler._measure import LayerMeasurement, ProfileCache, measure_layer, slice_jaxpr
+from autopp.profiler._optstate import optimizer_state_owners
+from autopp.profiler._partition import differentiable_vars
+from autopp.profiler._timemodel import KernelTimeModel
+
+Literal = jex_core.Literal
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """Costs, memory and time of one layer of the loss (per step, full batch)."""
+
+    index: int
+    """Position of the layer in the forward computation."""
+    name: str
+    """Readable name (``embed``, ``block 3``, ``head``, ...)."""
+    fingerprint: str
+    """Structural hash; identical blocks share it and are costed once."""
+    flops: float
+    """Forward FLOPs (transcendentals included)."""
+    backward_flops: float
+    """FLOPs of the layer's VJP (input and weight gradients)."""
+    param_bytes: int
+    """Bytes of the parameters the layer owns."""
+    grad_bytes: int
+    """Bytes of their gradients."""
+    optimizer_bytes: int
+    """Bytes of the optimizer state the step keeps for those parameters (read off the optax update)."""
+    activation_bytes: int
+    """Bytes the backward pass keeps from the forward (VJP residuals) without recomputation."""
+    recompute_activation_bytes: int
+    """Bytes kept with full recomputation: only the layer's inputs."""
+    output_bytes: int
+    """Bytes of activations the layer hands to later layers."""
+    forward_time_s: float
+    """Forward time on the cluster's device (roofline model, or measured when ``measure=True``)."""
+    backward_time_s: float
+    """Backward time on the cluster's device."""
+    measured: bool
+    """Whether the times were measured on the local device."""
+
+    @property
+    def time_s(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_time_s + self.backward_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["time_s"] = self.time_s
+        return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+    """The profile of one training step."""
+
+    layers: tuple[LayerProfile, ...]
+    """Layers of the loss, in forward order."""
+    graph: nx.DiGraph
+    """One node per layer (its costs), one edge per dependency with the bytes that cross it."""
+    cluster: Cluster
+    """The cluster the times are for."""
+    time_model: KernelTimeModel
+    """The kernel time model used (calibrated to local measurements when ``measure=True``)."""
+    total_flops: float
+    """FLOPs of the whole step: forward, backward and update."""
+    forward_flops: float
+    """FLOPs of the loss's forward pass."""
+    backward_flops: float
+    """FLOPs of the loss's backward pass."""
+    update_flops: float
+    """FLOPs outside the gradient (optimizer update, metrics, pre-processing)."""
+    param_bytes: int
+    """Bytes of all differentiated parameters."""
+    fingerprint: str
+    """Hash of the traced step."""
+
+    def table(self) -> str:
+        return format_profile_table(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster.to_dict(),
+            "time_model": self.time_model.to_dict(),
+            "total_flops": self.total_flops,
+            "forward_flops": self.forward_flops,
+            "backward_flops": self.backward_flops,
+            "update_flops": self.update_flops,
+            "param_bytes": self.param_bytes,
+            "fingerprint": self.fingerprint,
+            "layers": [l.to_dict() for l in self.layers],
+        }
+
+
+def _jaxpr_time(jaxpr: jex_core.Jaxpr, model: KernelTimeModel) -> float:
+    return model.time(kernel_costs(jaxpr))
+
+
+def _vjp_jaxpr(closed: jex_core.ClosedJaxpr, diff: Sequence[bool]) -> jex_core.ClosedJaxpr:
+    """Forward plus backward of a layer (cotangents for every float output)."""
+    avals = [v.aval for v in closed.jaxpr.invars]
+    idx = [i for i, d in enumerate(diff) if d]
+
+    def fwd_bwd(*xs):
+        def f(dv):
+            vals = list(xs)
+            for i, d in zip(idx, dv):
+                vals[i] = d
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
+
+        outs, vjp = jax.vjp(f, [xs[i] for i in idx])
+        cts = [jax.numpy.ones_like(o) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)
+               else np.zeros(o.shape, jax.dtypes.float0) for o in outs]
+        return outs, vjp(cts)
+
+    return jax.make_jaxpr(fwd_bwd)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+
+
+def layer_programs(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, tuple]:
+    """Per distinct layer fingerprint: (forward ClosedJaxpr, forward+backward ClosedJaxpr, differentiated
+    input mask, backward FLOPs). Identical blocks are analysed once."""
+    spec = traced.spec
+    forward = spec.forward
+    fwd = forward.jaxpr
+    users: dict = {}
+    for lay in layers:
+        for i in range(*lay.eqn_range):
+            for a in fwd.eqns[i].invars:
+                if not isinstance(a, Literal):
+                    users.setdefault(a, set()).add(lay.index)
+    outvar_set = set(a for a in fwd.outvars if not isinstance(a, Literal))
+    diffable = differentiable_vars(fwd, spec.diff_mask) | {v for v, d in zip(fwd.invars, spec.diff_mask) if d}
+    out = {}
+    for lay in layers:
+        if lay.fingerprint in out:
+            continue
+        closed, ins, _ = slice_jaxpr(
+            forward, list(range(*lay.eqn_range)),
+            lambda v, lay=lay: v in outvar_set or bool(users.get(v, set()) - {lay.index}))
+        diff = [v in diffable for v in ins]
+        both = _vjp_jaxpr(closed, diff)
+        bwd_flops = _flops(jaxpr_cost(both.jaxpr)) - _flops(jaxpr_cost(closed.jaxpr))
+        out[lay.fingerprint] = (closed, both, diff, bwd_flops)
+    return out
+
+
+def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
+            batch_argnums=None, dtype=None, cache: ProfileCache | None = None, progress=None) -> Profile:
+    """Profile ``step_fn`` (a step written for :func:`autopp.parallelize`, with ``autopp.grad`` inside).
+
+    ``example_args`` may be arrays or ``jax.ShapeDtypeStruct``s: nothing is allocated unless ``measure``.
+    Times are for ``cluster`` (a :class:`Cluster` or a string such as ``"128x8xH100"``; default: the
+    local devices) by the roofline model; with ``measure=True`` each distinct layer is compiled and
+    timed on the first local device (cached in a JSON file), the local device model is calibrated to
+    the measurements, and measured times are reported.
+    """
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    elif cluster is None:
+        cluster = Cluster.local()
+    elif not isinstance(cluster, Cluster):
+        raise TypeError(f"profile: cluster must be a Cluster or a string like '128x8xH100', got {cluster!r}.")
+    if measure and cluster.device.name != Cluster.local().device.name:
+        raise ValueError(
+            f"profile: measure=True times layers on the local {Cluster.local().device.name} devices, but the "
+            f"cluster is {cluster}; profile the local cluster (cluster=None) or use measure=False."
+        )
+    args = tuple(example_args)
+    traced = trace_step(step_fn, args, normalize_batch_argnums(batch_argnums, len(args)))
+    spec = traced.spec
+    forward = spec.forward
+    fwd = forward.jaxpr
+    batch_invars = traced.microbatched_grad_inputs
+    layers = group_layers(forward, batch_invars, spec.diff_mask)
+    if dtype is None:
+        dtype = _dominant_float_dtype(fwd)
+    device = cluster.device
+
+    # Backward costs and (optionally) measurements: once per distinct layer structure.
+    programs = layer_programs(traced, layers)
+    cache = cache or (ProfileCache() if measure else None)
+    by_fp: dict[str, tuple] = {}
+    for lay in layers:
+        if lay.fingerprint in by_fp:
+            continue
+        closed, both, diff, bwd_flops = programs[lay.fingerprint]
+        m = None
+        if measure:
+            m = cache.get(device.name, lay.fingerprint)
+            if m is None:
+                if progress:
+                    progress(f"measuring {lay.name}")
+                m = measure_layer(closed, diff)
+                cache.put(device.name, lay.fingerprint, m, kernels={
+                    "forward": kernel_costs(closed.jaxpr), "forward_backward": kernel_costs(both.jaxpr)})
+        by_fp[lay.fingerprint] = (closed, both, bwd_flops, m)
+    time_model = KernelTimeModel.from_device(device, dtype)
+    if measure:
+        samples = cache.samples(device.name)
+        if len(samples) >= 6:
+            time_model = KernelTimeModel.calibrate(device.name, samples)
+
+    # Optimizer state: each leaf belongs to the parameter whose update reads it.
+    grad_eqn = traced.grad_eqn
+    diff_idx = spec.diff_indices
+    param_of_out = {1 + spec.num_aux + j: k for j, k in enumerate(diff_idx)}
+    owners = optimizer_state_owners(traced.jaxpr.jaxpr, traced.grad_index, param_of_out, traced.batch_mask)
+    step_invars = traced.jaxpr.jaxpr.invars
+    param_step_inputs = {step_invars.index(a) for a in grad_eqn.invars if not isinstance(a, Literal) and a in step_invars}
+    opt_bytes_of_param: dict[int, int] = {}
+    for i, k in owners.items():
+        if i not in param_step_inputs:
+            opt_bytes_of_param[k] = opt_bytes_of_param.get(k, 0) + aval_bytes(step_invars[i].aval)
+
+    times: dict[str, tuple[float, float]] = {}
+    for fp, (closed, both, _, m) in by_fp.items():
+        if m is not None:
+            times[fp] = (m.forward_s, m.backward_s)
+        else:
+            f_t = _jaxpr_time(closed.jaxpr, time_model)
+            times[fp] = (f_t, max(0.0, _jaxpr_time(both.jaxpr, time_model) - f_t))
+    out_layers = []
+    for lay in layers:
+        _, _, bwd_flops, m = by_fp[lay.fingerprint]
+        opt = sum(opt_bytes_of_param.get(k, 0) for k in lay.param_indices)
+        f_t, b_t = times[lay.fingerprint]
+        out_layers.append(LayerProfile(
+            index=lay.index, name=lay.name, fingerprint=lay.fingerprint, flops=lay.flops + lay.transcendentals,
+            backward_flops=bwd_flops, param_bytes=lay.param_bytes, grad_bytes=lay.param_bytes, optimizer_bytes=opt,
+            activation_bytes=lay.activation_bytes, recompute_activation_bytes=lay.input_bytes,
+            output_bytes=lay.output_bytes, forward_time_s=f_t, backward_time_s=b_t, measured=m is not None,
+        ))
+    graph = cost_graph(layers)
+    for lp in out_layers:
+        graph.nodes[lp.index].update(lp.to_dict())
+    outer = traced.jaxpr.jaxpr
+    update = sum(_flops(eqn_cost(e)) for i, e in enumerate(outer.eqns) if i != traced.grad_index)
+    forward_flops = sum(l.flops for l in out_layers)
+    backward_flops = sum(l.backward_flops for l in out_layers)
+    return Profile(
+        layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
+        total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,
+        backward_flops=backward_flops, update_flops=update,
+        param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx), fingerprint=traced.fingerprint,
+    )
+
+
+def _flops(c) -> float:
+    return c.flops + c.transcendentals
+
+
+def _dominant_float_dtype(jaxpr) -> str:
+    counts: dict[str, int] = {}
+    for v in jaxpr.invars:
+        if jax.numpy.issubdtype(v.aval.dtype, jax.numpy.floating):
+            counts[str(v.aval.dtype)] = counts.get(str(v.aval.dtype), 0) + aval_bytes(v.aval)
+    return max(counts, key=counts.get) if counts else "float32"
+
+
+def format_profile_table(p: Profile) -> str:
+    lines = [f"profile on {p.cluster}",
+             f"{'layer':>5}  {'name':<12} {'GFLOP fwd':>10} {'GFLOP bwd':>10} {'time ms':>9} {'params MB':>10} "
+             f"{'optim MB':>9} {'activ MB':>9} {'out MB':>8}  fingerprint"]
+    for l in p.layers:
+        lines.append(f"{l.index:>5}  {l.name:<12} {l.flops / 1e9:>10.3f} {l.backward_flops / 1e9:>10.3f} "
+                     f"{l.time_s * 1e3:>9.3f} {l.param_bytes / 1e6:>10.2f} {l.optimizer_bytes / 1e6:>9.2f} "
+                     f"{l.activation_bytes / 1e6:>9.2f} {l.output_bytes / 1e6:>8.2f}  {l.fingerprint[:10]}")
+    lines.append(f"{'total':>5}  {'':<12} {p.forward_flops / 1e9:>10.3f} {p.backward_flops / 1e9:>10.3f} "
+                 f"{sum(l.time_s for l in p.layers) * 1e3:>9.3f} {p.param_bytes / 1e6:>10.2f} "
+                 f"{sum(l.optimizer_bytes for l in p.layers) / 1e6:>9.2f} "
+                 f"{sum(l.activation_bytes for l in p.layers) / 1e6:>9.2f}")
+    lines.append(f"whole step: {p.total_flops / 1e12:.4f} TFLOP (forward {p.forward_flops / 1e12:.4f}, backward "
+                 f"{p.backward_flops / 1e12:.4f}, update {p.update_flops / 1e12:.6f})")
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""Analytic time model: roofline op times and alpha-beta collective times on a :class:`Cluster`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+from autopp.profiler._cluster import Cluster
+from autopp.profiler._costs import OpCost
+from autopp.profiler._devices import DeviceSpec, get_device
+
+TRANSCENDENTAL_FP32_FLOPS = 16.0
+"""FP32 FLOPs one transcendental (exp, log, tanh, ...) is charged: the special-function units issue 16 results
+per SM per clock (CUDA C++ Programming Guide, arithmetic instruction throughput) against 128 FP32 lanes doing
+2 FLOPs each on Hopper, so one transcendental takes the issue time of 16 FP32 FLOPs (8 on A100: conservative)."""
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "send-recv")
+"""Collectives :func:`collective_time` models."""
+
+
+def _spec(device: Any, who: str) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, str):
+        return get_device(device)
+    raise TypeError(f"{who}: device must be a DeviceSpec or a kind name, got {device!r} ({type(device).__name__}); "
+                    "pass e.g. get_device('H100').")
+
+
+def _nonneg(who: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{who}: {name} must be a finite number >= 0, got {value!r}.")
+    return float(value)
+
+
+def op_time(cost: OpCost, device: DeviceSpec | str, dtype: Any = "bfloat16") -> float:
+    """Seconds one operation takes on ``device``: a roofline plus the launch floor.
+
+    ``max(compute, memory) + kernel_launch_floor`` with
+    ``compute = flops / (peak(dtype) * matmul_efficiency)
+    + transcendentals * TRANSCENDENTAL_FP32_FLOPS / (peak_fp32 * matmul_efficiency)`` and
+    ``memory = bytes_accessed / (hbm_bandwidth * memory_efficiency)``. ``dtype`` picks the peak (see
+    :meth:`DeviceSpec.peak_flops`). Every call pays one launch floor, so time a fused group of equations by
+    summing their costs first rather than summing per-equation times.
+    """
+    if not isinstance(cost, OpCost):
+        raise TypeError(f"op_time: cost must be an OpCost (see autopp.profiler.eqn_cost), got {type(cost).__name__}.")
+    spec = _spec(device, "op_time")
+    flops = _nonneg("op_time", "cost.flops", cost.flops)
+    trans = _nonneg("op_time", "cost.transcendentals", cost.transcendentals)
+    nbytes = _nonneg("op_time", "cost.bytes_accessed", cost.bytes_accessed)
+    compute = (flops / spec.peak_flops(dtype)
+               + trans * TRANSCENDENTAL_FP32_FLOPS / spec.peak_flops_fp32) / spec.matmul_efficiency
+    memory = nbytes / (spec.hbm_bandwidth * spec.memory_efficiency)
+    return max(compute, memory) + spec.kernel_launch_floor
+
+
+def collective_time(kind: str, bytes: float, group_size: int, cluster: Cluster, *,  # noqa: A002
+                    spans_nodes: bool) -> float:
+    """Seconds for one collective over ``group_size`` devices in the alpha-beta (ring) model.
+
+    ``bytes`` is the full buffer on each device: the array reduced (all-reduce), the gathered result
+    (all-gather), the input before scattering (reduce-scatter), or the message (send-recv). With ``n``
+    devices, bandwidth ``bw`` and latency ``alpha``:
+
+    - all-reduce: ``2 (n-1)/n * bytes / bw + 2 (n-1) alpha``
+    - all-gather, reduce-scatter: ``(n-1)/n * bytes / bw + (n-1) alpha``
+    - send-recv: ``bytes / bw + alpha``
+
+    ``bw``/``alpha`` are the device's intra-node figures when the group stays inside one node
+    (``spans_nodes=False``) and its inter-node figures otherwise (the slowest link of a ring sets its pace).
+    A group of one device, or zero bytes, takes 0 s. The bandwidths are datasheet peaks: scale them with
+    ``cluster.with_device_overrides(...)`` to calibrate against measured bus bandwidth.
+    """
+    who = "collective_time"
+    if not isinstance(kind, str):
+        raise TypeError(f"{who}: kind must be a string, one of {', '.join(COLLECTIVE_KINDS)}; got {kind!r}.")
+    squashed = kind.strip().lower().replace("_", "").replace("-", "")
+    canon = {k.replace("-", ""): k for k in COLLECTIVE_KINDS}.get(squashed)
+    if canon is None:
+        raise ValueError(f"{who}: unknown collective {kind!r}; valid kinds are {', '.join(COLLECTIVE_KINDS)}.")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"{who}: cluster must be a Cluster, got {type(cluster).__name__}; pass e.g. "
+                        "Cluster.parse('2x8xH100').")
+    nbytes = _nonneg(who, "bytes", bytes)
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"{who}: group_size must be a positive int, got {group_size!r}; pass e.g. group_size=8.")
+    n = int(group_size)
+    if n > cluster.num_devices:
+        raise ValueError(f"{who}: group_size={n} exceeds the {cluster.num_devices} devices of the cluster ({cluster}).")
+    if not isinstance(spans_nodes, bool):
+        raise TypeError(f"{who}: spans_nodes must be True or False, got {spans_nodes!r}.")
+    if not spans_nodes and n > cluster.devices_per_node:
+        raise ValueError(
+            f"{who}: a group of {n} devices cannot stay inside one node of {cluster.devices_per_node} devices "
+            f"({cluster}); pass spans_nodes=True or group_size <= {cluster.devices_per_node}."
+        )
+    if spans_nodes and cluster.num_nodes == 1:
+        raise ValueError(f"{who}: spans_nodes=True but the cluster has one node ({cluster}); pass spans_nodes=False.")
+    if n == 1 or nbytes == 0:
+        return 0.0
+    dev = cluster.device
+    bw, alpha = ((dev.inter_node_bandwidth, dev.inter_node_latency) if spans_nodes
+                 else (dev.intra_node_bandwidth, dev.intra_node_latency))
+    if canon == "all-reduce":
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+    if canon in ("all-gather", "reduce-scatter"):
+        return (n - 1) / n * nbytes / bw + (n - 1) * alpha
+    return nbytes / bw + alpha
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelTimeModel:
+    """Time of a computation as the sum of its kernels (see :func:`autopp.profiler.kernel_costs`).
+
+    A matmul of ``F`` FLOPs takes ``max(F / flops_per_s, bytes / bytes_per_s) + matmul_floor_s * F / (F +
+    matmul_floor_flops)`` (the fixed cost of a large matmul, e.g. waking a thread pool, which small ones do
+    not pay); a fused run of other operations ``max(flops / flops_per_s, bytes / bytes_per_s) +
+    transcendentals / transcendentals_per_s + fused_floor_s``. Six constants per device and dtype: from the
+    device table by default, or fitted to measurements with :meth:`calibrate`.
+    """
+
+    device: str
+    """Device kind these constants describe."""
+    flops_per_s: float
+    """Achievable FLOP/s of matmuls (and of the arithmetic in fused kernels)."""
+    bytes_per_s: float
+    """Achievable memory bytes/s."""
+    transcendentals_per_s: float
+    """Achievable transcendental evaluations per second (exp, tanh, ...)."""
+    matmul_floor_s: float
+    """Fixed cost of one matmul kernel."""
+    fused_floor_s: float
+    """Fixed cost of one fused elementwise/reduction kernel."""
+    matmul_floor_flops: float = 0.0
+    """Matmul size (FLOPs) at which half of ``matmul_floor_s`` is paid; 0: every matmul pays all of it."""
+    calibrated: bool = False
+    """Whether the constants were fitted to measurements."""
+
+    def __post_init__(self):
+        for f in ("flops_per_s", "bytes_per_s", "transcendentals_per_s", "matmul_floor_s", "fused_floor_s",
+                  "matmul_floor_flops"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or (
+                    v == 0 and f.endswith("per_s")):
+                raise ValueError(f"KernelTimeModel.{f} must be a positive finite number, got {v!r}.")
+
+    @classmethod
+    def from_device(cls, device: DeviceSpec | str, dtype: Any = "bfloat16") -> KernelTimeModel:
+        spec = _spec(device, "KernelTimeModel.from_device")
+        flops = spec.peak_flops(dtype) * spec.matmul_efficiency
+        return cls(device=spec.name, flops_per_s=flops, bytes_per_s=spec.hbm_bandwidth * spec.memory_efficiency,
+                   transcendentals_per_s=spec.peak_flops_fp32 * spec.matmul_efficiency / TRANSCENDENTAL_FP32_FLOPS,
+                   matmul_floor_s=spec.kernel_launch_floor, fused_floor_s=spec.kernel_launch_floor)
+
+    def kernel_time(self, kind: str, cost: OpCost) -> float:
+        body = max(cost.flops / self.flops_per_s, cost.bytes_accessed / self.bytes_per_s)
+        if kind == "matmul":
+            scale = cost.flops / (cost.flops + self.matmul_floor_flops) if self.matmul_floor_flops else 1.0
+            return body + self.matmul_floor_s * scale
+        return body + cost.transcendentals / self.transcendentals_per_s + self.fused_floor_s
+
+    def time(self, kernels) -> float:
+        """Seconds for a list of ``(kind, OpCost)`` kernels."""
+        return sum(self.kernel_time(kind, cost) for kind, cost in kernels)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def calibrate(cls, device: str, samples, *, starts: int = 8) -> KernelTimeModel:
+        """Fit the six constants to ``samples``: pairs of (kernels, measured seconds).
+
+        Minimises the mean absolute log error (Nelder-Mead in log space from several starts).
+        """
+        import numpy as np
+        from scipy.optimize import minimize
+
+        samples = [(list(k), float(t)) for k, t in samples if t > 0]
+        if len(samples) < 6:
+            raise ValueError(f"KernelTimeModel.calibrate needs at least 6 measured samples, got {len(samples)}.")
+        arrays = []
+        for kernels, t in samples:
+            mm = np.array([(c.flops, c.bytes_accessed) for k, c in kernels if k == "matmul"]).reshape(-1, 2)
+            fu = np.array([(c.flops, c.bytes_accessed, c.transcendentals) for k, c in kernels if k != "matmul"])
+            arrays.append((mm, fu.reshape(-1, 3), t))
+
+        def predict(logp, mm, fu):
+            P, W, T, fm, fe, f0 = np.exp(np.clip(logp, -60.0, 60.0))
+            total = (np.maximum(mm[:, 0] / P, mm[:, 1] / W) + fm * mm[:, 0] / (mm[:, 0] + f0)).sum()
+            return total + (np.maximum(fu[:, 0] / P, fu[:, 1] / W) + fu[:, 2] / T + fe).sum()
+
+        def objective(logp):
+            return sum(abs(math.log(predict(logp, mm, fu) / t)) for mm, fu, t in arrays) / len(arrays)
+
+        rng = np.random.default_rng(0)
+        x0 = np.log([1e11, 1e10, 1e9, 1e-5, 1e-6, 1e7])
+        best = None
+        for s in range(starts):
+            start = x0 + (rng.normal(0.0, 1.5, 6) if s else 0.0)
+            r = minimize(objective, start, method="Nelder-Mead", options={"maxiter": 3000, "xatol": 1e-4, "fatol": 1e-7})
+            if best is None or r.fun < best.fun:
+                best = r
+        for _ in range(3):  # Nelder-Mead restarted from its own optimum escapes a collapsed simplex
+            r = minimize(objective, best.x, method="Nelder-Mead", options={"maxiter": 3000, "xatol": 1e-6, "fatol": 1e-9})
+            if r.fun < best.fun:
+                best = r
+        P, W, T, fm, fe, f0 = (float(x) for x in np.exp(best.x))
+        return cls(device=device, flops_per_s=P, bytes_per_s=W, transcendentals_per_s=T, matmul_floor_s=fm,
+                   fused_floor_s=fe, matmul_floor_flops=f0, calibrated=True)

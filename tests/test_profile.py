@@ -1,0 +1,186 @@
+"""autopp.profiler.profile: whole-step FLOPs against XLA's cost analysis, memory, clusters, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopp
+from autopp.models import GPT, MLP, GPTConfig, MLPConfig
+from autopp.profiler import Cluster
+from autopp.profiler._profile import profile
+
+
+def _step(model, tx):
+    def train_step(params, opt_state, batch):
+        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+def _xla_step(model, tx):
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+CASES = {
+    "gpt-small": (GPT(GPTConfig(layers=2, hidden=32, heads=4, seq=16, vocab=64)), 4),
+    "gpt-wide": (GPT(GPTConfig(layers=3, hidden=64, heads=4, seq=32, vocab=128)), 8),
+    "mlp": (MLP(MLPConfig()), 32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_whole_step_flops_match_xla(name):
+    model, batch_size = CASES[name]
+    tx = optax.adamw(1e-3)
+    params = model.init_abstract()
+    opt_state = jax.eval_shape(tx.init, params)
+    batch = jax.eval_shape(lambda: model.batch(jax.random.key(0), batch_size))
+    prof = profile(_step(model, tx), params, opt_state, batch, cluster="1x8xH100")
+    xla = jax.jit(_xla_step(model, tx)).lower(params, opt_state, batch).cost_analysis()
+    expected = xla["flops"] + xla.get("transcendentals", 0.0)
+    assert prof.total_flops == pytest.approx(expected, rel=0.05)
+    assert prof.forward_flops > 0 and prof.backward_flops > prof.forward_flops
+
+
+def test_param_bytes_exact_and_per_layer():
+    model, batch_size = CASES["gpt-wide"]
+    tx = optax.adamw(1e-3)
+    params = model.init_abstract()
+    prof = profile(_step(model, tx), params, jax.eval_shape(tx.init, params),
+                   jax.eval_shape(lambda: model.batch(jax.random.key(0), batch_size)), cluster="1x8xA100-80GB")
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    assert prof.param_bytes == total
+    assert sum(l.param_bytes for l in prof.layers) == total
+    # AdamW keeps two moments per parameter (plus a scalar count, which belongs to no parameter).
+    assert sum(l.optimizer_bytes for l in prof.layers) == 2 * total
+    h = model.config.hidden
+    blocks = [l for l in prof.layers if l.name.startswith("block")]
+    assert len(blocks) == model.config.layers
+    assert len({l.fingerprint for l in blocks}) == 1
+    assert all(l.param_bytes == 4 * (12 * h * h + 13 * h) for l in blocks)
+    assert all(l.activation_bytes > 0 and l.recompute_activation_bytes < l.activation_bytes for l in blocks)
+    assert all(l.time_s > 0 for l in prof.layers)
+    assert prof.graph.number_of_nodes() == len(prof.layers)
+
+
+def test_faster_device_predicts_less_time():
+    model, batch_size = CASES["gpt-wide"]
+    tx = optax.sgd(1e-3)
+    params = model.init_abstract()
+    args = (params, jax.eval_shape(tx.init, params), jax.eval_shape(lambda: model.batch(jax.random.key(0), batch_size)))
+    a100 = profile(_step(model, tx), *args, cluster="1x8xA100-80GB")
+    h100 = profile(_step(model, tx), *args, cluster="1x8xH100")
+    assert sum(l.time_s for l in h100.layers) < sum(l.time_s for l in a100.layers)
+    assert h100.total_flops == a100.total_flops
+
+
+@pytest.mark.parametrize("bad", ["128x8", "axbxH100", "0x8xH100", "8xFOO", ""])
+def test_bad_cluster_strings(bad):
+    model, batch_size = CASES["mlp"]
+    with pytest.raises(ValueError):
+        profile(_step(model, optax.sgd(1.0)), model.init_abstract(), (), jax.ShapeDtypeStruct((4, 64), jnp.float32),
+                cluster=bad)
+
+
+def test_cluster_is_exported():
+    assert autopp.Cluster is Cluster
+    assert Cluster.parse("128x8xH100").num_devices == 1024
+
+
+def test_measured_profile_uses_json_cache(tmp_path, monkeypatch):
+    import json
+
+    from autopp.profiler import _profile as profile_module
+    from autopp.profiler._measure import ProfileCache
+
+    model = GPT(GPTConfig(layers=2, hidden=32, heads=4, seq=16, vocab=64))
+    tx = optax.sgd(1e-2)
+    params = model.init(jax.random.key(0))
+    args = (params, tx.init(params), model.batch(jax.random.key(1), 4))
+    cache = ProfileCache(str(tmp_path / "profiles.json"))
+    prof = profile(_step(model, tx), *args, measure=True, cache=cache)
+    assert all(l.measured and l.forward_time_s > 0 and l.backward_time_s > 0 for l in prof.layers)
+    assert prof.time_model.calibrated  # embed, block, head: 6 (kernels, seconds) samples
+    data = json.loads((tmp_path / "profiles.json").read_text())
+    keys = sorted(data["entries"])
+    assert len(keys) == len({l.fingerprint for l in prof.layers}) == 3
+    assert all(k.startswith(f"cpu|jax-{jax.__version__}|") for k in keys)
+    assert all("kernels" in e and e["forward_temp_bytes"] >= 0 for e in data["entries"].values())
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr(profile_module, "measure_layer", no_measuring)
+    again = profile(_step(model, tx), *args, measure=True, cache=ProfileCache(str(tmp_path / "profiles.json")))
+    assert [l.forward_time_s for l in again.layers] == [l.forward_time_s for l in prof.layers]
+
+
+def test_measure_refuses_a_remote_cluster():
+    model, batch_size = CASES["mlp"]
+    tx = optax.sgd(1.0)
+    params = model.init_abstract()
+    with pytest.raises(ValueError, match=r"measure=True times layers on the local"):
+        profile(_step(model, tx), params, jax.eval_shape(tx.init, params),
+                jax.eval_shape(lambda: model.batch(jax.random.key(0), batch_size)), cluster="2x8xH100", measure=True)
+
+
+def test_calibration_recovers_known_constants():
+    from autopp.profiler._costs import OpCost
+    from autopp.profiler._timemodel import KernelTimeModel
+
+    truth = KernelTimeModel(device="cpu", flops_per_s=2e11, bytes_per_s=1.5e10, transcendentals_per_s=1e9,
+                            matmul_floor_s=2e-4, fused_floor_s=3e-6, matmul_floor_flops=2e7)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(40):
+        kernels = []
+        for _ in range(rng.integers(1, 12)):
+            if rng.random() < 0.4:
+                f = float(10 ** rng.uniform(5, 10))
+                kernels.append(("matmul", OpCost(f, 0.0, f / 50, 0.0)))
+            else:
+                kernels.append(("fused", OpCost(float(10 ** rng.uniform(3, 7)), float(10 ** rng.uniform(2, 6)),
+                                                float(10 ** rng.uniform(4, 8)), 0.0)))
+        samples.append((kernels, truth.time(kernels)))
+    fitted = KernelTimeModel.calibrate("cpu", samples[:30])
+    errors = [abs(fitted.time(k) - t) / t for k, t in samples[30:]]
+    assert max(errors) < 0.02, errors
+
+
+def test_kernel_costs_fuse_elementwise_runs():
+    from autopp.profiler._costs import kernel_costs
+
+    def f(x, w, v):
+        y = jnp.tanh(x @ w) * 2.0 + 1.0  # one matmul, then one fused run
+        return (y @ v).sum()
+
+    j = jax.make_jaxpr(f)(jnp.ones((8, 16)), jnp.ones((16, 32)), jnp.ones((32, 4)))
+    kinds = [k for k, _ in kernel_costs(j.jaxpr)]
+    assert kinds == ["matmul", "fused", "matmul", "fused"], kinds
+    fused = kernel_costs(j.jaxpr)[1][1]
+    # Crossing the run's boundary: reads x@w (8x32 f32), writes y (8x32 f32); the intermediates stay inside.
+    assert fused.bytes_accessed == 2 * 8 * 32 * 4
+    assert fused.transcendentals == 8 * 32
+
+
+def test_cli_profile_json(capsys):
+    import json
+
+    from autopp._cli import main
+
+    assert main(["profile", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32",
+                 "--vocab", "128", "--cluster", "4x8xH100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"]["num_nodes"] == 4 and len(out["layers"]) == 4
+    assert out["total_flops"] > out["forward_flops"] > 0
+    assert main(["profile", "--cluster", "4x8"]) == 2
+    assert "NODESxDEVICESxKIND" in capsys.readouterr().err
