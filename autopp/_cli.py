@@ -44,19 +44,14 @@ def cmd_demo(args) -> int:
     import optax
 
     import autopp
-    from autopp.models import GPT, GPTConfig
+    from autopp.models import GPT, GPTConfig, make_train_step
 
     devices = jax.devices()[: args.devices]
     config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab)
     model = GPT(config)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.learning_rate))
 
-    def train_step(params, opt_state, batch):
-        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = autopp.parallelize(train_step, num_stages=args.stages, num_microbatches=args.microbatches,
+    step = autopp.parallelize(make_train_step(model.loss, tx), num_stages=args.stages, num_microbatches=args.microbatches,
                               schedule=args.schedule, devices=devices)
     params = model.init(jax.random.key(0))
     opt_state = tx.init(params)
@@ -90,8 +85,7 @@ def _model_step(args):
     import jax.numpy as jnp
     import optax
 
-    import autopp
-    from autopp.models import GPT, MLP, GPTConfig, MLPConfig
+    from autopp.models import GPT, MLP, GPTConfig, MLPConfig, make_train_step
 
     if args.model == "gpt":
         config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
@@ -107,13 +101,7 @@ def _model_step(args):
     tx = optax.adamw(1e-4)
     params = model.init_abstract()
     opt_state = jax.eval_shape(tx.init, params)
-
-    def train_step(params, opt_state, batch):
-        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return config, train_step, (params, opt_state, batch)
+    return config, make_train_step(model.loss, tx), (params, opt_state, batch)
 
 
 def _add_model_flags(p) -> None:
@@ -128,6 +116,19 @@ def _add_model_flags(p) -> None:
     p.add_argument("--batch-size", type=_positive, default=1, help="global batch (default 1)")
 
 
+def _parse_overrides(items) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--override expects FIELD=VALUE (e.g. matmul_efficiency=0.6), got {item!r}.")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--override {item!r}: {value!r} is not a number.") from None
+    return out
+
+
 def cmd_profile(args) -> int:
     import json
 
@@ -135,7 +136,9 @@ def cmd_profile(args) -> int:
         _use_cpu_devices(1)
     from autopp.profiler import Cluster, profile
 
-    cluster = Cluster.parse(args.cluster) if args.cluster else None
+    cluster = Cluster.parse(args.cluster) if args.cluster else Cluster.local()
+    if args.override:
+        cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
     config, step, state = _model_step(args)
     progress = None
     if args.measure and not args.json and sys.stderr.isatty():
@@ -184,6 +187,8 @@ def main(argv=None) -> int:
     prof = sub.add_parser("profile", help="per-layer FLOPs, time and memory of a zoo model's training step")
     _add_model_flags(prof)
     prof.add_argument("--cluster", default=None, help="target cluster, e.g. 128x8xH100 (default: local devices)")
+    prof.add_argument("--override", action="append", metavar="FIELD=VALUE",
+                      help="override a device field, e.g. --override matmul_efficiency=0.6 (repeatable)")
     prof.add_argument("--measure", action="store_true", help="compile and time each distinct layer locally")
     prof.add_argument("--json", action="store_true", help="machine-readable output")
     prof.set_defaults(func=cmd_profile)

@@ -9,16 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import autopp
+from autopp.models import make_train_step
 
 
 def train_step_fn(model, tx):
-    def train_step(params, opt_state, batch):
-        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
+    return make_train_step(model.loss, tx)
 
 
 def scan_accumulation_step(model, tx, num_microbatches: int):

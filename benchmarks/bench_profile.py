@@ -3,8 +3,6 @@
 Run: ``pytest benchmarks/bench_profile.py -s`` (goal: <= 3 s per profile on this machine).
 """
 
-import time
-
 import jax
 import optax
 

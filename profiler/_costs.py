@@ -71,15 +71,15 @@ def _size(aval) -> int:
 
 
 def _dot_flops(eqn) -> float:
-    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
-    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval
     contract = math.prod(lhs.shape[d] for d in lc)
     out = _size(eqn.outvars[0].aval)
     return 2.0 * out * contract
 
 
 def _conv_flops(eqn) -> float:
-    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    rhs = eqn.invars[1].aval
     out = eqn.outvars[0].aval
     dn = eqn.params["dimension_numbers"]
     rhs_spec = dn.rhs_spec  # (out feature dim, in feature dim, spatial...)

@@ -14,9 +14,9 @@ from jax.extend import core as jex_core
 from autopp._trace import TracedStep, normalize_batch_argnums, trace_step
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._costs import aval_bytes, eqn_cost, jaxpr_cost, kernel_costs
-from autopp.profiler._graph import cost_graph, format_layer_table
+from autopp.profiler._graph import cost_graph
 from autopp.profiler._layers import Layer, group_layers
-from autopp.profiler._measure import LayerMeasurement, ProfileCache, measure_layer, slice_jaxpr
+from autopp.profiler._measure import ProfileCache, measure_layer, slice_jaxpr
 from autopp.profiler._optstate import optimizer_state_owners
 from autopp.profiler._partition import differentiable_vars
 from autopp.profiler._timemodel import KernelTimeModel

@@ -188,13 +188,17 @@ class KernelTimeModel:
             arrays.append((mm, fu.reshape(-1, 3), t))
 
         def predict(logp, mm, fu):
-            P, W, T, fm, fe, f0 = np.exp(np.clip(logp, -60.0, 60.0))
+            P, W, T, fm, fe, f0 = np.exp(np.clip(logp, lo, hi))
             total = (np.maximum(mm[:, 0] / P, mm[:, 1] / W) + fm * mm[:, 0] / (mm[:, 0] + f0)).sum()
             return total + (np.maximum(fu[:, 0] / P, fu[:, 1] / W) + fu[:, 2] / T + fe).sum()
 
         def objective(logp):
             return sum(abs(math.log(predict(logp, mm, fu) / t)) for mm, fu, t in arrays) / len(arrays)
 
+        # Physically sensible ranges (rates per second, floors in seconds, FLOPs); a constant the samples do
+        # not constrain (e.g. no memory-bound kernel) settles at a bound instead of running off to infinity.
+        lo = np.log([1e6, 1e6, 1e4, 1e-12, 1e-12, 1.0])
+        hi = np.log([1e18, 1e16, 1e16, 1.0, 1.0, 1e15])
         rng = np.random.default_rng(0)
         x0 = np.log([1e11, 1e10, 1e9, 1e-5, 1e-6, 1e7])
         best = None
@@ -207,6 +211,6 @@ class KernelTimeModel:
             r = minimize(objective, best.x, method="Nelder-Mead", options={"maxiter": 3000, "xatol": 1e-6, "fatol": 1e-9})
             if r.fun < best.fun:
                 best = r
-        P, W, T, fm, fe, f0 = (float(x) for x in np.exp(best.x))
+        P, W, T, fm, fe, f0 = (float(x) for x in np.exp(np.clip(best.x, lo, hi)))
         return cls(device=device, flops_per_s=P, bytes_per_s=W, transcendentals_per_s=T, matmul_floor_s=fm,
                    fused_floor_s=fe, matmul_floor_flops=f0, calibrated=True)

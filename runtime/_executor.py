@@ -24,8 +24,8 @@ from jax.extend import core as jex_core
 from autopp import _compat
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from autopp.runtime._placement import OuterPlacement, place_outer
-from autopp.runtime._schedule import Action, Schedule, dispatch_order
+from autopp.runtime._placement import place_outer
+from autopp.runtime._schedule import Schedule, dispatch_order
 from autopp.runtime._stage import StagePrograms, stage_graphs
 
 Literal = jex_core.Literal
@@ -226,7 +226,7 @@ class _Builder:
 
     # -- the forward split ----------------------------------------------------------------------
     def analyse(self):
-        spec, grad, S, M = self.spec, self.grad, self.S, self.M
+        spec, S = self.spec, self.S
         fwd = self.forward.jaxpr
         self.fwd = fwd
         self.mb_invar = list(self.traced.microbatched_grad_inputs)
@@ -332,7 +332,7 @@ class _Builder:
         self.analyse()
         if self.S == 1:
             return self.build_single_program()
-        S, M, spec, grad, fwd = self.S, self.M, self.spec, self.grad, self.fwd
+        spec, grad = self.spec, self.grad
         jaxpr = self.jaxpr
         self.invar_index = {v: k for k, v in enumerate(jaxpr.invars)}
         # Requirements of the gradient equation's inputs.

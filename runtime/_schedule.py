@@ -41,7 +41,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection, Iterable, Iterator, Optional, Sequence
+from typing import Collection, Iterator, Optional, Sequence
 
 __all__ = [
     "KINDS",

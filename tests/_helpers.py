@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import optax
 
-import autopp
-from autopp.models import GPT, MLP, GPTConfig, MLPConfig
+from autopp.models import GPT, MLP, GPTConfig, MLPConfig, make_train_step
 
 # Adam's update g / (|g| + eps) turns fp32 summation-order noise in gradient components that are exactly
 # zero in exact arithmetic (e.g. the key bias: softmax ignores a constant shift) into O(lr) parameter
@@ -26,12 +25,7 @@ def tiny_mlp() -> MLP:
 
 
 def make_step(model, tx):
-    def train_step(params, opt_state, batch):
-        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
+    return make_train_step(model.loss, tx)
 
 
 def run_steps(step, state, batch, n=3):

@@ -7,27 +7,17 @@ import optax
 import pytest
 
 import autopp
-from autopp.models import GPT, MLP, GPTConfig, MLPConfig
+from autopp.models import GPT, MLP, GPTConfig, MLPConfig, make_train_step
 from autopp.profiler import Cluster
 from autopp.profiler._profile import profile
 
 
 def _step(model, tx):
-    def train_step(params, opt_state, batch):
-        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
+    return make_train_step(model.loss, tx)
 
 
 def _xla_step(model, tx):
-    def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
+    return make_train_step(model.loss, tx, value_and_grad=jax.value_and_grad)
 
 
 CASES = {
@@ -184,3 +174,14 @@ def test_cli_profile_json(capsys):
     assert out["total_flops"] > out["forward_flops"] > 0
     assert main(["profile", "--cluster", "4x8"]) == 2
     assert "NODESxDEVICESxKIND" in capsys.readouterr().err
+    # A device override reaches the time model: half the memory bandwidth, no faster.
+    args = ["profile", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128",
+            "--cluster", "1x8xH100", "--json"]
+    assert main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(args + ["--override", "hbm_bandwidth=1.675e12"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["cluster"]["device"]["hbm_bandwidth"] == 1.675e12
+    assert sum(l["time_s"] for l in slow["layers"]) > sum(l["time_s"] for l in base["layers"])
+    assert main(args + ["--override", "no_such_field=1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err

@@ -2,5 +2,6 @@
 
 from ._gpt import GPT, GPTConfig
 from ._mlp import MLP, MLPConfig
+from ._train import make_train_step
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig"]
+__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "make_train_step"]
