@@ -18,7 +18,7 @@ from autopp._trace import (
     trace_step,
 )
 from autopp.planner._plan import Plan, StagePlan
-from autopp.profiler._partition import StageSplit, split_stages
+from autopp.profiler._partition import StageSplit, split_at, split_stages
 from autopp.profiler._costs import aval_bytes
 from autopp.runtime._executor import Executable, build_executable
 from autopp.runtime._schedule import SCHEDULE_NAMES, Schedule, get_schedule, validate
@@ -43,7 +43,29 @@ class Parallelized(Generic[_P, _R]):
     """A training step run as an MPMD pipeline. Call it like the step it wraps."""
 
     def __init__(self, step_fn: Callable[_P, _R], *, num_stages=None, num_microbatches=None, schedule=None,
-                 devices=None, batch_argnums=None, loss_reduction="mean"):
+                 devices=None, batch_argnums=None, loss_reduction=None, plan=None):
+        self._plan = None
+        if plan is not None:
+            self._plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
+            given = [k for k, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                                    ("schedule", schedule)) if v is not None]
+            if given:
+                raise ValueError(
+                    f"autopp.parallelize: pass either plan= or {', '.join(given)}, not both: a plan fixes the stages, "
+                    "microbatches and schedule. Drop the keyword(s) or the plan."
+                )
+            if loss_reduction is not None and loss_reduction != self._plan.loss_reduction:
+                raise ValueError(
+                    f"autopp.parallelize: loss_reduction={loss_reduction!r} contradicts the plan's "
+                    f"{self._plan.loss_reduction!r}; drop loss_reduction= or make the plan again."
+                )
+            loss_reduction = self._plan.loss_reduction
+            num_stages = self._plan.num_stages
+            num_microbatches = self._plan.num_microbatches
+            schedule = Schedule.from_text(self._plan.schedule_text, num_stages=num_stages,
+                                          num_microbatches=num_microbatches)
+        if loss_reduction is None:
+            loss_reduction = "mean"
         _check_count("num_stages", num_stages)
         _check_count("num_microbatches", num_microbatches)
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -64,7 +86,16 @@ class Parallelized(Generic[_P, _R]):
                 f"{len(devices)} were given ({devices}); use num_stages <= {len(devices)} or pass more devices."
             )
         n_st = num_stages if num_stages is not None else len(devices)
-        if len(devices) % n_st:
+        if self._plan is not None:
+            by_id = {d.id: d for d in devices}
+            missing = sorted({i for st in self._plan.stages for i in st.devices} - set(by_id))
+            if missing:
+                raise ValueError(
+                    f"autopp.parallelize: the plan places stages on device id(s) {missing}, which are not among the "
+                    f"devices given ({sorted(by_id)}); pass devices that include them, or make a plan for these."
+                )
+            self._plan_devices = [[by_id[i] for i in st.devices] for st in self._plan.stages]
+        elif len(devices) % n_st:
             raise ValueError(
                 f"autopp.parallelize: {len(devices)} devices cannot be split evenly into {n_st} stages; pass "
                 f"devices=jax.devices()[:{n_st * (len(devices) // n_st)}] or a num_stages that divides {len(devices)}."
@@ -128,13 +159,25 @@ class Parallelized(Generic[_P, _R]):
             return hit
         batch_argnums = normalize_batch_argnums(self._batch_argnums, len(args))
         traced = trace_step(self._step_fn, args, batch_argnums)
+        if self._plan is not None and traced.fingerprint != self._plan.model_fingerprint:
+            raise ValueError(
+                f"autopp.parallelize: the plan was made for another step (model fingerprint "
+                f"{self._plan.model_fingerprint}, this step {traced.fingerprint}): the computation, shapes or "
+                "dtypes differ. Make a new plan with step.plan_for(...) for these arguments."
+            )
         num_mb = self._microbatches_for(traced)
         name, sched = self._schedule_for(num_mb)
+        if self._plan is not None:
+            name = self._plan.schedule
         check_batch_divisible(traced, num_mb)
         forward = trace_microbatch_forward(self._step_fn, args, traced, num_mb)
-        split = split_stages(forward, traced.microbatched_grad_inputs, self.num_stages)
-        per = len(self.devices) // self.num_stages
-        stage_devices = [self.devices[s * per:(s + 1) * per] for s in range(self.num_stages)]
+        if self._plan is not None:
+            split = split_at(forward, traced.microbatched_grad_inputs, [st.equations[0] for st in self._plan.stages])
+            stage_devices = self._plan_devices
+        else:
+            split = split_stages(forward, traced.microbatched_grad_inputs, self.num_stages)
+            per = len(self.devices) // self.num_stages
+            stage_devices = [self.devices[s * per:(s + 1) * per] for s in range(self.num_stages)]
         exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                loss_reduction=self.loss_reduction, schedule=sched)
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
@@ -157,7 +200,8 @@ class Parallelized(Generic[_P, _R]):
                 index=s,
                 devices=tuple(d.id for d in stage_devices[s]),
                 mesh_shape={"data": len(stage_devices[s])},
-                equations=(min(ids), max(ids)) if ids else (0, -1),
+                equations=(split.stage_starts[s], (split.stage_starts[s + 1] if s + 1 < len(split.stage_starts)
+                                                   else len(fwd.eqns)) - 1),
                 num_equations=len(ids),
                 flops=float(split.stage_costs[s]),
                 param_bytes=int(owned),
@@ -198,12 +242,13 @@ def parallelize(
     schedule: str | Schedule | None = None,
     devices: Sequence[jax.Device] | None = None,
     batch_argnums: int | Sequence[int] | None = None,
-    loss_reduction: str = "mean",
+    loss_reduction: str | None = None,
+    plan: Plan | str | None = None,
 ) -> Callable[[Callable[_P, _R]], Parallelized[_P, _R]]: ...
 
 
 def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, schedule=None, devices=None,
-                batch_argnums=None, loss_reduction="mean"):
+                batch_argnums=None, loss_reduction=None, plan=None):
     """Run a training step as an MPMD pipeline over ``devices``.
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
@@ -211,7 +256,9 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     the fewest activation bytes cross); each stage runs on ``len(devices) // num_stages`` devices;
     the batch (argument ``batch_argnums``, default the last positional one) is split into
     ``num_microbatches`` along axis 0 of every leaf, and microbatch losses and gradients are combined
-    with ``loss_reduction``. Everything after the gradient runs on the stages that own the parameters.
+    with ``loss_reduction`` (default ``"mean"``). Everything after the gradient runs on the stages that own
+    the parameters. ``plan`` (a :class:`Plan` or a JSON path from ``plan.to_json``) replays a saved plan
+    exactly: its stages, devices, microbatches and schedule; it is refused for another step or devices.
 
     Defaults (until the planner chooses them): ``num_stages`` = number of devices, ``num_microbatches`` =
     the largest divisor of the batch size that is at most ``2 * num_stages``, ``schedule="1f1b"``,
@@ -220,7 +267,7 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     Usable bare (``@autopp.parallelize``) or with keywords (``@autopp.parallelize(num_stages=4)``).
     """
     kwargs = dict(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule, devices=devices,
-                  batch_argnums=batch_argnums, loss_reduction=loss_reduction)
+                  batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan)
     if step_fn is None:
         return lambda f: Parallelized(f, **kwargs)
     if not callable(step_fn):

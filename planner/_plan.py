@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -20,7 +21,8 @@ class StagePlan:
     mesh_shape: dict[str, int]
     """Axes of the stage's sub-mesh and their sizes, e.g. ``{"data": 2}``."""
     equations: tuple[int, int]
-    """First and last index (inclusive) of the loss's forward equations this stage computes."""
+    """First and last index (inclusive) of the loss's forward equations this stage computes (the
+    first one, ``equations[0]``, is what a replayed plan splits at)."""
     num_equations: int
     """How many forward equations the stage runs (parameter-only ones shared with other stages included)."""
     flops: float
@@ -35,6 +37,15 @@ class StagePlan:
         d["devices"] = list(self.devices)
         d["equations"] = list(self.equations)
         return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StagePlan:
+        _check_fields(cls, data, "stage")
+        d = dict(data)
+        d["devices"] = tuple(d["devices"])
+        d["equations"] = tuple(d["equations"])
+        d["mesh_shape"] = dict(d["mesh_shape"])
+        return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,12 +82,49 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages],
         }
 
-    def to_json(self, path: str | None = None) -> str:
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The plan as JSON text; also written to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
             with open(path, "w") as f:
                 f.write(text + "\n")
         return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}.")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"plan schema version {version!r} is not supported: this autopp reads version {SCHEMA_VERSION}. "
+                "Make the plan again with this version of autopp (step.plan_for(...).to_json(path))."
+            )
+        _check_fields(cls, data, "plan")
+        d = dict(data)
+        d["stages"] = tuple(StagePlan.from_dict(st) for st in d["stages"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> Plan:
+        """Read a plan from a JSON file path (or from JSON text)."""
+        text = str(source)
+        origin = "the given text"
+        if not text.lstrip().startswith("{"):
+            origin = repr(text)
+            try:
+                with open(source) as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"cannot read plan file {origin}: {e.strerror}.") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"plan {origin} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); it may be "
+                "truncated or edited by hand. Write it again with plan.to_json(path)."
+            ) from None
+        return cls.from_dict(data)
 
     def __str__(self) -> str:
         lines = [
@@ -91,3 +139,19 @@ class Plan:
                 f"{s.param_bytes / 1e6:>9.3f}  {s.cut_bytes_after / 1e6:>11.3f}"
             )
         return "\n".join(lines)
+
+
+def _check_fields(cls, data: dict, what: str) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = sorted(required - set(data))
+    unknown = sorted(set(data) - names)
+    if missing or unknown:
+        raise ValueError(
+            f"malformed {what} in plan: "
+            + (f"missing field(s) {missing}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"unknown field(s) {unknown}" if unknown else "")
+            + f". A {what} has the fields {sorted(names)}."
+        )

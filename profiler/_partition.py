@@ -25,6 +25,8 @@ class StageSplit:
     """Per stage, the FLOPs of its batch-dependent equations (the quantity that was balanced)."""
     cut_bytes: tuple[int, ...]
     """Per cut between stage k and k+1, bytes of activations that cross it (per microbatch-sized batch)."""
+    stage_starts: tuple[int, ...] = ()
+    """Per stage, the forward equation its batch-dependent range begins with (enough to rebuild the split)."""
 
     @property
     def num_stages(self) -> int:
@@ -32,7 +34,7 @@ class StageSplit:
 
     def to_dict(self) -> dict:
         return {"stage_eqns": [list(s) for s in self.stage_eqns], "stage_costs": list(self.stage_costs),
-                "cut_bytes": list(self.cut_bytes)}
+                "cut_bytes": list(self.cut_bytes), "stage_starts": list(self.stage_starts)}
 
 
 def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) -> set:
@@ -123,27 +125,21 @@ def _min_cross_partition(costs, cross, num_stages, cap):
     return cuts[::-1]
 
 
-def split_stages(
-    forward: jex_core.ClosedJaxpr,
-    batch_invars: Sequence[bool],
-    num_stages: int,
-    *,
-    balance_tolerance: float = 0.05,
-) -> StageSplit:
-    """Assign the forward equations to ``num_stages`` contiguous stages.
+@dataclasses.dataclass(frozen=True)
+class _CutProblem:
+    """The batch-dependent equations in order (``seq``), their costs, and the bytes crossing each cut."""
 
-    Stages are balanced by FLOPs (the bottleneck stage is within ``balance_tolerance`` of the best
-    possible), and among such splits the one moving the fewest activation bytes is taken.
-    """
+    forward: jex_core.ClosedJaxpr
+    seq: list[int]
+    costs: list[float]
+    cross: list[float]
+
+
+def _cut_problem(forward: jex_core.ClosedJaxpr, batch_invars: Sequence[bool]) -> _CutProblem:
     jaxpr = forward.jaxpr
     eqns = jaxpr.eqns
     dep = batch_dependent_vars(jaxpr, batch_invars)
     seq = [i for i, e in enumerate(eqns) if any(v in dep for v in e.outvars)]
-    if len(seq) < num_stages:
-        raise ValueError(
-            f"autopp: the loss has only {len(seq)} operation(s) that depend on the batch, so it cannot be "
-            f"split into {num_stages} pipeline stages; use num_stages <= {max(1, len(seq))}."
-        )
     pos = {eq: k for k, eq in enumerate(seq)}
     costs = []
     for i in seq:
@@ -171,14 +167,18 @@ def split_stages(
     for k in range(n + 1):
         acc += diff[k]
         cross[k] = acc
-    bottleneck = _min_bottleneck(costs, num_stages)
-    cuts = _min_cross_partition(costs, cross, num_stages, bottleneck * (1 + balance_tolerance))
-    assert cuts is not None, "the minimal bottleneck must admit a partition"
+    return _CutProblem(forward, seq, costs, cross)
+
+
+def _split_at(problem: _CutProblem, cuts: Sequence[int]) -> StageSplit:
+    """The split whose stage k runs batch-dependent equations ``seq[cuts[k]:cuts[k+1]]``; parameter-only
+    equations go (duplicated) to every stage that uses their results."""
+    jaxpr = problem.forward.jaxpr
+    eqns, seq, num_stages = jaxpr.eqns, problem.seq, len(cuts) - 1
     stage_of = {}
     for s in range(num_stages):
         for k in range(cuts[s], cuts[s + 1]):
             stage_of[seq[k]] = s
-    # Parameter-only equations go (duplicated) to every stage that uses their results.
     needed_at: dict = collections.defaultdict(set)
     for a in jaxpr.outvars:
         if not isinstance(a, jex_core.Literal):
@@ -194,6 +194,45 @@ def split_stages(
             if not isinstance(a, jex_core.Literal):
                 needed_at[a] |= stages
     stage_eqns = tuple(tuple(i for i in range(len(eqns)) if s in placement.get(i, ())) for s in range(num_stages))
-    stage_costs = tuple(sum(costs[k] for k in range(cuts[s], cuts[s + 1])) for s in range(num_stages))
-    cut_bytes = tuple(int(cross[cuts[s]]) for s in range(1, num_stages))
-    return StageSplit(stage_eqns=stage_eqns, stage_costs=stage_costs, cut_bytes=cut_bytes)
+    stage_costs = tuple(sum(problem.costs[k] for k in range(cuts[s], cuts[s + 1])) for s in range(num_stages))
+    cut_bytes = tuple(int(problem.cross[cuts[s]]) for s in range(1, num_stages))
+    stage_starts = tuple(seq[cuts[s]] for s in range(num_stages))
+    return StageSplit(stage_eqns=stage_eqns, stage_costs=stage_costs, cut_bytes=cut_bytes, stage_starts=stage_starts)
+
+
+def split_stages(
+    forward: jex_core.ClosedJaxpr,
+    batch_invars: Sequence[bool],
+    num_stages: int,
+    *,
+    balance_tolerance: float = 0.05,
+) -> StageSplit:
+    """Assign the forward equations to ``num_stages`` contiguous stages.
+
+    Stages are balanced by FLOPs (the bottleneck stage is within ``balance_tolerance`` of the best
+    possible), and among such splits the one moving the fewest activation bytes is taken.
+    """
+    problem = _cut_problem(forward, batch_invars)
+    if len(problem.seq) < num_stages:
+        raise ValueError(
+            f"autopp: the loss has only {len(problem.seq)} operation(s) that depend on the batch, so it cannot "
+            f"be split into {num_stages} pipeline stages; use num_stages <= {max(1, len(problem.seq))}."
+        )
+    bottleneck = _min_bottleneck(problem.costs, num_stages)
+    cuts = _min_cross_partition(problem.costs, problem.cross, num_stages, bottleneck * (1 + balance_tolerance))
+    assert cuts is not None, "the minimal bottleneck must admit a partition"
+    return _split_at(problem, cuts)
+
+
+def split_at(forward: jex_core.ClosedJaxpr, batch_invars: Sequence[bool], stage_starts: Sequence[int]) -> StageSplit:
+    """The split whose stages begin at the given forward equations (a saved plan's ``stage_starts``)."""
+    problem = _cut_problem(forward, batch_invars)
+    pos = {eq: k for k, eq in enumerate(problem.seq)}
+    bad = [i for i in stage_starts if i not in pos]
+    if bad or list(stage_starts) != sorted(set(stage_starts)) or not stage_starts or pos.get(stage_starts[0]) != 0:
+        raise ValueError(
+            f"autopp: stage starts {list(stage_starts)} do not describe a split of this loss (stage 0 must start "
+            f"at equation {problem.seq[0] if problem.seq else None}, starts must increase and be batch-dependent "
+            "equations); the plan was made for another computation."
+        )
+    return _split_at(problem, [pos[i] for i in stage_starts] + [len(problem.seq)])

@@ -1,0 +1,405 @@
+"""``simulate``: step time, throughput and memory of a 3D-parallel (tensor x pipeline x data) training plan.
+
+The simulator answers "how fast would this layout train this model on that cluster?" without running it.
+Per-layer costs come from :func:`autopp.profiler.profile` of the model's loss step (traced abstractly at the
+requested microbatch size, timed by the device table's roofline model); the layout adds, analytically:
+
+* **Tensor parallelism** (Megatron-LM's split, Shoeybi et al. 2019): the matmuls, the attention core and the
+  vocabulary-parallel embedding/head divide by ``tp``; the LayerNorms and residual adds are replicated
+  (:data:`REPLICATED_BYTES_PER_ELEMENT` bytes of memory traffic per ``mbs*s*h`` element and dtype byte, forward;
+  twice that backward). Each block all-reduces its ``mbs*s*h`` activations twice in the forward and twice in the
+  backward (plus twice again in the recomputed forward with full recomputation); the embedding all-reduces its
+  output (forward) and the head its input gradient (backward). A tensor-parallel group stays inside a node.
+* **Pipeline parallelism**: stage ``i`` gets ``layers/pp`` consecutive blocks (the embedding on the first stage,
+  the head and loss on the last). The slowest stage's forward ``f`` and backward ``b`` per microbatch set the
+  pace; the pipeline takes ``M (f + b)`` plus the schedule's bubble, in closed form (checked against
+  :func:`autopp.runtime._schedule.simulate_times` in the tests): GPipe and 1F1B ``(pp-1)(f+b)``, interleaved 1F1B
+  ``(pp-1)(f+b)/v``, ZB-H1 ``(pp-1)(f + b - 2w)`` with ``w`` the weight-gradient half of the backward (Qi et
+  al. 2023). Activations (and their gradients) cross a stage boundary as ``mbs*s*h`` elements with Megatron's
+  scatter/gather optimisation: ``1/tp`` of the message goes over the inter-node link (the pipeline spans
+  nodes whenever the cluster has more than one), then an all-gather inside the node. The tied word-embedding
+  gradient is all-reduced between the first and last stage once per step.
+* **Data parallelism**: the gradients of a stage's ``1/tp`` parameter shard are all-reduced in fp32
+  (:data:`GRAD_REDUCE_BYTES`: Megatron-LM accumulates and reduces bf16 models' gradients in fp32) over the ``dp``
+  replicas, hierarchically: reduce-scatter inside the node over the replicas there, all-reduce of the shard
+  across nodes (every GPU uses its own NIC, as NCCL's multi-channel rings do), all-gather inside the node.
+  A stage's reduction starts after its last backward; in the 1F1B cooldown stage ``i`` finishes ``i``
+  backward slots before stage 0, so its reduction hides behind the later stages' backwards; what sticks out
+  past the end of the pipeline is exposed (in practice stage 0's whole share). No overlap *within* a stage's
+  backward is assumed (Megatron-LM 2021 reduces after the backward pass).
+* **Optimizer**: mixed-precision Adam, memory-bound: :data:`ADAM_BYTES_PER_PARAM` bytes of HBM traffic per
+  parameter of the GPU's shard at the time model's bandwidth.
+* **Memory per GPU**: weights in the model dtype, fp32 gradients, an fp32 master copy (when the weights are
+  narrower than fp32) and Adam's fp32 ``m`` and ``v``: 18 bytes per parameter for bf16 (Megatron-LM without a
+  distributed optimizer), divided by ``tp`` (the last stage also keeps the tied word embeddings for the head).
+  Activations: per layer from the profile (VJP residuals), the replicated part (the two LayerNorm inputs) whole
+  and the rest ``/tp``, times the stage's layers, times the microbatches in flight on the stage (1F1B and ZB-H1:
+  ``min(M, pp - i)`` on stage ``i``; GPipe: ``M``; interleaved: Megatron's warm-up count of model chunks).
+  With full recomputation a block keeps only its input, plus one block's full activations while it recomputes;
+  with selective recomputation (Korthikanti et al. 2022: recompute only the attention core, QK^T, softmax and
+  the attention-weighted sum) the block drops its ``s x s`` attention residuals and its backward re-runs the
+  attention core (its time: two ``b*heads*s*s*head_dim`` matmuls plus a memory-bound softmax over
+  :data:`SOFTMAX_BYTES_PER_SCORE` bytes per score, on the time model).
+
+The embedding and head are never recomputed (as in Megatron-LM), so with full recomputation the FLOPs the plan
+executes equal the model FLOPs plus one more forward of the blocks: for Megatron's GPT exactly
+``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopp.models._gpt import GPT, GPTConfig
+from autopp.profiler._cluster import Cluster
+from autopp.profiler._costs import OpCost
+from autopp.profiler._profile import Profile, profile
+from autopp.profiler._timemodel import KernelTimeModel, collective_time
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+"""Pipeline schedules :func:`simulate` models."""
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+"""Activation recomputation modes :func:`simulate` models."""
+
+GRAD_REDUCE_BYTES = 4
+"""Bytes per gradient element in the data-parallel reduction (fp32, as Megatron-LM does for bf16 models)."""
+
+ADAM_BYTES_PER_PARAM = 30
+"""HBM bytes one mixed-precision Adam update moves per parameter: read the fp32 gradient (4), read and write the
+fp32 master weight, ``m`` and ``v`` (24), write the bf16 weight (2)."""
+
+REPLICATED_BYTES_PER_ELEMENT = 10
+"""Memory traffic, in units of ``mbs*s*h`` elements, of a block's tensor-parallel-replicated forward work: two
+LayerNorms (read x, write y) and two residual adds (read two, write one); the backward moves twice that."""
+
+SOFTMAX_BYTES_PER_SCORE = 11
+"""Bytes per attention score a recomputed softmax moves (fp32 scores written and read, the causal mask read,
+bf16 probabilities written)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What :func:`simulate` predicts for one training step of a plan."""
+
+    step_time_s: float
+    """Seconds per training step (one global batch)."""
+    tflops_per_gpu: float
+    """TFLOP/s per GPU counting the FLOPs the plan executes, recomputation included (for Megatron's GPT with
+    full recomputation: ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``), over step time and GPU count."""
+    mfu: float
+    """Model FLOPs utilisation: model FLOPs (forward + backward, no recomputation) / (step time x GPUs x the
+    device's dense bf16 peak)."""
+    peak_memory_bytes_per_gpu: int
+    """Bytes of device memory the most loaded GPU needs (weights, gradients, optimizer state, activations)."""
+    fits: bool
+    """Whether ``peak_memory_bytes_per_gpu`` fits the device's memory."""
+    compute_s: float
+    """Seconds the slowest pipeline stage computes (all microbatches, forward + backward + recomputation)."""
+    bubble_s: float
+    """Seconds of pipeline bubble (the schedule's fill and drain at the slowest stage's pace)."""
+    tp_comm_s: float
+    """Seconds of tensor-parallel all-reduces on the slowest stage (not overlapped)."""
+    pp_comm_s: float
+    """Seconds of stage-to-stage sends and the tied-embedding gradient all-reduce (not overlapped)."""
+    dp_comm_s: float
+    """Exposed seconds of the data-parallel gradient all-reduce (the part not hidden behind other stages'
+    backward passes)."""
+    optimizer_s: float
+    """Seconds of the optimizer update (memory-bound)."""
+    num_microbatches: int
+    """Microbatches per pipeline per step: ``global_batch / (microbatch_size * dp)``."""
+    param_bytes: int
+    """Bytes of weights (model dtype) and fp32 gradients on the most loaded GPU."""
+    optimizer_bytes: int
+    """Bytes of optimizer state on the most loaded GPU: fp32 master weights (for narrower dtypes), Adam m and v."""
+    activation_bytes: int
+    """Bytes of activations kept for the backward on the most loaded GPU, at peak."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict of every field."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerCosts:
+    """Per-microbatch costs of the three kinds of layer, read off a profile."""
+
+    profile: Profile
+    embed: Any
+    block: Any
+    head: Any
+    attention_residual_bytes: int
+    """Bytes of a block's VJP residuals shaped like the ``s x s`` attention scores (dropped by selective
+    recomputation)."""
+
+
+_CACHE: dict[tuple, _LayerCosts] = {}
+
+
+def clear_cache() -> None:
+    """Forget the cached profiles (the next :func:`simulate` for each model profiles again)."""
+    _CACHE.clear()
+
+
+def _layer_costs(config: GPTConfig, microbatch_size: int, cluster: Cluster) -> _LayerCosts:
+    key = (config, microbatch_size, cluster.device)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    # The blocks are identical, so a two-block copy of the model has the same embedding, block and head
+    # profiles as the full depth (checked in the tests) and traces in a fraction of the time.
+    short = dataclasses.replace(config, layers=min(config.layers, 2))
+    model = GPT(short)
+
+    def step(params, batch):
+        from autopp import grad
+        return grad(model.loss)(params, batch)
+
+    tokens = jax.ShapeDtypeStruct((microbatch_size, config.seq), jnp.int32)
+    prof = profile(step, model.init_abstract(), {"tokens": tokens, "targets": tokens},
+                   cluster=Cluster(num_nodes=1, devices_per_node=1, device=cluster.device))
+    names = [l.name for l in prof.layers]
+    if len(prof.layers) != short.layers + 2 or names[0] != "embed" or names[-1] != "head" or not all(
+            n.startswith("block") for n in names[1:-1]):
+        raise RuntimeError(f"simulate: unexpected layer structure of the GPT profile: {names}; expected "
+                           "embed, block 0..., head.")
+    # VJP residuals shaped like the attention scores: what selective recomputation does not keep.
+    x = jax.ShapeDtypeStruct((microbatch_size, config.seq, config.hidden), jnp.dtype(config.dtype))
+    params = model.init_abstract()["blocks"][0]
+    residuals = jax.eval_shape(lambda p, x: jax.tree_util.tree_leaves(jax.vjp(model.block, p, x)[1]), params, x)
+    s = config.seq
+    attn = sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals
+               if len(r.shape) >= 2 and tuple(r.shape[-2:]) == (s, s))
+    costs = _LayerCosts(profile=prof, embed=prof.layers[0], block=prof.layers[1], head=prof.layers[-1],
+                        attention_residual_bytes=int(attn))
+    _CACHE[key] = costs
+    return costs
+
+
+def _positive_int(name: str, value: Any, example: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"simulate: {name} must be a positive int, got {name}={value!r}; pass e.g. {name}={example}.")
+    return int(value)
+
+
+def _divisors_hint(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp: int, pp: int, dp: int,
+             microbatch_size: int, schedule: str = "1f1b", recompute: str = "full",
+             virtual_stages: int = 1) -> Estimate:
+    """Predict step time, throughput and per-GPU memory of training ``model`` on ``cluster`` with ``tp``-way
+    tensor, ``pp``-way pipeline and ``dp``-way data parallelism (see the module docstring for the model).
+
+    ``model`` is a :class:`~autopp.models.GPTConfig` (or a :class:`~autopp.models.GPT`); ``cluster`` a
+    :class:`Cluster` or a string such as ``"64x8xA100-80GB"``. ``schedule`` is one of :data:`SCHEDULES`
+    (``virtual_stages`` > 1 only with ``"interleaved-1f1b"``), ``recompute`` one of :data:`RECOMPUTE_MODES`.
+    The first call for a (model, microbatch size, device) profiles the model (about a second); later calls use
+    the cached profile.
+    """
+    if isinstance(model, GPT):
+        model = model.config
+    if not isinstance(model, GPTConfig):
+        raise TypeError(f"simulate: model must be an autopp.models.GPTConfig (or GPT), got {type(model).__name__}; "
+                        "pass e.g. GPTConfig(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200, "
+                        "dtype='bfloat16').")
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    elif not isinstance(cluster, Cluster):
+        raise TypeError(f"simulate: cluster must be a Cluster or a string like '4x8xA100-80GB', got {cluster!r}.")
+    global_batch = _positive_int("global_batch", global_batch, 512)
+    tp = _positive_int("tp", tp)
+    pp = _positive_int("pp", pp)
+    dp = _positive_int("dp", dp)
+    mbs = _positive_int("microbatch_size", microbatch_size)
+    v = _positive_int("virtual_stages", virtual_stages)
+    if not isinstance(schedule, str) or schedule.strip().lower().replace("_", "-") not in SCHEDULES:
+        raise ValueError(f"simulate: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}.")
+    schedule = schedule.strip().lower().replace("_", "-")
+    if not isinstance(recompute, str) or recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"simulate: unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}.")
+    n = cluster.num_devices
+    if tp * pp * dp != n:
+        raise ValueError(f"simulate: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the cluster ({cluster}) has {n} "
+                         f"devices; choose degrees whose product is {n} (e.g. dp={n // (tp * pp)} for tp={tp}, "
+                         f"pp={pp})." if n % (tp * pp) == 0 else
+                         f"simulate: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the cluster ({cluster}) has {n} "
+                         f"devices; choose degrees whose product is {n} (tp*pp must divide {n}).")
+    if tp > cluster.devices_per_node:
+        raise ValueError(f"simulate: tp={tp} exceeds the {cluster.devices_per_node} devices of a node; a "
+                         f"tensor-parallel group stays inside a node, so use tp <= {cluster.devices_per_node}.")
+    if model.heads % tp:
+        raise ValueError(f"simulate: tp={tp} must divide the {model.heads} attention heads; use one of "
+                         f"{_divisors_hint(model.heads)}.")
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise ValueError(f"simulate: virtual_stages={v} needs schedule='interleaved-1f1b' (got {schedule!r}); "
+                         "pass virtual_stages=1 or that schedule.")
+    if model.layers % (pp * v):
+        raise ValueError(f"simulate: {model.layers} layers do not split into pp*virtual_stages = {pp}*{v} = {pp * v} "
+                         f"equal stages; choose pp*virtual_stages among {_divisors_hint(model.layers)}.")
+    if global_batch % (mbs * dp):
+        raise ValueError(f"simulate: global_batch={global_batch} is not divisible by microbatch_size*dp = {mbs}*{dp} "
+                         f"= {mbs * dp}; use a global batch that is a multiple of {mbs * dp}.")
+    M = global_batch // (mbs * dp)
+    if schedule == "interleaved-1f1b" and M % pp:
+        raise ValueError(f"simulate: interleaved-1f1b needs the {M} microbatches per pipeline to be a multiple of "
+                         f"pp={pp}; change global_batch or microbatch_size so that global_batch/(microbatch_size*dp) "
+                         f"is a multiple of {pp}.")
+
+    costs = _layer_costs(model, mbs, cluster)
+    tm: KernelTimeModel = costs.profile.time_model
+    dev = cluster.device
+    dpn = cluster.devices_per_node
+    itemsize = jnp.dtype(model.dtype).itemsize
+    s, h, L = model.seq, model.hidden, model.layers
+    elems = mbs * s * h
+    act_msg = elems * itemsize  # one (mbs, s, h) activation in the model dtype
+    emb, blk, head = costs.embed, costs.block, costs.head
+    per_stage = L // pp
+
+    # ---- tensor parallelism: per-microbatch compute and communication of each layer kind ----
+    def replicated_time(nbytes: float) -> float:
+        return nbytes / tm.bytes_per_s
+
+    rep_fwd = (1 - 1 / tp) * replicated_time(REPLICATED_BYTES_PER_ELEMENT * elems * itemsize)
+    blk_f = blk.forward_time_s / tp + rep_fwd
+    blk_b = blk.backward_time_s / tp + 2 * rep_fwd
+    ar = collective_time("all-reduce", act_msg, tp, cluster, spans_nodes=False) if tp > 1 else 0.0
+    # Selective recomputation re-runs the attention core: QK^T and PV matmuls and the softmax.
+    heads_local = model.heads // tp
+    attn_core = OpCost(4.0 * mbs * heads_local * s * s * model.head_dim, 0.0,
+                       itemsize * mbs * heads_local * s * (2 * s + 3 * model.head_dim), 0.0)
+    softmax = OpCost(5.0 * mbs * heads_local * s * s, mbs * heads_local * s * s,
+                     SOFTMAX_BYTES_PER_SCORE * mbs * heads_local * s * s, 0.0)
+    attn_recompute = tm.kernel_time("matmul", attn_core) + tm.kernel_time("fused", softmax)
+    if recompute == "full":
+        blk_recompute, blk_recompute_comm = blk_f, 2 * ar
+    elif recompute == "selective":
+        blk_recompute, blk_recompute_comm = attn_recompute, 0.0
+    else:
+        blk_recompute, blk_recompute_comm = 0.0, 0.0
+    emb_f, emb_b = emb.forward_time_s / tp, emb.backward_time_s / tp
+    head_f, head_b = head.forward_time_s / tp, head.backward_time_s / tp
+
+    # ---- pipeline stages (slowest sets the pace) ----
+    p2p = 0.0
+    if pp > 1:
+        spans = cluster.num_nodes > 1
+        p2p = collective_time("send-recv", act_msg / tp, 2, cluster, spans_nodes=spans)
+        if tp > 1:
+            p2p += collective_time("all-gather", act_msg, tp, cluster, spans_nodes=False)
+    stages = []
+    for i in range(pp):
+        fc = per_stage * blk_f + (emb_f if i == 0 else 0.0) + (head_f if i == pp - 1 else 0.0)
+        bc = per_stage * (blk_b + blk_recompute) + (emb_b if i == 0 else 0.0) + (head_b if i == pp - 1 else 0.0)
+        wc = per_stage * blk.backward_time_s / tp / 2  # weight-gradient half of the backward (ZB-H1's W)
+        fcomm = per_stage * 2 * ar + (ar if i == 0 else 0.0) + (p2p if pp > 1 else 0.0)
+        bcomm = per_stage * (2 * ar + blk_recompute_comm) + (ar if i == pp - 1 else 0.0) + (p2p if pp > 1 else 0.0)
+        stages.append((fc, bc, wc, fcomm, bcomm))
+    slow = max(range(pp), key=lambda i: stages[i][0] + stages[i][1] + stages[i][3] + stages[i][4])
+    fc, bc, wc, fcomm, bcomm = stages[slow]
+    f, b = fc + fcomm, bc + bcomm
+    if schedule in ("gpipe", "1f1b"):
+        bubble = (pp - 1) * (f + b)
+    elif schedule == "interleaved-1f1b":
+        bubble = (pp - 1) * (f + b) / v
+    else:  # zb-h1
+        bubble = (pp - 1) * max(0.0, f + b - 2 * wc)
+    compute_s = M * (fc + bc)
+    tp_comm_s = M * (per_stage * (4 * ar + blk_recompute_comm) + (ar if slow in (0, pp - 1) else 0.0))
+    pp_comm_s = M * (fcomm + bcomm) - tp_comm_s
+    if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
+        pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2, cluster,
+                                     spans_nodes=cluster.num_nodes > 1)
+
+    # ---- parameters per GPU, data-parallel reduction, optimizer ----
+    blk_params = blk.param_bytes / itemsize
+    emb_params = emb.param_bytes / itemsize
+    wte_params = model.vocab * h
+    stage_params = []
+    for i in range(pp):
+        p = per_stage * blk_params + (emb_params if i == 0 else 0.0) + (wte_params if i == pp - 1 and i else 0.0)
+        stage_params.append(p / tp)
+    dp_local = max(1, min(dp, dpn // tp))  # data-parallel replicas inside one node
+    dp_nodes = dp // dp_local
+
+    def grad_reduce(params: float) -> float:
+        nbytes = params * GRAD_REDUCE_BYTES
+        if dp == 1:
+            return 0.0
+        if dp_nodes == 1:
+            return collective_time("all-reduce", nbytes, dp, cluster, spans_nodes=False)
+        t = collective_time("all-reduce", nbytes / dp_local, dp_nodes, cluster, spans_nodes=True)
+        if dp_local > 1:
+            t += (collective_time("reduce-scatter", nbytes, dp_local, cluster, spans_nodes=False)
+                  + collective_time("all-gather", nbytes, dp_local, cluster, spans_nodes=False))
+        return t
+
+    b_slot = b  # stage i's last backward ends i slots before stage 0's
+    dp_comm_s = max(0.0, max(grad_reduce(stage_params[i]) - i * b_slot for i in range(pp)))
+    optimizer_s = max(stage_params) * ADAM_BYTES_PER_PARAM / tm.bytes_per_s
+    step = compute_s + bubble + tp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+
+    # ---- memory per GPU ----
+    weight_b = itemsize + 4  # weights + fp32 gradients
+    opt_b = (4 if itemsize < 4 else 0) + 8  # fp32 master copy + Adam m, v
+    replicated_act = 2 * act_msg  # the two LayerNorm inputs (no sequence parallelism)
+    blk_act_tp = min(blk.activation_bytes, replicated_act) + max(0, blk.activation_bytes - replicated_act) / tp
+    if recompute == "full":
+        blk_keep = blk.recompute_activation_bytes
+        working = blk_act_tp
+    elif recompute == "selective":
+        blk_keep = blk_act_tp - costs.attention_residual_bytes / tp
+        working = 0.0
+    else:
+        blk_keep, working = blk_act_tp, 0.0
+
+    def in_flight(i: int) -> float:
+        """Microbatches' worth of stage-i activations held at stage i's peak."""
+        if schedule == "gpipe":
+            return M
+        if schedule == "interleaved-1f1b" and v > 1:
+            chunks = min((v - 1) * pp + 2 * (pp - i - 1) + 1, M * v)
+            return chunks / v
+        return min(M, pp - i)
+
+    best = None
+    for i in range(pp):
+        n_mb = in_flight(i)
+        act = n_mb * per_stage * blk_keep + working
+        if i == 0:
+            act += n_mb * emb.activation_bytes / tp
+        if i == pp - 1:
+            act += max(1.0, n_mb) * head.activation_bytes / tp
+        total = stage_params[i] * (weight_b + opt_b) + act
+        if best is None or total > best[0]:
+            best = (total, stage_params[i] * weight_b, stage_params[i] * opt_b, act)
+    peak, param_mem, opt_mem, act_mem = best
+
+    # ---- FLOPs ----
+    mb_total = M * dp  # microbatches per step over all replicas
+    model_flops = mb_total * sum(l.flops + l.backward_flops for l in (emb, head)) + mb_total * L * (
+        blk.flops + blk.backward_flops)
+    if recompute == "full":
+        extra = mb_total * L * blk.flops
+    elif recompute == "selective":
+        extra = mb_total * L * (attn_core.flops + softmax.flops) * tp
+    else:
+        extra = 0.0
+    return Estimate(
+        step_time_s=step,
+        tflops_per_gpu=(model_flops + extra) / step / n / 1e12,
+        mfu=model_flops / (step * n * dev.peak_flops("bfloat16")),
+        peak_memory_bytes_per_gpu=int(peak), fits=bool(peak <= dev.memory_capacity),
+        compute_s=compute_s, bubble_s=bubble, tp_comm_s=tp_comm_s, pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s,
+        optimizer_s=optimizer_s, num_microbatches=M, param_bytes=int(param_mem), optimizer_bytes=int(opt_mem),
+        activation_bytes=int(act_mem),
+    )

@@ -1,0 +1,102 @@
+"""Plans: JSON round trip, exact replay, and clear errors for plans that do not fit."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import autopp
+from autopp import Plan
+from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt, tiny_mlp
+
+
+@pytest.fixture(scope="module")
+def mlp_case():
+    model = tiny_mlp()
+    tx = make_optimizer()
+    params = model.init(jax.random.key(0))
+    state = (params, tx.init(params))
+    batch = model.batch(jax.random.key(1), 16)
+    step = make_step(model, tx)
+    return step, state, batch
+
+
+def test_json_round_trip_is_exact(mlp_case, tmp_path):
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="gpipe",
+                              devices=jax.devices()[:4]).plan_for(*state, batch)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = Plan.from_json(path)
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_replayed_plan_runs_the_same_pipeline(mlp_case, tmp_path):
+    step, state, batch = mlp_case
+    original = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="1f1b",
+                                  devices=jax.devices()[4:])
+    plan = original.plan_for(*state, batch)
+    plan.to_json(tmp_path / "plan.json")
+    replay = autopp.parallelize(step, plan=str(tmp_path / "plan.json"))
+    assert replay.plan_for(*state, batch) == plan
+    got, _ = run_steps(replay, state, batch)
+    want, _ = run_steps(original, state, batch)
+    jax.tree.map(np.testing.assert_array_equal, got, want)  # same programs, same order: bit-identical
+    reference, _ = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(got, reference)
+    assert {d.id for leaf in jax.tree.leaves(got[0]) for d in leaf.sharding.device_set} <= {4, 5, 6, 7}
+
+
+def test_plan_for_another_step_is_refused(mlp_case):
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+    gpt = tiny_gpt()
+    tx = make_optimizer()
+    params = gpt.init(jax.random.key(0))
+    other = autopp.parallelize(make_step(gpt, tx), plan=plan)
+    with pytest.raises(ValueError, match=r"plan was made for another step \(model fingerprint"):
+        other(params, tx.init(params), gpt.batch(jax.random.key(1), 8))
+    bigger_batch = jax.tree.map(lambda x: np.concatenate([x, x]), batch)
+    with pytest.raises(ValueError, match=r"plan was made for another step"):
+        autopp.parallelize(step, plan=plan)(*state, bigger_batch)
+
+
+def test_plan_on_missing_devices_is_refused(mlp_case):
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[6:]).plan_for(*state, batch)
+    with pytest.raises(ValueError, match=r"device id\(s\) \[6, 7\].*not among the devices given \(\[0, 1, 2, 3\]\)"):
+        autopp.parallelize(step, plan=plan, devices=jax.devices()[:4])
+
+
+def test_plan_with_conflicting_keywords_is_refused(mlp_case):
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+    with pytest.raises(ValueError, match=r"either plan= or num_stages, schedule, not both"):
+        autopp.parallelize(step, plan=plan, num_stages=2, schedule="gpipe")
+    with pytest.raises(ValueError, match=r"loss_reduction='sum' contradicts the plan's 'mean'"):
+        autopp.parallelize(step, plan=plan, loss_reduction="sum")
+
+
+def test_corrupted_and_unknown_version_plans(mlp_case, tmp_path):
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+    path = tmp_path / "plan.json"
+    text = plan.to_json()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"is not valid JSON .* line \d+"):
+        autopp.parallelize(step, plan=str(path))
+    data = json.loads(text)
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"schema version 99 is not supported: this autopp reads version 1"):
+        Plan.from_json(path)
+    data["schema_version"] = 1
+    del data["stages"][0]["devices"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"malformed stage in plan: missing field\(s\) \['devices'\]"):
+        Plan.from_json(path)
+    with pytest.raises(ValueError, match=r"cannot read plan file"):
+        Plan.from_json(tmp_path / "nope.json")
