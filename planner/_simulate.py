@@ -183,6 +183,16 @@ def _layer_costs(config: GPTConfig, microbatch_size: int, cluster: Cluster) -> _
     return costs
 
 
+def _bubble_time(schedule: str, pp: int, v: int, f: float, b: float, w: float) -> float:
+    """Idle time of a pipeline of ``pp`` ranks beyond ``M (f + b)``, with per-microbatch forward ``f``, backward
+    ``b`` (of which ``w`` is the weight gradient) per rank (a chunk costs ``f/v``, ``b/v`` when interleaved)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) * (f + b)
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) * (f + b) / v
+    return (pp - 1) * max(0.0, f + b - 2 * w)  # zb-h1
+
+
 def _positive_int(name: str, value: Any, example: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"simulate: {name} must be a positive int, got {name}={value!r}; pass e.g. {name}={example}.")
@@ -296,6 +306,7 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
         p2p = collective_time("send-recv", act_msg / tp, 2, cluster, spans_nodes=spans)
         if tp > 1:
             p2p += collective_time("all-gather", act_msg, tp, cluster, spans_nodes=False)
+        p2p *= v  # each of a rank's v model chunks receives (and sends) every microbatch
     stages = []
     for i in range(pp):
         fc = per_stage * blk_f + (emb_f if i == 0 else 0.0) + (head_f if i == pp - 1 else 0.0)
@@ -307,14 +318,10 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     slow = max(range(pp), key=lambda i: stages[i][0] + stages[i][1] + stages[i][3] + stages[i][4])
     fc, bc, wc, fcomm, bcomm = stages[slow]
     f, b = fc + fcomm, bc + bcomm
-    if schedule in ("gpipe", "1f1b"):
-        bubble = (pp - 1) * (f + b)
-    elif schedule == "interleaved-1f1b":
-        bubble = (pp - 1) * (f + b) / v
-    else:  # zb-h1
-        bubble = (pp - 1) * max(0.0, f + b - 2 * wc)
+    bubble = _bubble_time(schedule, pp, v, f, b, wc)
     compute_s = M * (fc + bc)
-    tp_comm_s = M * (per_stage * (4 * ar + blk_recompute_comm) + (ar if slow in (0, pp - 1) else 0.0))
+    tp_comm_s = M * (per_stage * (4 * ar + blk_recompute_comm) + (ar if slow == 0 else 0.0)
+                     + (ar if slow == pp - 1 else 0.0))
     pp_comm_s = M * (fcomm + bcomm) - tp_comm_s
     if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
         pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2, cluster,
@@ -369,6 +376,8 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
         if schedule == "interleaved-1f1b" and v > 1:
             chunks = min((v - 1) * pp + 2 * (pp - i - 1) + 1, M * v)
             return chunks / v
+        if schedule == "zb-h1":  # warm-up forwards plus up to i deferred weight gradients (Qi et al. 2023)
+            return min(M, pp)
         return min(M, pp - i)
 
     best = None

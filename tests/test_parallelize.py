@@ -201,3 +201,23 @@ def test_data_parallel_inside_stages(model_name):
     plan = pstep.plan_for(*state, batch)
     assert [s.devices for s in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert all(len(leaf.sharding.device_set) == 2 for leaf in jax.tree.leaves(got_state[0]))
+
+
+def test_custom_text_schedule():
+    """A schedule written by hand as text (rank rows of F/B actions) runs and matches plain jax.jit."""
+    from autopp.runtime import Schedule
+
+    model, step, state, batch, (expected_state, expected_losses) = _setup("mlp")
+    text = """
+        0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+        1F0 1B0 1F1 1F2 1B1 1B2 1F3 1B3
+    """
+    schedule = Schedule.from_text(text)
+    pstep = autopp.parallelize(step, num_stages=2, num_microbatches=4, schedule=schedule, devices=jax.devices()[:2])
+    got_state, got_losses = run_steps(pstep, state, batch)
+    assert_trees_close(got_losses, expected_losses)
+    assert_trees_close(got_state, expected_state)
+    assert pstep.plan_for(*state, batch).schedule_text == schedule.to_text()
+    bad = Schedule.from_text("0F0 0B0 0F1 0B1\n1B0 1F0 1F1 1B1")
+    with pytest.raises(ValueError, match=r"1B0"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, schedule=bad, devices=jax.devices()[:2])(*state, batch)
