@@ -17,7 +17,8 @@ requested microbatch size, timed by the device table's roofline model); the layo
   ``(pp-1)(f+b)/v``, ZB-H1 ``(pp-1)(f + b - 2w)`` with ``w`` the weight-gradient half of the backward (Qi et
   al. 2023). Activations (and their gradients) cross a stage boundary as ``mbs*s*h`` elements with Megatron's
   scatter/gather optimisation: ``1/tp`` of the message goes over the inter-node link (the pipeline spans
-  nodes whenever the cluster has more than one), then an all-gather inside the node. The tied word-embedding
+  nodes whenever the cluster has more than one), then an all-gather inside the node; with ``v`` interleaved
+  chunks a rank sends ``v`` times per microbatch each way. Sends are not overlapped. The tied word-embedding
   gradient is all-reduced between the first and last stage once per step.
 * **Data parallelism**: the gradients of a stage's ``1/tp`` parameter shard are all-reduced in fp32
   (:data:`GRAD_REDUCE_BYTES`: Megatron-LM accumulates and reduces bf16 models' gradients in fp32) over the ``dp``
@@ -33,8 +34,10 @@ requested microbatch size, timed by the device table's roofline model); the layo
   narrower than fp32) and Adam's fp32 ``m`` and ``v``: 18 bytes per parameter for bf16 (Megatron-LM without a
   distributed optimizer), divided by ``tp`` (the last stage also keeps the tied word embeddings for the head).
   Activations: per layer from the profile (VJP residuals), the replicated part (the two LayerNorm inputs) whole
-  and the rest ``/tp``, times the stage's layers, times the microbatches in flight on the stage (1F1B and ZB-H1:
-  ``min(M, pp - i)`` on stage ``i``; GPipe: ``M``; interleaved: Megatron's warm-up count of model chunks).
+  and the rest ``/tp``, times the stage's layers, times the microbatches in flight on the stage (1F1B:
+  ``min(M, pp - i)`` on stage ``i``; ZB-H1: ``min(M, pp)`` on every stage, its deferred weight gradients keeping
+  activations alive; GPipe: ``M``; interleaved: Megatron's warm-up count of model chunks,
+  ``(v-1) pp + 2 (pp-i-1) + 1``, each ``1/v`` of the stage).
   With full recomputation a block keeps only its input, plus one block's full activations while it recomputes;
   with selective recomputation (Korthikanti et al. 2022: recompute only the attention core, QK^T, softmax and
   the attention-weighted sum) the block drops its ``s x s`` attention residuals and its backward re-runs the
