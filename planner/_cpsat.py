@@ -1,0 +1,136 @@
+"""CP-SAT model: contiguous layers -> pipeline stages, with a recomputation choice per stage, under memory.
+
+This is the core assignment the planner solves for each candidate layout; the outer choices (tensor /
+data degrees, microbatches, schedule) enter through the per-layer times and memories given here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+from ortools.sat.python import cp_model
+
+_TIME_UNIT = 1e-7  # seconds per integer time unit in the model
+_MEM_UNIT = 2**16  # bytes per integer memory unit
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageAssignment:
+    """The solver's answer."""
+
+    stage_starts: tuple[int, ...]
+    """Index of the first layer of each stage."""
+    recompute: tuple[str, ...]
+    """Recomputation option chosen per stage."""
+    bottleneck_s: float
+    """Time of the slowest stage (per microbatch, forward + backward) under the given costs."""
+    stage_times_s: tuple[float, ...]
+    """Time of each stage (per microbatch)."""
+    stage_memory_bytes: tuple[float, ...]
+    """Peak memory of each stage's devices."""
+    status: str
+    """Solver status (``OPTIMAL`` or ``FEASIBLE``)."""
+    wall_time_s: float
+    """Solver wall time."""
+    gap: float
+    """Relative gap between the objective and the solver's bound (0 when optimal)."""
+
+
+def evaluate(stage_starts: Sequence[int], recompute_idx: Sequence[int], layer_time, layer_act, layer_static,
+             in_flight: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Stage times and memories of an assignment (the same cost model the CP-SAT model encodes)."""
+    num_layers = len(layer_static)
+    bounds = list(stage_starts) + [num_layers]
+    times, mems = [], []
+    for s, r in enumerate(recompute_idx):
+        ls = range(bounds[s], bounds[s + 1])
+        times.append(sum(layer_time[r][l] for l in ls))
+        mems.append(sum(layer_static[l] for l in ls) + in_flight[s] * sum(layer_act[r][l] for l in ls))
+    return times, mems
+
+
+def assign_stages(
+    layer_time: Sequence[Sequence[float]],
+    layer_act: Sequence[Sequence[float]],
+    layer_static: Sequence[float],
+    num_stages: int,
+    in_flight: Sequence[int],
+    capacity_bytes: float,
+    *,
+    recompute_options: Sequence[str] = ("none",),
+    time_limit_s: float = 10.0,
+    workers: int = 2,
+) -> StageAssignment | None:
+    """Minimise the slowest stage's time over contiguous stage splits and per-stage recomputation.
+
+    ``layer_time[r][l]`` / ``layer_act[r][l]``: time per microbatch and activation bytes per in-flight
+    microbatch of layer ``l`` under recomputation option ``r``; ``layer_static[l]``: bytes held regardless
+    (parameters, gradients, optimizer state); ``in_flight[s]``: microbatches stage ``s`` keeps alive (1F1B:
+    ``min(M, S - s)``). Every stage's memory must fit ``capacity_bytes``. Returns None when no split fits.
+    """
+    num_layers = len(layer_static)
+    num_opts = len(recompute_options)
+    if num_stages < 1 or num_stages > num_layers:
+        raise ValueError(f"assign_stages: num_stages={num_stages} must be between 1 and the {num_layers} layers.")
+    if len(in_flight) != num_stages:
+        raise ValueError(f"assign_stages: in_flight has {len(in_flight)} entries for {num_stages} stages.")
+    t0 = time.perf_counter()
+    m = cp_model.CpModel()
+    # Prefix sums per option: a stage [b_s, b_{s+1}) costs prefix[b_{s+1}] - prefix[b_s] (element constraints),
+    # so the model has O(stages x options) variables whatever the number of layers.
+    def prefix(values):
+        out = [0]
+        for v in values:
+            out.append(out[-1] + v)
+        return out
+
+    t_pre = [prefix(max(0, round(layer_time[r][l] / _TIME_UNIT)) for l in range(num_layers)) for r in range(num_opts)]
+    a_pre = [prefix(math.ceil(layer_act[r][l] / _MEM_UNIT) for l in range(num_layers)) for r in range(num_opts)]
+    s_pre = prefix(math.ceil(b / _MEM_UNIT) for b in layer_static)
+    cap = math.floor(capacity_bytes / _MEM_UNIT)
+
+    bounds = [m.NewConstant(0)] + [m.NewIntVar(s, num_layers - num_stages + s, f"b{s}") for s in range(1, num_stages)]
+    bounds.append(m.NewConstant(num_layers))
+    for s in range(num_stages):
+        m.Add(bounds[s + 1] >= bounds[s] + 1)
+
+    def at(table, s, name):
+        v = m.NewIntVar(0, table[-1], name)
+        m.AddElement(bounds[s], table, v)
+        return v
+
+    static_at = [at(s_pre, s, f"S{s}") for s in range(num_stages + 1)]
+    time_at = [[at(t_pre[r], s, f"T{r}_{s}") for s in range(num_stages + 1)] for r in range(num_opts)]
+    act_at = [[at(a_pre[r], s, f"A{r}_{s}") for s in range(num_stages + 1)] for r in range(num_opts)]
+    y = [[m.NewBoolVar(f"y{s}_{r}") for r in range(num_opts)] for s in range(num_stages)]
+    bottleneck = m.NewIntVar(0, max(t[-1] for t in t_pre), "T")
+    for s in range(num_stages):
+        m.AddExactlyOne(y[s])
+        for r in range(num_opts):
+            m.Add(bottleneck >= time_at[r][s + 1] - time_at[r][s]).OnlyEnforceIf(y[s][r])
+            m.Add(static_at[s + 1] - static_at[s] + in_flight[s] * (act_at[r][s + 1] - act_at[r][s]) <= cap
+                  ).OnlyEnforceIf(y[s][r])
+    # Redundant bounds that let the solver prove optimality quickly: the slowest stage is at least the
+    # average stage and at least the slowest single layer (each at its cheapest option).
+    cheapest = [min(t_pre[r][l + 1] - t_pre[r][l] for r in range(num_opts)) for l in range(num_layers)]
+    m.Add(bottleneck * num_stages >= sum(cheapest))
+    m.Add(bottleneck >= max(cheapest))
+    m.Minimize(bottleneck)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    starts = [solver.Value(bounds[s]) for s in range(num_stages)]
+    ridx = [next(r for r in range(num_opts) if solver.Value(y[s][r])) for s in range(num_stages)]
+    times, mems = evaluate(starts, ridx, layer_time, layer_act, layer_static, in_flight)
+    obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    return StageAssignment(
+        stage_starts=tuple(starts), recompute=tuple(recompute_options[r] for r in ridx), bottleneck_s=max(times),
+        stage_times_s=tuple(times), stage_memory_bytes=tuple(mems), status=solver.StatusName(status),
+        wall_time_s=time.perf_counter() - t0, gap=(obj - bound) / obj if obj else 0.0,
+    )
