@@ -43,7 +43,7 @@ class TracedStep:
     def spec(self) -> GradSpec:
         return self.grad_eqn.params["spec"]
 
-    @property
+    @functools.cached_property
     def microbatched_grad_inputs(self) -> tuple[bool, ...]:
         """Per input of the gradient equation: whether it derives from a batch argument (is microbatched)."""
         jaxpr = self.jaxpr.jaxpr

@@ -14,8 +14,8 @@ requested microbatch size, timed by the device table's roofline model); the layo
   the head and loss on the last). The slowest stage's forward ``f`` and backward ``b`` per microbatch set the
   pace; the pipeline takes ``M (f + b)`` plus the schedule's bubble, in closed form (checked against
   :func:`autopp.runtime._schedule.simulate_times` in the tests): GPipe and 1F1B ``(pp-1)(f+b)``, interleaved 1F1B
-  ``(pp-1)(f+b)/v``, ZB-H1 ``(pp-1)(f + b - 2w)`` with ``w`` the weight-gradient half of the backward (Qi et
-  al. 2023). Activations (and their gradients) cross a stage boundary as ``mbs*s*h`` elements with Megatron's
+  ``(pp-1)(f+b)/v``, ZB-H1 ``(pp-1) max(f + b - 2w, b - w)`` with ``w`` the weight-gradient half of the
+  backward (Qi et al. 2023's ``(p-1)(T_F + T_B - T_W)`` while ``W <= F``; the input-gradient chain otherwise). Activations (and their gradients) cross a stage boundary as ``mbs*s*h`` elements with Megatron's
   scatter/gather optimisation: ``1/tp`` of the message goes over the inter-node link (the pipeline spans
   nodes whenever the cluster has more than one), then an all-gather inside the node; with ``v`` interleaved
   chunks a rank sends ``v`` times per microbatch each way. Sends are not overlapped. The tied word-embedding
@@ -40,7 +40,9 @@ requested microbatch size, timed by the device table's roofline model); the layo
   ``(v-1) pp + 2 (pp-i-1) + 1``, each ``1/v`` of the stage).
   With full recomputation a block keeps only its input, plus one block's full activations while it recomputes;
   with selective recomputation (Korthikanti et al. 2022: recompute only the attention core, QK^T, softmax and
-  the attention-weighted sum) the block drops its ``s x s`` attention residuals and its backward re-runs the
+  the attention-weighted sum) the block keeps only its VJP residuals that are not shaped like the ``s x s``
+  attention scores (read off ``jax.vjp`` of one block: about Megatron's ``34 s b h`` bytes for GPT in bf16,
+  the same as the paper's count) and its backward re-runs the
   attention core (its time: two ``b*heads*s*s*head_dim`` matmuls plus a memory-bound softmax over
   :data:`SOFTMAX_BYTES_PER_SCORE` bytes per score, on the time model).
 
@@ -138,9 +140,9 @@ class _LayerCosts:
     embed: Any
     block: Any
     head: Any
-    attention_residual_bytes: int
-    """Bytes of a block's VJP residuals shaped like the ``s x s`` attention scores (dropped by selective
-    recomputation)."""
+    non_attention_residual_bytes: int
+    """Bytes of a block's VJP residuals (``jax.vjp`` of one block) not shaped like the ``s x s`` attention scores:
+    what a block keeps with selective recomputation."""
 
 
 _CACHE: dict[tuple, _LayerCosts] = {}
@@ -173,15 +175,15 @@ def _layer_costs(config: GPTConfig, microbatch_size: int, cluster: Cluster) -> _
             n.startswith("block") for n in names[1:-1]):
         raise RuntimeError(f"simulate: unexpected layer structure of the GPT profile: {names}; expected "
                            "embed, block 0..., head.")
-    # VJP residuals shaped like the attention scores: what selective recomputation does not keep.
+    # VJP residuals not shaped like the (s x s) attention scores: what selective recomputation keeps.
     x = jax.ShapeDtypeStruct((microbatch_size, config.seq, config.hidden), jnp.dtype(config.dtype))
     params = model.init_abstract()["blocks"][0]
     residuals = jax.eval_shape(lambda p, x: jax.tree_util.tree_leaves(jax.vjp(model.block, p, x)[1]), params, x)
     s = config.seq
-    attn = sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals
-               if len(r.shape) >= 2 and tuple(r.shape[-2:]) == (s, s))
+    kept = sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals
+               if not (len(r.shape) >= 2 and tuple(r.shape[-2:]) == (s, s)))
     costs = _LayerCosts(profile=prof, embed=prof.layers[0], block=prof.layers[1], head=prof.layers[-1],
-                        attention_residual_bytes=int(attn))
+                        non_attention_residual_bytes=int(kept))
     _CACHE[key] = costs
     return costs
 
@@ -193,7 +195,7 @@ def _bubble_time(schedule: str, pp: int, v: int, f: float, b: float, w: float) -
         return (pp - 1) * (f + b)
     if schedule == "interleaved-1f1b":
         return (pp - 1) * (f + b) / v
-    return (pp - 1) * max(0.0, f + b - 2 * w)  # zb-h1
+    return (pp - 1) * max(f + b - 2 * w, b - w)  # zb-h1
 
 
 def _positive_int(name: str, value: Any, example: int = 1) -> int:
@@ -325,7 +327,7 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     compute_s = M * (fc + bc)
     tp_comm_s = M * (per_stage * (4 * ar + blk_recompute_comm) + (ar if slow == 0 else 0.0)
                      + (ar if slow == pp - 1 else 0.0))
-    pp_comm_s = M * (fcomm + bcomm) - tp_comm_s
+    pp_comm_s = M * 2 * p2p  # fcomm and bcomm each hold one p2p (0 without pipelining)
     if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
         pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2, cluster,
                                      spans_nodes=cluster.num_nodes > 1)
@@ -333,13 +335,13 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     # ---- parameters per GPU, data-parallel reduction, optimizer ----
     blk_params = blk.param_bytes / itemsize
     emb_params = emb.param_bytes / itemsize
-    wte_params = model.vocab * h
+    head_params = head.param_bytes / itemsize + (model.vocab * h if pp > 1 else 0)  # + tied copy of wte
     stage_params = []
     for i in range(pp):
-        p = per_stage * blk_params + (emb_params if i == 0 else 0.0) + (wte_params if i == pp - 1 and i else 0.0)
+        p = per_stage * blk_params + (emb_params if i == 0 else 0.0) + (head_params if i == pp - 1 else 0.0)
         stage_params.append(p / tp)
     dp_local = max(1, min(dp, dpn // tp))  # data-parallel replicas inside one node
-    dp_nodes = dp // dp_local
+    dp_nodes = -(-dp // dp_local)  # nodes the data-parallel group spans
 
     def grad_reduce(params: float) -> float:
         nbytes = params * GRAD_REDUCE_BYTES
@@ -367,7 +369,8 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
         blk_keep = blk.recompute_activation_bytes
         working = blk_act_tp
     elif recompute == "selective":
-        blk_keep = blk_act_tp - costs.attention_residual_bytes / tp
+        kept = min(costs.non_attention_residual_bytes, blk.activation_bytes)
+        blk_keep = min(kept, replicated_act) + max(0, kept - replicated_act) / tp
         working = 0.0
     else:
         blk_keep, working = blk_act_tp, 0.0
