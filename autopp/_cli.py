@@ -167,6 +167,43 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    import json
+
+    from autopp.models import GPTConfig
+    from autopp.planner import simulate
+    from autopp.profiler import Cluster
+
+    if args.model != "gpt":
+        raise ValueError("autopp simulate models GPTs only for now; use --model gpt.")
+    config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                       dtype=args.dtype)
+    cluster = Cluster.parse(args.cluster)
+    if args.override:
+        cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
+    dp = args.dp if args.dp is not None else cluster.num_devices // (args.tp * args.pp)
+    est = simulate(config, cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=dp,
+                   microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=args.recompute,
+                   virtual_stages=args.virtual_stages)
+    if args.json:
+        print(json.dumps({"model": config.to_dict(), "cluster": cluster.to_dict(),
+                          "layout": {"tp": args.tp, "pp": args.pp, "dp": dp, "microbatch_size": args.microbatch_size,
+                                     "schedule": args.schedule, "recompute": args.recompute,
+                                     "virtual_stages": args.virtual_stages},
+                          "predicted": est.to_dict()}, indent=1))
+        return 0
+    print(f"gpt {config.to_dict()} on {cluster}, global batch {args.global_batch}")
+    print(f"layout: tp {args.tp} x pp {args.pp} x dp {dp}, microbatch {args.microbatch_size} "
+          f"({est.num_microbatches} per step), {args.schedule}"
+          f"{f' v={args.virtual_stages}' if args.virtual_stages > 1 else ''}, recompute {args.recompute}")
+    print(f"step time      {est.step_time_s:10.3f} s   (compute {est.compute_s:.3f}, bubble {est.bubble_s:.3f}, "
+          f"tp {est.tp_comm_s:.3f}, pp {est.pp_comm_s:.3f}, dp {est.dp_comm_s:.3f}, optimizer {est.optimizer_s:.3f})")
+    print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {est.mfu * 100:.1f}%")
+    print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / 2**30:10.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'} "
+          f"in {cluster.memory_per_device / 2**30:.0f} GiB)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="autopp", description="Automatic MPMD pipeline parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,6 +229,20 @@ def main(argv=None) -> int:
     prof.add_argument("--measure", action="store_true", help="compile and time each distinct layer locally")
     prof.add_argument("--json", action="store_true", help="machine-readable output")
     prof.set_defaults(func=cmd_profile)
+    sim = sub.add_parser("simulate", help="predict step time, TFLOP/s and memory of a GPT layout on a cluster")
+    _add_model_flags(sim)
+    sim.add_argument("--global-batch", type=_positive, required=True)
+    sim.add_argument("--cluster", required=True, help="e.g. 128x8xH100")
+    sim.add_argument("--tp", type=_positive, default=1)
+    sim.add_argument("--pp", type=_positive, default=1)
+    sim.add_argument("--dp", type=_positive, default=None, help="default: devices / (tp * pp)")
+    sim.add_argument("--microbatch-size", type=_positive, default=1)
+    sim.add_argument("--schedule", default="1f1b")
+    sim.add_argument("--recompute", default="full")
+    sim.add_argument("--virtual-stages", type=_positive, default=1)
+    sim.add_argument("--override", action="append", metavar="FIELD=VALUE", help="override a device field")
+    sim.add_argument("--json", action="store_true")
+    sim.set_defaults(func=cmd_simulate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,34 @@
+"""The autopp command line: demo, simulate (profile is covered in test_profile.py)."""
+
+import json
+
+from autopp._cli import main
+
+
+def test_demo_trains_and_loss_goes_down(capsys):
+    assert main(["demo", "--devices", "4", "--stages", "2", "--microbatches", "2", "--steps", "4", "--batch-size", "8",
+                 "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stage(s), 2 microbatch(es), schedule 1f1b" in out
+    assert out.count("step ") >= 4 and "(down)" in out
+
+
+def test_simulate_json_matches_python_api(capsys):
+    from autopp.models import GPTConfig
+    from autopp.planner import simulate
+
+    args = ["simulate", "--layers", "4", "--hidden", "256", "--heads", "8", "--seq", "512", "--vocab", "1024",
+            "--global-batch", "64", "--cluster", "2x8xA100-80GB", "--tp", "2", "--pp", "2", "--microbatch-size", "2",
+            "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["dp"] == 4
+    est = simulate(GPTConfig(layers=4, hidden=256, heads=8, seq=512, vocab=1024, dtype="bfloat16"), "2x8xA100-80GB",
+                   global_batch=64, tp=2, pp=2, dp=4, microbatch_size=2)
+    assert out["predicted"]["step_time_s"] == est.step_time_s
+
+
+def test_simulate_bad_layout_is_an_error(capsys):
+    assert main(["simulate", "--layers", "4", "--hidden", "256", "--heads", "8", "--global-batch", "64",
+                 "--cluster", "1x8xH100", "--tp", "3"]) == 2
+    assert "tp" in capsys.readouterr().err
