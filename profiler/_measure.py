@@ -59,6 +59,21 @@ def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], needed_out
     return jex_core.ClosedJaxpr(sub, [const_of[v] for v in consts]), ins, outs
 
 
+def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]):
+    """``f(*inputs) -> (outputs, vjp)`` for a jaxpr, differentiating the inputs at ``diff_positions``."""
+
+    def f(*xs):
+        def of_diff(diff_vals):
+            vals = list(xs)
+            for i, d in zip(diff_positions, diff_vals):
+                vals[i] = d
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
+
+        return jax.vjp(of_diff, [xs[i] for i in diff_positions])
+
+    return f
+
+
 def _example(aval, key):
     if jnp.issubdtype(aval.dtype, jnp.floating):
         return jax.random.normal(key, aval.shape, aval.dtype) * 0.02
@@ -96,15 +111,7 @@ def measure_layer(closed: jex_core.ClosedJaxpr, diff: Sequence[bool] | None = No
     def run(*xs):
         return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
 
-    def forward_with_residuals(*xs):
-        def f(diff_vals):
-            vals = list(xs)
-            for i, d in zip(diff, diff_vals):
-                vals[i] = d
-            return run(*vals)
-
-        outs, vjp = jax.vjp(f, [xs[i] for i in diff])
-        return outs, vjp
+    forward_with_residuals = forward_with_vjp(closed, diff)
 
     fwd = jax.jit(run)
     fwd_c = fwd.lower(*args).compile()

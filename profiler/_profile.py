@@ -16,7 +16,7 @@ from autopp.profiler._cluster import Cluster
 from autopp.profiler._costs import aval_bytes, eqn_cost, jaxpr_cost, kernel_costs
 from autopp.profiler._graph import cost_graph
 from autopp.profiler._layers import Layer, group_layers
-from autopp.profiler._measure import ProfileCache, measure_layer, slice_jaxpr
+from autopp.profiler._measure import ProfileCache, forward_with_vjp, measure_layer, slice_jaxpr
 from autopp.profiler._optstate import optimizer_state_owners
 from autopp.profiler._partition import differentiable_vars
 from autopp.profiler._timemodel import KernelTimeModel
@@ -117,16 +117,10 @@ def _jaxpr_time(jaxpr: jex_core.Jaxpr, model: KernelTimeModel) -> float:
 def _vjp_jaxpr(closed: jex_core.ClosedJaxpr, diff: Sequence[bool]) -> jex_core.ClosedJaxpr:
     """Forward plus backward of a layer (cotangents for every float output)."""
     avals = [v.aval for v in closed.jaxpr.invars]
-    idx = [i for i, d in enumerate(diff) if d]
+    forward = forward_with_vjp(closed, [i for i, d in enumerate(diff) if d])
 
     def fwd_bwd(*xs):
-        def f(dv):
-            vals = list(xs)
-            for i, d in zip(idx, dv):
-                vals[i] = d
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
-
-        outs, vjp = jax.vjp(f, [xs[i] for i in idx])
+        outs, vjp = forward(*xs)
         cts = [jax.numpy.ones_like(o) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)
                else np.zeros(o.shape, jax.dtypes.float0) for o in outs]
         return outs, vjp(cts)
