@@ -9,13 +9,19 @@ import time
 
 
 def _use_cpu_devices(n: int) -> None:
-    """Give the CPU backend ``n`` devices (must run before JAX initialises a backend)."""
+    """Make sure the CPU backend has at least ``n`` devices (must run before JAX initialises a backend)."""
+    import jax
+
+    if jax.config.jax_num_cpu_devices >= n:
+        return
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", n)
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # the backend already started with fewer devices
+        raise ValueError(f"autopp: {n} CPU devices are needed but JAX already started with "
+                         f"{len(jax.devices('cpu'))}: {e}") from None
 
 
 def _positive(text: str) -> int:
