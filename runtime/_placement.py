@@ -102,7 +102,6 @@ def place_outer(
         for v in _vars(eqns[i].invars):
             if v not in avail:
                 required[v] |= set(eqn_locs[i])
-    outvar_set = {v for v in _vars(jaxpr.outvars)}
     floating = [i for i in range(len(eqns)) if i != grad_index and i not in anchored]
     changed = True
     while changed:
@@ -110,18 +109,37 @@ def place_outer(
         for i in reversed(floating):
             e = eqns[i]
             locs = set().union(*(required.get(v, set()) for v in e.outvars))
-            if not locs and any(v in outvar_set for v in e.outvars):
-                # Only a step output (e.g. Adam's count + 1): compute it where its inputs live.
-                locs = set().union(*(required.get(v, set()) for v in _vars(e.invars)))
-                if not locs:
-                    locs = {default_loc}
-            if locs and frozenset(locs) != eqn_locs.get(i):
+            if not locs:
+                continue
+            if frozenset(locs) != eqn_locs.get(i):
                 eqn_locs[i] = frozenset(locs | eqn_locs.get(i, frozenset()))
                 changed = True
             for v in _vars(e.invars):
                 if v not in avail and not locs <= required[v]:
                     required[v] |= locs
                     changed = True
+    # Equations nothing downstream requires (they only feed step outputs, e.g. Adam's count + 1 or the
+    # carried PRNG key): computed wherever their inputs already are, so the output lands where the next
+    # step will need the input again.
+    where = {}
+    for v in jaxpr.invars:
+        if required.get(v):
+            where[v] = frozenset(required[v])
+    for i in floating:
+        for v in eqns[i].outvars:
+            if i in eqn_locs:
+                where[v] = eqn_locs[i]
+    for i in floating:
+        if i in eqn_locs:
+            continue
+        e = eqns[i]
+        locs = set().union(*(where.get(v, avail.get(v, frozenset())) for v in _vars(e.invars))) or {default_loc}
+        eqn_locs[i] = frozenset(locs)
+        for v in e.outvars:
+            where[v] = eqn_locs[i]
+        for v in _vars(e.invars):
+            if v not in avail:
+                required[v] |= locs
     input_homes, batch_locs = {}, {}
     for k, v in enumerate(jaxpr.invars):
         locs = frozenset(required.get(v, set()))

@@ -182,7 +182,7 @@ def test_global_norm_clipping_crosses_stages():
     def step(params, opt_state, batch):
         loss, grads = autopp.value_and_grad(model.loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
     expected = jax.jit(step)(*state, batch)
     got = autopp.parallelize(step, num_stages=4, num_microbatches=2, devices=jax.devices()[:4])(*state, batch)
@@ -221,3 +221,74 @@ def test_custom_text_schedule():
     bad = Schedule.from_text("0F0 0B0 0F1 0B1\n1B0 1F0 1F1 1B1")
     with pytest.raises(ValueError, match=r"1B0"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, schedule=bad, devices=jax.devices()[:2])(*state, batch)
+
+
+def test_skip_connection_across_stages():
+    """A value used two stages later (a long skip connection) is sent directly, and its gradient gets
+    contributions from both later stages, summed on the producer."""
+    k = jax.random.split(jax.random.key(3), 6)
+    params = {f"w{i}": jax.random.normal(k[i], (16, 16)) * 0.3 for i in range(6)}
+    batch = {"x": jax.random.normal(jax.random.key(4), (8, 16)), "y": jax.random.normal(jax.random.key(5), (8, 16))}
+
+    def loss_fn(p, b):
+        h1 = jnp.tanh(b["x"] @ p["w0"])
+        h = h1
+        for i in range(1, 6):
+            h = jnp.tanh(h @ p[f"w{i}"])
+            if i in (2, 4):
+                h = h + h1  # h1 is read by the middle stage and by the last one
+        return jnp.mean((h - b["y"]) ** 2)
+
+    def step(p, b, vg):
+        return vg(loss_fn)(p, b)
+
+    expected = jax.jit(lambda p, b: step(p, b, jax.value_and_grad))(params, batch)
+    pstep = autopp.parallelize(lambda p, b: step(p, b, autopp.value_and_grad), num_stages=3, num_microbatches=4,
+                               devices=jax.devices()[:3])
+    labels = pstep.executable_for(params, batch).description
+    assert any(l.startswith("send 0->2") for l in labels), labels
+    assert any(l.startswith("sum grads") for l in labels), labels
+    assert_trees_close(pstep(params, batch), expected, atol=1e-6)
+
+
+def test_preprocessing_rng_and_metrics_outside_the_loss():
+    """Work before the gradient (a PRNG split, batch normalisation, a parameter cast) and after it (a metric
+    over all stages' gradients) is placed on the stages that need it; a key used by several stages lives
+    on all of them, and feeding results back moves nothing."""
+    k = jax.random.split(jax.random.key(7), 4)
+    params = {f"w{i}": jax.random.normal(k[i], (16, 16)) * 0.3 for i in range(4)}
+    batch = {"x": jax.random.normal(jax.random.key(8), (8, 16)), "y": jax.random.normal(jax.random.key(9), (8, 16))}
+
+    def loss_fn(p, x, y, key):
+        # Feature-wise masks (shared by all examples), so that microbatching does not change what is drawn.
+        keep = [jax.random.bernoulli(kk, 0.8, x.shape[-1:]) for kk in jax.random.split(key, 4)]
+        h = x
+        for i in range(4):
+            h = jnp.tanh(h @ p[f"w{i}"]) * keep[i] / 0.8  # dropout on every layer, i.e. on every stage
+        return jnp.mean((h - y) ** 2)
+
+    def step(p, key, b, vg):
+        key, sub = jax.random.split(key)
+        x = (b["x"] - b["x"].mean(axis=1, keepdims=True)) / (b["x"].std(axis=1, keepdims=True) + 1e-5)
+        p32 = jax.tree.map(lambda w: w.astype(jnp.float32), p)
+        loss, grads = vg(loss_fn)(p32, x, b["y"], sub)
+        new_p = jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+        return new_p, key, loss, optax.tree.norm(grads)
+
+    ref = jax.jit(lambda p, key, b: step(p, key, b, jax.value_and_grad))
+    pstep = autopp.parallelize(lambda p, key, b: step(p, key, b, autopp.value_and_grad), num_stages=4,
+                               num_microbatches=2, devices=jax.devices()[:4])
+    key = jax.random.key(0)
+    want_p, want_key, got_p, got_key = params, key, params, key
+    for _ in range(2):
+        want_p, want_key, want_loss, want_norm = ref(want_p, want_key, batch)
+        got_p, got_key, got_loss, got_norm = pstep(got_p, got_key, batch)
+        assert_trees_close((got_p, got_loss, got_norm), (want_p, want_loss, want_norm), atol=1e-6)
+        assert (jax.random.key_data(got_key) == jax.random.key_data(want_key)).all()
+    assert len(got_key.sharding.device_set) == 4  # the key is kept on every stage that draws from it
+    exe = pstep.executable_for(got_p, got_key, batch)
+    leaf_of_slot = dict(zip(exe.input_slots, jax.tree.leaves((got_p, got_key, batch))))
+    for t in exe.tasks:
+        if t.label.startswith("place"):
+            x = leaf_of_slot[t.ins[0]]
+            assert t.fn(x)[0] is x, t.label
