@@ -210,6 +210,18 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_show(args) -> int:
+    from autopp.planner import Plan
+    from autopp.runtime import Schedule
+
+    plan = Plan.from_json(args.plan)
+    print(f"plan {args.plan} (schema {plan.schema_version}, model fingerprint {plan.model_fingerprint})")
+    print(plan)
+    print("schedule:")
+    print(Schedule.from_text(plan.schedule_text, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="autopp", description="Automatic MPMD pipeline parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -249,6 +261,9 @@ def main(argv=None) -> int:
     sim.add_argument("--override", action="append", metavar="FIELD=VALUE", help="override a device field")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=cmd_simulate)
+    show = sub.add_parser("show", help="print a saved plan: stage table and schedule grid")
+    show.add_argument("plan", help="path of a plan's JSON (plan.to_json(path))")
+    show.set_defaults(func=cmd_show)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

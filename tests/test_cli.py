@@ -32,3 +32,23 @@ def test_simulate_bad_layout_is_an_error(capsys):
     assert main(["simulate", "--layers", "4", "--hidden", "256", "--heads", "8", "--global-batch", "64",
                  "--cluster", "1x8xH100", "--tp", "3"]) == 2
     assert "tp" in capsys.readouterr().err
+
+
+def test_show_prints_a_saved_plan(tmp_path, capsys):
+    import jax
+
+    import autopp
+    from tests._helpers import make_optimizer, make_step, tiny_mlp
+
+    model, tx = tiny_mlp(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    plan = autopp.parallelize(make_step(model, tx), num_stages=2, num_microbatches=4,
+                              devices=jax.devices()[:2]).plan_for(params, tx.init(params), model.batch(jax.random.key(1), 8))
+    plan.to_json(tmp_path / "plan.json")
+    assert main(["show", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stage(s), 4 microbatch(es), schedule 1f1b" in out
+    assert "rank 0 |" in out and "1B3" in out
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["show", str(tmp_path / "bad.json")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
