@@ -79,28 +79,32 @@ def _inline_calls(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
     return jax.make_jaxpr(interpret)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars])
 
 
-def _eval_inlining(jaxpr, consts, args):
-    env = {}
+def eval_jaxpr_with(jaxpr, consts, args, override: Callable | None = None):
+    """Evaluate ``jaxpr`` equation by equation; ``override(index, eqn, invals)`` may return the outputs of an
+    equation instead of binding it (None: bind as usual)."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
 
     def read(a):
         return a.val if isinstance(a, jex_core.Literal) else env[a]
 
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
+    for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(a) for a in eqn.invars]
-        body = _compat.call_body(eqn)
-        if body is not None:
-            outs = _eval_inlining(body.jaxpr, body.consts, invals)
-        else:
+        outs = override(i, eqn, invals) if override is not None else None
+        if outs is None:
             outs = eqn.primitive.bind(*invals, **eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
+        env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
+
+
+def _eval_inlining(jaxpr, consts, args):
+    def inline(_, eqn, invals):
+        body = _compat.call_body(eqn)
+        return None if body is None else _eval_inlining(body.jaxpr, body.consts, invals)
+
+    return eval_jaxpr_with(jaxpr, consts, args, inline)
 
 
 def _contains_grad(jaxpr) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from autopp import _compat
+from autopp._trace import eval_jaxpr_with
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import place_outer
@@ -221,7 +222,6 @@ class _Builder:
         compiled = _compile_all([lo for _, lo in programs])
         for t, index in self.pending:
             self.tasks[t] = dataclasses.replace(self.tasks[t], fn=compiled[index])
-        self.num_programs = len(compiled)
         self.pending = []
 
     # -- the forward split ----------------------------------------------------------------------
@@ -700,8 +700,9 @@ class _Builder:
             return [o / M for o in outs] if mean else outs
 
         def whole(*flat):
-            return tuple(_eval_with_grad_rule(jaxpr, self.traced.jaxpr.consts, flat, self.traced.grad_index,
-                                              accumulate))
+            grad_index = self.traced.grad_index
+            return tuple(eval_jaxpr_with(jaxpr, self.traced.jaxpr.consts, flat,
+                                         lambda i, _, invals: accumulate(*invals) if i == grad_index else None))
 
         in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b else rep
                  for v, b in zip(jaxpr.invars, self.traced.batch_mask)]
@@ -744,26 +745,6 @@ class _Builder:
 
     def describe(self) -> list[str]:
         return [t.label for t in self.tasks]
-
-
-def _eval_with_grad_rule(jaxpr, consts, args, grad_index, grad_rule):
-    """Evaluate the step's jaxpr, computing its gradient equation with ``grad_rule(*invals)``."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(a):
-        return a.val if isinstance(a, Literal) else env[a]
-
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(a) for a in eqn.invars]
-        if i == grad_index:
-            outs = grad_rule(*invals)
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(a) for a in jaxpr.outvars]
 
 
 def _sum_program(n, sharding):

@@ -42,8 +42,6 @@ class OuterPlacement:
     """Per (equation, location): the phase, i.e. how many cross-location hops precede it."""
     input_homes: dict[int, frozenset[int]]
     """Per non-batch step input (flat index): the locations that keep it."""
-    batch_locs: dict[int, frozenset[int]]
-    """Per batch step input: the locations the full batch leaf is shipped to."""
     out_locs: list[frozenset[int] | None]
     """Per step output: locations that hold it (None: a literal or an unplaced input)."""
 
@@ -140,12 +138,10 @@ def place_outer(
         for v in _vars(e.invars):
             if v not in avail:
                 required[v] |= locs
-    input_homes, batch_locs = {}, {}
+    input_homes = {}
     for k, v in enumerate(jaxpr.invars):
         locs = frozenset(required.get(v, set()))
-        if batch_mask[k]:
-            batch_locs[k] = locs
-        elif locs:
+        if not batch_mask[k] and locs:
             input_homes[k] = locs
     for i in floating:
         for v in eqns[i].outvars:
@@ -184,4 +180,4 @@ def place_outer(
             out_locs.append(frozenset({default_loc}))
     region = {i: ("pre" if i in pre else "post") for i in eqn_locs}
     return OuterPlacement(eqn_locs=eqn_locs, region=region, phase=phase, input_homes=input_homes,
-                          batch_locs=batch_locs, out_locs=out_locs)
+                          out_locs=out_locs)

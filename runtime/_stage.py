@@ -215,4 +215,3 @@ class StagePrograms:
         self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings,
                                out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
                                donate_argnums=tuple(range(len(g.inputs), len(g.inputs) + len(param_idx))))
-        self.ct_seeds = seeds
