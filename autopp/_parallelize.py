@@ -21,7 +21,7 @@ from autopp.planner._plan import Plan, StagePlan
 from autopp.profiler._partition import StageSplit, split_at, split_stages
 from autopp.profiler._costs import aval_bytes
 from autopp.runtime._executor import Executable, build_executable
-from autopp.runtime._schedule import SCHEDULE_NAMES, Schedule, get_schedule, validate
+from autopp.planner._schedule import SCHEDULE_NAMES, Schedule, get_schedule, validate
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

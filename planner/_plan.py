@@ -1,4 +1,5 @@
-"""The plan: what a pipelined step will do (stages, devices, microbatches, schedule)."""
+"""The plan: what a pipelined step will do (stages, devices, layouts, microbatches, schedule), what the planner
+predicts for it, and how the planner found it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import json
 import os
 from typing import Any
 
-SCHEMA_VERSION = 1
+from autopp.planner._simulate import Estimate
+
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions :meth:`Plan.from_dict` reads (version 1 plans lack the layout, prediction and planner fields)."""
+
+MESH_AXES = ("data", "fsdp", "tensor")
+"""Axes of a stage's sub-mesh: batch split (data), batch split with sharded state (FSDP/ZeRO-3), Megatron
+tensor parallelism."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,10 +29,11 @@ class StagePlan:
     """Ids of the devices of this stage's sub-mesh."""
     mesh_shape: dict[str, int]
     """Axes of the stage's sub-mesh and their sizes, e.g. ``{"data": 2}``."""
-    equations: tuple[int, int]
+    equations: tuple[int, int] | None
     """First and last index (inclusive) of the loss's forward equations this stage computes (the
-    first one, ``equations[0]``, is what a replayed plan splits at)."""
-    num_equations: int
+    first one, ``equations[0]``, is what a replayed plan splits at); None in a plan made offline from a model
+    description, which is not traced."""
+    num_equations: int | None
     """How many forward equations the stage runs (parameter-only ones shared with other stages included)."""
     flops: float
     """Forward FLOPs of one microbatch-sized batch on this stage (the balanced quantity)."""
@@ -31,11 +41,30 @@ class StagePlan:
     """Bytes of the parameters this stage owns."""
     cut_bytes_after: int
     """Activation bytes sent to later stages per microbatch (0 for the last stage)."""
+    layers: tuple[int, int] | None = None
+    """First and last index (inclusive) of the profiler's layers on this stage (None when the stage was split
+    by equations without layers)."""
+    recompute: str = "none"
+    """Activation recomputation on this stage: ``none``, ``full`` or ``selective``."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.mesh_shape) - set(MESH_AXES))
+        if unknown:
+            raise ValueError(f"stage {self.index}: unknown mesh axes {unknown}; a stage mesh has the axes {MESH_AXES}.")
+        size = 1
+        for n in self.mesh_shape.values():
+            size *= n
+        if size != len(self.devices):
+            raise ValueError(f"stage {self.index}: mesh shape {self.mesh_shape} has {size} devices but the stage "
+                             f"lists {len(self.devices)}; make the product of the axis sizes the device count.")
+        if self.recompute not in ("none", "full", "selective"):
+            raise ValueError(f"stage {self.index}: unknown recompute {self.recompute!r}; use none, full or selective.")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["devices"] = list(self.devices)
-        d["equations"] = list(self.equations)
+        for key in ("equations", "layers"):
+            d[key] = None if d[key] is None else list(d[key])
         return d
 
     @classmethod
@@ -43,9 +72,31 @@ class StagePlan:
         _check_fields(cls, data, "stage")
         d = dict(data)
         d["devices"] = tuple(d["devices"])
-        d["equations"] = tuple(d["equations"])
+        for key in ("equations", "layers"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         d["mesh_shape"] = dict(d["mesh_shape"])
         return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannerStats:
+    """How the planner found a plan."""
+
+    wall_time_s: float
+    """Seconds of planning (profiling included)."""
+    solver_status: str
+    """CP-SAT's status for the chosen plan's stage assignment (``OPTIMAL``, ``FEASIBLE``), or ``UNIFORM`` when
+    the best plan is an equal split that the solver could not improve."""
+    optimality_gap: float
+    """Relative gap between CP-SAT's objective and its bound for that assignment (0 when optimal)."""
+    candidates: int
+    """Layouts (tensor, pipeline, data, FSDP degrees x microbatch size x schedule x recomputation) evaluated."""
+    best_uniform_step_time_s: float
+    """Predicted step time of the best equal-split layout found by enumeration (the plan is never slower)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +115,16 @@ class Plan:
     """The schedule as text, one row per rank (see :class:`autopp.runtime.Schedule`)."""
     loss_reduction: str
     """How microbatch losses and gradients combine: ``mean`` or ``sum``."""
+    microbatch_size: int | None = None
+    """Examples per microbatch per data-parallel replica (None when not fixed by the planner)."""
+    virtual_stages: int = 1
+    """Model chunks per device with ``interleaved-1f1b`` (1 otherwise)."""
+    cluster: dict[str, Any] | None = None
+    """The cluster the plan was made for (:meth:`autopp.Cluster.to_dict`), or None for the local devices."""
+    predicted: Estimate | None = None
+    """What the planner predicts for one step (step time, TFLOP/s and memory per device, ...)."""
+    planner: PlannerStats | None = None
+    """How the plan was found (None for a plan with fixed stage and microbatch counts)."""
     schema_version: int = SCHEMA_VERSION
     """Version of this plan's JSON layout."""
 
@@ -76,9 +137,14 @@ class Plan:
             "schema_version": self.schema_version,
             "model_fingerprint": self.model_fingerprint,
             "num_microbatches": self.num_microbatches,
+            "microbatch_size": self.microbatch_size,
             "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
             "schedule_text": self.schedule_text,
             "loss_reduction": self.loss_reduction,
+            "cluster": self.cluster,
+            "predicted": None if self.predicted is None else self.predicted.to_dict(),
+            "planner": None if self.planner is None else self.planner.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
         }
 
@@ -95,14 +161,20 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}.")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(
-                f"plan schema version {version!r} is not supported: this autopp reads version {SCHEMA_VERSION}. "
-                "Make the plan again with this version of autopp (step.plan_for(...).to_json(path))."
+                f"plan schema version {version!r} is not supported: this autopp reads version(s) "
+                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}. Make the plan again with this version of autopp "
+                "(step.plan_for(...).to_json(path) or `autopp plan ... --out plan.json`)."
             )
         _check_fields(cls, data, "plan")
         d = dict(data)
+        d["schema_version"] = SCHEMA_VERSION  # read as the current version (missing fields take their defaults)
         d["stages"] = tuple(StagePlan.from_dict(st) for st in d["stages"])
+        for key, kind in (("predicted", Estimate), ("planner", PlannerStats)):
+            if d.get(key) is not None:
+                _check_fields(kind, d[key], key)
+                d[key] = kind(**d[key])
         return cls(**d)
 
     @classmethod
@@ -127,18 +199,46 @@ class Plan:
         return cls.from_dict(data)
 
     def __str__(self) -> str:
-        lines = [
-            f"pipeline: {self.num_stages} stage(s), {self.num_microbatches} microbatch(es), "
-            f"schedule {self.schedule}, loss reduction {self.loss_reduction}",
-            f"{'stage':>5}  {'devices':<16} {'equations':>13}  {'GFLOP/mb':>9}  {'params MB':>9}  {'sends MB/mb':>11}",
-        ]
+        mb = f" of {self.microbatch_size} example(s)" if self.microbatch_size else ""
+        sched = self.schedule + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        lines = [f"pipeline: {self.num_stages} stage(s), {self.num_microbatches} microbatch(es){mb}, "
+                 f"schedule {sched}, loss reduction {self.loss_reduction}"]
+        if self.cluster is not None:
+            lines[0] += f", cluster {self.cluster['num_nodes']}x{self.cluster['devices_per_node']}x" \
+                        f"{self.cluster['device']['name']}"
+        lines.append(f"{'stage':>5}  {'devices':<16} {'layout':<22} {'layers':>9} {'equations':>11}  "
+                     f"{'recompute':<9}  {'GFLOP/mb':>10}  {'params MB':>10}  {'sends MB/mb':>11}")
         for s in self.stages:
-            eq = f"{s.equations[0]}-{s.equations[1]}"
+            eq = "-" if s.equations is None else f"{s.equations[0]}-{s.equations[1]}"
+            layers = "-" if s.layers is None else f"{s.layers[0]}-{s.layers[1]}"
+            layout = " ".join(f"{k}={v}" for k, v in s.mesh_shape.items() if v > 1) or "1 device"
             lines.append(
-                f"{s.index:>5}  {','.join(map(str, s.devices)):<16} {eq:>13}  {s.flops / 1e9:>9.4f}  "
-                f"{s.param_bytes / 1e6:>9.3f}  {s.cut_bytes_after / 1e6:>11.3f}"
+                f"{s.index:>5}  {_id_ranges(s.devices):<16} {layout:<22} {layers:>9} {eq:>11}  {s.recompute:<9}  "
+                f"{s.flops / 1e9:>10.4g}  {s.param_bytes / 1e6:>10.4g}  {s.cut_bytes_after / 1e6:>11.4g}"
             )
+        if self.predicted is not None:
+            e = self.predicted
+            lines.append(
+                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu:.1f} TFLOP/s per device, MFU "
+                f"{100 * e.mfu:.1f}%, peak memory {e.peak_memory_bytes_per_gpu / 2**30:.2f} GiB per device "
+                f"({'fits' if e.fits else 'DOES NOT FIT'})")
+        if self.planner is not None:
+            st = self.planner
+            lines.append(
+                f"planner: {st.wall_time_s:.2f} s, {st.candidates} layouts, stage split {st.solver_status} "
+                f"(gap {100 * st.optimality_gap:.2g}%), best equal split {st.best_uniform_step_time_s:.4g} s")
         return "\n".join(lines)
+
+
+def _id_ranges(ids: tuple[int, ...]) -> str:
+    """``0,1,2,3,8`` -> ``0-3,8``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _check_fields(cls, data: dict, what: str) -> None:

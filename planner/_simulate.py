@@ -13,7 +13,7 @@ requested microbatch size, timed by the device table's roofline model); the layo
 * **Pipeline parallelism**: stage ``i`` gets ``layers/pp`` consecutive blocks (the embedding on the first stage,
   the head and loss on the last). The slowest stage's forward ``f`` and backward ``b`` per microbatch set the
   pace; the pipeline takes ``M (f + b)`` plus the schedule's bubble, in closed form (checked against
-  :func:`autopp.runtime._schedule.simulate_times` in the tests): GPipe and 1F1B ``(pp-1)(f+b)``, interleaved 1F1B
+  :func:`autopp.planner._schedule.simulate_times` in the tests): GPipe and 1F1B ``(pp-1)(f+b)``, interleaved 1F1B
   ``(pp-1)(f+b)/v``, ZB-H1 ``(pp-1) max(f + b - 2w, b - w)`` with ``w`` the weight-gradient half of the
   backward (Qi et al. 2023's ``(p-1)(T_F + T_B - T_W)`` while ``W <= F``; the input-gradient chain otherwise). Activations (and their gradients) cross a stage boundary as ``mbs*s*h`` elements with Megatron's
   scatter/gather optimisation: ``1/tp`` of the message goes over the inter-node link (the pipeline spans
@@ -28,6 +28,11 @@ requested microbatch size, timed by the device table's roofline model); the layo
   backward slots before stage 0, so its reduction hides behind the later stages' backwards; what sticks out
   past the end of the pipeline is exposed (in practice stage 0's whole share). No overlap *within* a stage's
   backward is assumed (Megatron-LM 2021 reduces after the backward pass).
+* **FSDP** (ZeRO-3, Rajbhandari et al. 2020) over ``fsdp`` of the ``dp`` replicas: weights, gradients and
+  optimizer state are divided by ``fsdp``; every microbatch all-gathers the stage's weights for the forward and
+  again for the backward and reduce-scatters the fp32 gradients; prefetching hides this traffic behind the
+  stage's compute, and only what exceeds it is exposed. The replicas of a shard (``dp/fsdp``) all-reduce it once
+  per step as above. Two gathered blocks and one block's gradients are held unsharded.
 * **Optimizer**: mixed-precision Adam, memory-bound: :data:`ADAM_BYTES_PER_PARAM` bytes of HBM traffic per
   parameter of the GPU's shard at the time model's bandwidth.
 * **Memory per GPU**: weights in the model dtype, fp32 gradients, an fp32 master copy (when the weights are
@@ -111,6 +116,9 @@ class Estimate:
     """Seconds of pipeline bubble (the schedule's fill and drain at the slowest stage's pace)."""
     tp_comm_s: float
     """Seconds of tensor-parallel all-reduces on the slowest stage (not overlapped)."""
+    fsdp_comm_s: float
+    """Exposed seconds of FSDP (ZeRO-3) weight gathers and gradient reduce-scatters on the slowest stage (the part
+    the stage's compute does not hide; 0 without FSDP)."""
     pp_comm_s: float
     """Seconds of stage-to-stage sends and the tied-embedding gradient all-reduce (not overlapped)."""
     dp_comm_s: float
@@ -210,14 +218,15 @@ def _divisors_hint(n: int) -> str:
 
 def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp: int, pp: int, dp: int,
              microbatch_size: int, schedule: str = "1f1b", recompute: str = "full",
-             virtual_stages: int = 1) -> Estimate:
+             virtual_stages: int = 1, fsdp: int = 1) -> Estimate:
     """Predict step time, throughput and per-GPU memory of training ``model`` on ``cluster`` with ``tp``-way
     tensor, ``pp``-way pipeline and ``dp``-way data parallelism (see the module docstring for the model).
 
     ``model`` is a :class:`~autopp.models.GPTConfig` (or a :class:`~autopp.models.GPT`); ``cluster`` a
     :class:`Cluster` or a string such as ``"64x8xA100-80GB"``. ``schedule`` is one of :data:`SCHEDULES`
     (``virtual_stages`` > 1 only with ``"interleaved-1f1b"``), ``recompute`` one of :data:`RECOMPUTE_MODES`.
-    The first call for a (model, microbatch size, device) profiles the model (about a second); later calls use
+    ``fsdp`` (a divisor of ``dp``) shards parameters, gradients and optimizer state ZeRO-3 style over that many of
+    the data-parallel replicas. The first call for a (model, microbatch size, device) profiles the model (about a second); later calls use
     the cached profile.
     """
     if isinstance(model, GPT):
@@ -236,6 +245,10 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     dp = _positive_int("dp", dp)
     mbs = _positive_int("microbatch_size", microbatch_size)
     v = _positive_int("virtual_stages", virtual_stages)
+    fsdp = _positive_int("fsdp", fsdp)
+    if dp % fsdp:
+        raise ValueError(f"simulate: fsdp={fsdp} must divide dp={dp} (FSDP shards the state over part of the "
+                         f"data-parallel group); use one of {_divisors_hint(dp)}.")
     if not isinstance(schedule, str) or schedule.strip().lower().replace("_", "-") not in SCHEDULES:
         raise ValueError(f"simulate: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}.")
     schedule = schedule.strip().lower().replace("_", "-")
@@ -270,6 +283,22 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
                          f"is a multiple of {pp}.")
 
     costs = _layer_costs(model, mbs, cluster)
+    per_stage = model.layers // pp
+    return _estimate(model, cluster, costs, global_batch=global_batch, tp=tp, dp=dp, fsdp=fsdp, microbatch_size=mbs,
+                     schedule=schedule, virtual_stages=v, stage_blocks=[per_stage] * pp,
+                     stage_recompute=[recompute] * pp)
+
+
+def _estimate(model: GPTConfig, cluster: Cluster, costs: _LayerCosts, *, global_batch: int, tp: int, dp: int,
+              fsdp: int, microbatch_size: int, schedule: str, virtual_stages: int, stage_blocks: list[int],
+              stage_recompute: list[str], exact: bool = False) -> Estimate:
+    """The estimate of a validated layout whose stage ``i`` holds ``stage_blocks[i]`` transformer blocks (stage 0
+    also the embedding, the last also the head) and recomputes them as ``stage_recompute[i]`` says. With
+    ``exact``, the pipeline's makespan comes from the discrete-event simulation of the schedule
+    (:func:`autopp.planner._schedule.simulate_times`) with each stage's own forward and backward times instead of
+    the closed form at the slowest stage's pace."""
+    pp, v, mbs = len(stage_blocks), virtual_stages, microbatch_size
+    M = global_batch // (mbs * dp)
     tm: KernelTimeModel = costs.profile.time_model
     dev = cluster.device
     dpn = cluster.devices_per_node
@@ -278,13 +307,9 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     elems = mbs * s * h
     act_msg = elems * itemsize  # one (mbs, s, h) activation in the model dtype
     emb, blk, head = costs.embed, costs.block, costs.head
-    per_stage = L // pp
 
     # ---- tensor parallelism: per-microbatch compute and communication of each layer kind ----
-    def replicated_time(nbytes: float) -> float:
-        return nbytes / tm.bytes_per_s
-
-    rep_fwd = (1 - 1 / tp) * replicated_time(REPLICATED_BYTES_PER_ELEMENT * elems * itemsize)
+    rep_fwd = (1 - 1 / tp) * REPLICATED_BYTES_PER_ELEMENT * elems * itemsize / tm.bytes_per_s
     blk_f = blk.forward_time_s / tp + rep_fwd
     blk_b = blk.backward_time_s / tp + 2 * rep_fwd
     ar = collective_time("all-reduce", act_msg, tp, cluster, spans_nodes=False) if tp > 1 else 0.0
@@ -295,16 +320,30 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     softmax = OpCost(5.0 * mbs * heads_local * s * s, mbs * heads_local * s * s,
                      SOFTMAX_BYTES_PER_SCORE * mbs * heads_local * s * s, 0.0)
     attn_recompute = tm.kernel_time("matmul", attn_core) + tm.kernel_time("fused", softmax)
-    if recompute == "full":
-        blk_recompute, blk_recompute_comm = blk_f, 2 * ar
-    elif recompute == "selective":
-        blk_recompute, blk_recompute_comm = attn_recompute, 0.0
-    else:
-        blk_recompute, blk_recompute_comm = 0.0, 0.0
+    # Per recomputation mode: extra backward time and communication per block, extra FLOPs per block.
+    recompute_time = {"none": (0.0, 0.0, 0.0), "full": (blk_f, 2 * ar, blk.flops),
+                      "selective": (attn_recompute, 0.0, (attn_core.flops + softmax.flops) * tp)}
     emb_f, emb_b = emb.forward_time_s / tp, emb.backward_time_s / tp
     head_f, head_b = head.forward_time_s / tp, head.backward_time_s / tp
 
-    # ---- pipeline stages (slowest sets the pace) ----
+    # ---- parameters per GPU (before FSDP sharding) ----
+    blk_params = blk.param_bytes / itemsize
+    emb_params = emb.param_bytes / itemsize
+    head_params = head.param_bytes / itemsize + (model.vocab * h if pp > 1 else 0)  # + tied copy of wte
+    stage_params = [(n * blk_params + (emb_params if i == 0 else 0.0) + (head_params if i == pp - 1 else 0.0)) / tp
+                    for i, n in enumerate(stage_blocks)]
+
+    # ---- FSDP (ZeRO-3) inside the data-parallel group: gather the weights for the forward and again for the
+    # backward, reduce-scatter the gradients, every microbatch; prefetching overlaps it with the stage's compute.
+    fsdp_spans = fsdp * tp > dpn
+
+    def fsdp_comm(params: float) -> float:
+        if fsdp == 1:
+            return 0.0
+        return (2 * collective_time("all-gather", params * itemsize, fsdp, cluster, spans_nodes=fsdp_spans)
+                + collective_time("reduce-scatter", params * GRAD_REDUCE_BYTES, fsdp, cluster, spans_nodes=fsdp_spans))
+
+    # ---- pipeline stages ----
     p2p = 0.0
     if pp > 1:
         spans = cluster.num_nodes > 1
@@ -313,42 +352,47 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
             p2p += collective_time("all-gather", act_msg, tp, cluster, spans_nodes=False)
         p2p *= v  # each of a rank's v model chunks receives (and sends) every microbatch
     stages = []
-    for i in range(pp):
-        fc = per_stage * blk_f + (emb_f if i == 0 else 0.0) + (head_f if i == pp - 1 else 0.0)
-        bc = per_stage * (blk_b + blk_recompute) + (emb_b if i == 0 else 0.0) + (head_b if i == pp - 1 else 0.0)
-        wc = per_stage * blk.backward_time_s / tp / 2  # weight-gradient half of the backward (ZB-H1's W)
-        fcomm = per_stage * 2 * ar + (ar if i == 0 else 0.0) + (p2p if pp > 1 else 0.0)
-        bcomm = per_stage * (2 * ar + blk_recompute_comm) + (ar if i == pp - 1 else 0.0) + (p2p if pp > 1 else 0.0)
-        stages.append((fc, bc, wc, fcomm, bcomm))
-    slow = max(range(pp), key=lambda i: stages[i][0] + stages[i][1] + stages[i][3] + stages[i][4])
-    fc, bc, wc, fcomm, bcomm = stages[slow]
-    f, b = fc + fcomm, bc + bcomm
-    bubble = _bubble_time(schedule, pp, v, f, b, wc)
-    compute_s = M * (fc + bc)
-    tp_comm_s = M * (per_stage * (4 * ar + blk_recompute_comm) + (ar if slow == 0 else 0.0)
-                     + (ar if slow == pp - 1 else 0.0))
-    pp_comm_s = M * 2 * p2p  # fcomm and bcomm each hold one p2p (0 without pipelining)
+    for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute)):
+        rec_t, rec_comm, _ = recompute_time[r]
+        fc = n * blk_f + (emb_f if i == 0 else 0.0) + (head_f if i == pp - 1 else 0.0)
+        bc = n * (blk_b + rec_t) + (emb_b if i == 0 else 0.0) + (head_b if i == pp - 1 else 0.0)
+        wc = n * blk.backward_time_s / tp / 2  # weight-gradient half of the backward (ZB-H1's W)
+        tpc_f = n * 2 * ar + (ar if i == 0 else 0.0)
+        tpc_b = n * (2 * ar + rec_comm) + (ar if i == pp - 1 else 0.0)
+        fs = max(0.0, fsdp_comm(stage_params[i]) - (fc + bc))  # exposed FSDP traffic per microbatch
+        stages.append(dict(fc=fc, bc=bc, wc=wc, tpc=tpc_f + tpc_b, fsdp=fs, f=fc + tpc_f + p2p + fs / 2,
+                           b=bc + tpc_b + p2p + fs / 2))
+    slow = max(range(pp), key=lambda i: stages[i]["f"] + stages[i]["b"])
+    st = stages[slow]
+    f, b = st["f"], st["b"]
+    compute_s = M * (st["fc"] + st["bc"])
+    if exact and pp > 1:
+        from autopp.planner._schedule import get_schedule, simulate_times
+
+        sched = get_schedule(schedule, pp * v, M, virtual_stages=v)
+        chunk = lambda key: [stages[c % pp][key] / v for c in range(pp * v)]  # noqa: E731 (chunk c on rank c % pp)
+        times = simulate_times(sched, chunk("f"), chunk("b"), chunk("wc") if schedule == "zb-h1" else None)
+        bubble = max(end for _, end in times.values()) - M * (f + b)
+    else:
+        bubble = _bubble_time(schedule, pp, v, f, b, st["wc"])
+    tp_comm_s = M * st["tpc"]
+    fsdp_comm_s = M * st["fsdp"]
+    pp_comm_s = M * 2 * p2p  # each microbatch's forward and backward send (0 without pipelining)
     if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
         pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2, cluster,
                                      spans_nodes=cluster.num_nodes > 1)
 
-    # ---- parameters per GPU, data-parallel reduction, optimizer ----
-    blk_params = blk.param_bytes / itemsize
-    emb_params = emb.param_bytes / itemsize
-    head_params = head.param_bytes / itemsize + (model.vocab * h if pp > 1 else 0)  # + tied copy of wte
-    stage_params = []
-    for i in range(pp):
-        p = per_stage * blk_params + (emb_params if i == 0 else 0.0) + (head_params if i == pp - 1 else 0.0)
-        stage_params.append(p / tp)
-    dp_local = max(1, min(dp, dpn // tp))  # data-parallel replicas inside one node
-    dp_nodes = -(-dp // dp_local)  # nodes the data-parallel group spans
+    # ---- data-parallel reduction, optimizer ----
+    replicas = dp // fsdp  # groups holding a full copy of the (FSDP-sharded) state
+    dp_local = max(1, min(replicas, dpn // (tp * fsdp)))  # replicas inside one node
+    dp_nodes = -(-replicas // dp_local)  # nodes the replica group spans
 
     def grad_reduce(params: float) -> float:
-        nbytes = params * GRAD_REDUCE_BYTES
-        if dp == 1:
+        nbytes = params / fsdp * GRAD_REDUCE_BYTES
+        if replicas == 1:
             return 0.0
         if dp_nodes == 1:
-            return collective_time("all-reduce", nbytes, dp, cluster, spans_nodes=False)
+            return collective_time("all-reduce", nbytes, replicas, cluster, spans_nodes=False)
         t = collective_time("all-reduce", nbytes / dp_local, dp_nodes, cluster, spans_nodes=True)
         if dp_local > 1:
             t += (collective_time("reduce-scatter", nbytes, dp_local, cluster, spans_nodes=False)
@@ -357,23 +401,20 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
 
     b_slot = b  # stage i's last backward ends i slots before stage 0's
     dp_comm_s = max(0.0, max(grad_reduce(stage_params[i]) - i * b_slot for i in range(pp)))
-    optimizer_s = max(stage_params) * ADAM_BYTES_PER_PARAM / tm.bytes_per_s
-    step = compute_s + bubble + tp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+    optimizer_s = max(stage_params) / fsdp * ADAM_BYTES_PER_PARAM / tm.bytes_per_s
+    step = compute_s + bubble + tp_comm_s + fsdp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
 
     # ---- memory per GPU ----
     weight_b = itemsize + 4  # weights + fp32 gradients
     opt_b = (4 if itemsize < 4 else 0) + 8  # fp32 master copy + Adam m, v
     replicated_act = 2 * act_msg  # the two LayerNorm inputs (no sequence parallelism)
     blk_act_tp = min(blk.activation_bytes, replicated_act) + max(0, blk.activation_bytes - replicated_act) / tp
-    if recompute == "full":
-        blk_keep = blk.recompute_activation_bytes
-        working = blk_act_tp
-    elif recompute == "selective":
-        kept = min(costs.non_attention_residual_bytes, blk.activation_bytes)
-        blk_keep = min(kept, replicated_act) + max(0, kept - replicated_act) / tp
-        working = 0.0
-    else:
-        blk_keep, working = blk_act_tp, 0.0
+    kept = min(costs.non_attention_residual_bytes, blk.activation_bytes)
+    keep = {"full": (blk.recompute_activation_bytes, blk_act_tp),
+            "selective": (min(kept, replicated_act) + max(0, kept - replicated_act) / tp, 0.0),
+            "none": (blk_act_tp, 0.0)}
+    # FSDP holds two gathered blocks (the one computing, the one prefetched) and one block's full gradients.
+    fsdp_working = 2 * blk_params / tp * (itemsize + GRAD_REDUCE_BYTES) if fsdp > 1 else 0.0
 
     def in_flight(i: int) -> float:
         """Microbatches' worth of stage-i activations held at stage i's peak."""
@@ -388,33 +429,29 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
 
     best = None
     for i in range(pp):
+        blk_keep, working = keep[stage_recompute[i]]
         n_mb = in_flight(i)
-        act = n_mb * per_stage * blk_keep + working
+        act = n_mb * stage_blocks[i] * blk_keep + working
         if i == 0:
             act += n_mb * emb.activation_bytes / tp
         if i == pp - 1:
             act += max(1.0, n_mb) * head.activation_bytes / tp
-        total = stage_params[i] * (weight_b + opt_b) + act
+        total = stage_params[i] * (weight_b + opt_b) / fsdp + fsdp_working + act
         if best is None or total > best[0]:
-            best = (total, stage_params[i] * weight_b, stage_params[i] * opt_b, act)
+            best = (total, stage_params[i] * weight_b / fsdp + fsdp_working, stage_params[i] * opt_b / fsdp, act)
     peak, param_mem, opt_mem, act_mem = best
 
     # ---- FLOPs ----
     mb_total = M * dp  # microbatches per step over all replicas
     model_flops = mb_total * sum(l.flops + l.backward_flops for l in (emb, head)) + mb_total * L * (
         blk.flops + blk.backward_flops)
-    if recompute == "full":
-        extra = mb_total * L * blk.flops
-    elif recompute == "selective":
-        extra = mb_total * L * (attn_core.flops + softmax.flops) * tp
-    else:
-        extra = 0.0
+    extra = mb_total * sum(n * recompute_time[r][2] for n, r in zip(stage_blocks, stage_recompute))
     return Estimate(
         step_time_s=step,
-        tflops_per_gpu=(model_flops + extra) / step / n / 1e12,
-        mfu=model_flops / (step * n * dev.peak_flops("bfloat16")),
+        tflops_per_gpu=(model_flops + extra) / step / cluster.num_devices / 1e12,
+        mfu=model_flops / (step * cluster.num_devices * dev.peak_flops("bfloat16")),
         peak_memory_bytes_per_gpu=int(peak), fits=bool(peak <= dev.memory_capacity),
-        compute_s=compute_s, bubble_s=bubble, tp_comm_s=tp_comm_s, pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s,
-        optimizer_s=optimizer_s, num_microbatches=M, param_bytes=int(param_mem), optimizer_bytes=int(opt_mem),
-        activation_bytes=int(act_mem),
+        compute_s=compute_s, bubble_s=bubble, tp_comm_s=tp_comm_s, fsdp_comm_s=fsdp_comm_s, pp_comm_s=pp_comm_s,
+        dp_comm_s=dp_comm_s, optimizer_s=optimizer_s, num_microbatches=M, param_bytes=int(param_mem),
+        optimizer_bytes=int(opt_mem), activation_bytes=int(act_mem),
     )

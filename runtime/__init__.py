@@ -1,6 +1,6 @@
 """Pipeline runtime: schedules, stage programs, executor (``autopp.runtime``)."""
 
-from autopp.runtime._schedule import (
+from autopp.planner._schedule import (
     SCHEDULE_NAMES,
     Action,
     Schedule,

@@ -26,7 +26,7 @@ from autopp._trace import eval_jaxpr_with
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import place_outer
-from autopp.runtime._schedule import Schedule, dispatch_order
+from autopp.planner._schedule import Schedule, dispatch_order
 from autopp.runtime._stage import StagePrograms, stage_graphs
 
 Literal = jex_core.Literal

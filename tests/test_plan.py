@@ -91,9 +91,9 @@ def test_corrupted_and_unknown_version_plans(mlp_case, tmp_path):
     data = json.loads(text)
     data["schema_version"] = 99
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"schema version 99 is not supported: this autopp reads version 1"):
+    with pytest.raises(ValueError, match=r"schema version 99 is not supported: this autopp reads version\(s\) 1, 2"):
         Plan.from_json(path)
-    data["schema_version"] = 1
+    data["schema_version"] = 2
     del data["stages"][0]["devices"]
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"malformed stage in plan: missing field\(s\) \['devices'\]"):

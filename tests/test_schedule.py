@@ -1,4 +1,4 @@
-"""Tests for autopp.runtime._schedule (pipeline schedule IR)."""
+"""Tests for autopp.planner._schedule (pipeline schedule IR)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 try:
-    from autopp.runtime import _schedule as sched
+    from autopp.planner import _schedule as sched
 except ImportError:  # not installed: load the file directly
-    _PATH = pathlib.Path(__file__).resolve().parents[1] / "runtime" / "_schedule.py"
-    _NAME = "autopp_runtime__schedule_under_test"
+    _PATH = pathlib.Path(__file__).resolve().parents[1] / "planner" / "_schedule.py"
+    _NAME = "autopp_planner__schedule_under_test"
     if _NAME in sys.modules:
         sched = sys.modules[_NAME]
     else:

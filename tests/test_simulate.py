@@ -15,7 +15,7 @@ from autopp.models._gpt import GPT, GPTConfig
 from autopp.planner import _simulate
 from autopp.planner._simulate import Estimate, clear_cache, simulate
 from autopp.profiler import Cluster, profile
-from autopp.runtime._schedule import get_schedule, simulate_times
+from autopp.planner._schedule import get_schedule, simulate_times
 
 SMALL = GPTConfig(layers=4, hidden=64, heads=4, seq=32, vocab=128, dtype="bfloat16")
 CLUSTER = "2x8xA100-80GB"

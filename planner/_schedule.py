@@ -543,39 +543,55 @@ def dispatch_order(schedule: Schedule) -> list[tuple[int, Action]]:
     return sorted(((rank_of[a], a) for a in ticks), key=lambda ra: (ticks[ra[1]], ra[0]))
 
 
-def _costs(f_time: float, b_time: float, w_time: Optional[float]) -> dict[str, float]:
-    for name, v in (("f_time", f_time), ("b_time", b_time)):
-        if not v > 0:
-            raise ValueError(f"{name} must be positive, got {v!r}")
-    if w_time is None:
-        w = b_time / 2.0
-    else:
-        if not 0 <= w_time <= b_time:
-            raise ValueError(f"w_time must be in [0, b_time={b_time}], got {w_time!r}")
-        w = w_time
-    return {"F": float(f_time), "B": float(b_time), "I": float(b_time - w), "W": float(w)}
+def _per_stage(name: str, value, num_stages: int) -> list[float]:
+    values = list(value) if isinstance(value, Sequence) else [value] * num_stages
+    if len(values) != num_stages:
+        raise ValueError(f"{name} has {len(values)} entries for {num_stages} stages; give one per stage or a number")
+    return [float(v) for v in values]
+
+
+def _costs(schedule: Schedule, f_time, b_time, w_time) -> dict[str, list[float]]:
+    """Per kind, the duration of each stage's action (``f_time`` etc. are numbers or one per stage)."""
+    S = schedule.num_stages
+    f, b = _per_stage("f_time", f_time, S), _per_stage("b_time", b_time, S)
+    for name, vs in (("f_time", f), ("b_time", b)):
+        if not all(v > 0 for v in vs):
+            raise ValueError(f"{name} must be positive, got {f_time if name == 'f_time' else b_time!r}")
+    w = [x / 2.0 for x in b] if w_time is None else _per_stage("w_time", w_time, S)
+    if not all(0 <= wi <= bi for wi, bi in zip(w, b)):
+        raise ValueError(f"w_time must be in [0, b_time={b_time}], got {w_time!r}")
+    return {"F": f, "B": b, "I": [bi - wi for bi, wi in zip(b, w)], "W": w}
 
 
 def simulate_times(
     schedule: Schedule,
-    f_time: float = 1.0,
-    b_time: float = 2.0,
-    w_time: Optional[float] = None,
+    f_time: float | Sequence[float] = 1.0,
+    b_time: float | Sequence[float] = 2.0,
+    w_time: float | Sequence[float] | None = None,
+    *,
+    send_time: float = 0.0,
 ) -> dict[Action, tuple[float, float]]:
     """``(start, end)`` of every action when each runs as soon as its rank is
-    free and its dependencies are done.  ``I`` costs ``b_time - w_time`` and
-    ``W`` costs ``w_time`` (half of ``b_time`` each when ``w_time`` is None).
+    free and its dependencies are done (a discrete-event simulation of the schedule).
+
+    Durations are numbers or one per stage: ``F`` costs ``f_time``, ``B``
+    ``b_time``, ``I`` ``b_time - w_time`` and ``W`` ``w_time`` (half of
+    ``b_time`` each when ``w_time`` is None).  A dependency on an action of
+    another rank waits ``send_time`` more (the activation or gradient transfer).
     """
-    costs = _costs(f_time, b_time, w_time)
+    costs = _costs(schedule, f_time, b_time, w_time)
+    if not send_time >= 0:
+        raise ValueError(f"send_time must be >= 0, got {send_time!r}")
     order = dispatch_order(schedule)
-    present = {a for _, a in order}
+    rank_of = {a: r for r, a in order}
+    present = set(rank_of)
     free = [0.0] * schedule.num_ranks
     times: dict[Action, tuple[float, float]] = {}
     for r, a in order:
         start = free[r]
         for d in _deps(a, schedule.num_stages, present):
-            start = max(start, times[d][1])
-        end = start + costs[a.kind]
+            start = max(start, times[d][1] + (send_time if rank_of[d] != r else 0.0))
+        end = start + costs[a.kind][a.stage]
         times[a] = (start, end)
         free[r] = end
     return times
@@ -583,15 +599,15 @@ def simulate_times(
 
 def bubble_fraction(
     schedule: Schedule,
-    f_time: float = 1.0,
-    b_time: float = 2.0,
-    w_time: Optional[float] = None,
+    f_time: float | Sequence[float] = 1.0,
+    b_time: float | Sequence[float] = 2.0,
+    w_time: float | Sequence[float] | None = None,
 ) -> float:
     """Idle time / (ranks * makespan) under :func:`simulate_times`."""
-    costs = _costs(f_time, b_time, w_time)
+    costs = _costs(schedule, f_time, b_time, w_time)
     times = simulate_times(schedule, f_time, b_time, w_time)
     makespan = max(end for _, end in times.values())
-    busy = sum(costs[a.kind] for a in times)
+    busy = sum(costs[a.kind][a.stage] for a in times)
     total = schedule.num_ranks * makespan
     return (total - busy) / total
 
