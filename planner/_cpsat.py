@@ -134,3 +134,104 @@ def assign_stages(
         stage_times_s=tuple(times), stage_memory_bytes=tuple(mems), status=solver.StatusName(status),
         wall_time_s=time.perf_counter() - t0, gap=(obj - bound) / obj if obj else 0.0,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockAssignment:
+    """The solver's answer for identical blocks: how many blocks each stage holds."""
+
+    stage_blocks: tuple[int, ...]
+    """Blocks per stage, in pipeline order."""
+    recompute: tuple[str, ...]
+    """Recomputation option chosen per stage."""
+    bottleneck_s: float
+    """Time of the slowest stage per microbatch under the given linear costs."""
+    status: str
+    """Solver status (``OPTIMAL`` or ``FEASIBLE``)."""
+    wall_time_s: float
+    """Solver wall time."""
+    gap: float
+    """Relative gap between the objective and the solver's bound (0 when optimal)."""
+
+
+def evaluate_blocks(stage_blocks: Sequence[int], recompute_idx: Sequence[int], block_time, const_time, block_mem,
+                    const_mem) -> tuple[list[float], list[float]]:
+    """Stage times and memories of a block assignment (the cost model :func:`assign_blocks` encodes)."""
+    times = [block_time[s][r] * n + const_time[s][r] for s, (n, r) in enumerate(zip(stage_blocks, recompute_idx))]
+    mems = [block_mem[s][r] * n + const_mem[s][r] for s, (n, r) in enumerate(zip(stage_blocks, recompute_idx))]
+    return times, mems
+
+
+def assign_blocks(
+    num_blocks: int,
+    block_time: Sequence[Sequence[float]],
+    const_time: Sequence[Sequence[float]],
+    block_mem: Sequence[Sequence[float]],
+    const_mem: Sequence[Sequence[float]],
+    capacity_bytes: float,
+    *,
+    min_blocks: Sequence[int] | None = None,
+    recompute_options: Sequence[str] = ("none",),
+    time_limit_s: float = 10.0,
+    workers: int = 2,
+) -> BlockAssignment | None:
+    """Split ``num_blocks`` identical blocks into contiguous stages, choosing a recomputation option per stage,
+    to minimise the slowest stage's time under memory.
+
+    When the blocks are identical (a transformer), a stage is described by its block count, so the model has
+    O(stages x options) variables and constraints however deep the model and however many stages: stage ``s``
+    with ``n`` blocks under option ``r`` takes ``block_time[s][r] * n + const_time[s][r]`` per microbatch and
+    holds ``block_mem[s][r] * n + const_mem[s][r]`` bytes (per-stage coefficients carry what differs between
+    stages: the embedding on the first, the head on the last, the microbatches each keeps in flight).
+    ``min_blocks[s]`` (default 1) is the fewest blocks stage ``s`` may hold. Returns None when nothing fits.
+    """
+    num_stages = len(block_time)
+    num_opts = len(recompute_options)
+    lows = [1] * num_stages if min_blocks is None else list(min_blocks)
+    if len(lows) != num_stages or any(len(x) != num_stages for x in (const_time, block_mem, const_mem)):
+        raise ValueError(f"assign_blocks: give one row of coefficients per stage ({num_stages} stages).")
+    if sum(lows) > num_blocks:
+        raise ValueError(f"assign_blocks: {num_stages} stages need at least {sum(lows)} blocks; got {num_blocks}.")
+    t0 = time.perf_counter()
+    top = max(block_time[s][r] * num_blocks + const_time[s][r] for s in range(num_stages) for r in range(num_opts))
+    unit = max(top, 1e-30) / 1e6  # times as integers with 1e-6 relative resolution
+    mem_unit = max(1.0, capacity_bytes / 2**30)  # bytes per integer unit: about a billionth of the capacity
+    cap = math.floor(capacity_bytes / mem_unit)
+    tb = [[math.ceil(block_time[s][r] / unit) for r in range(num_opts)] for s in range(num_stages)]
+    tc = [[math.ceil(const_time[s][r] / unit) for r in range(num_opts)] for s in range(num_stages)]
+    mb = [[math.ceil(block_mem[s][r] / mem_unit) for r in range(num_opts)] for s in range(num_stages)]
+    mc = [[math.ceil(const_mem[s][r] / mem_unit) for r in range(num_opts)] for s in range(num_stages)]
+    m = cp_model.CpModel()
+    n = [m.NewIntVar(lows[s], num_blocks, f"n{s}") for s in range(num_stages)]
+    m.Add(sum(n) == num_blocks)
+    y = [[m.NewBoolVar(f"y{s}_{r}") for r in range(num_opts)] for s in range(num_stages)]
+    bottleneck = m.NewIntVar(0, max(tb[s][r] * num_blocks + tc[s][r] for s in range(num_stages)
+                                    for r in range(num_opts)), "T")
+    for s in range(num_stages):
+        m.AddExactlyOne(y[s])
+        for r in range(num_opts):
+            # rounded up, so that what the solver accepts fits in exact arithmetic too
+            m.Add(tb[s][r] * n[s] + tc[s][r] <= bottleneck).OnlyEnforceIf(y[s][r])
+            m.Add(mb[s][r] * n[s] + mc[s][r] <= cap).OnlyEnforceIf(y[s][r])
+    # Redundant: the slowest stage is at least the average of every stage at its cheapest option.
+    m.Add(bottleneck * num_stages >= sum(min(tc[s]) for s in range(num_stages)) + min(map(min, tb)) * num_blocks)
+    m.Minimize(bottleneck)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    blocks = [solver.Value(v) for v in n]
+    limit = solver.Value(bottleneck)
+    # The solver only cares about the slowest stage; every stage takes its fastest option that fits in the
+    # solver's own (integer) terms, so that no stage recomputes needlessly.
+    ridx = [min((r for r in range(num_opts) if tb[s][r] * blocks[s] + tc[s][r] <= limit
+                 and mb[s][r] * blocks[s] + mc[s][r] <= cap),
+                key=lambda r: (tb[s][r] * blocks[s] + tc[s][r], r)) for s in range(num_stages)]
+    times, _ = evaluate_blocks(blocks, ridx, block_time, const_time, block_mem, const_mem)
+    obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    return BlockAssignment(
+        stage_blocks=tuple(blocks), recompute=tuple(recompute_options[r] for r in ridx), bottleneck_s=max(times),
+        status=solver.StatusName(status), wall_time_s=time.perf_counter() - t0, gap=(obj - bound) / obj if obj else 0.0,
+    )

@@ -582,18 +582,34 @@ def simulate_times(
     costs = _costs(schedule, f_time, b_time, w_time)
     if not send_time >= 0:
         raise ValueError(f"send_time must be >= 0, got {send_time!r}")
-    order = dispatch_order(schedule)
-    rank_of = {a: r for r, a in order}
-    present = set(rank_of)
-    free = [0.0] * schedule.num_ranks
+    rows = [[a for a in row if a is not None] for row in schedule.rows]
+    rank_of = {a: r for r, row in enumerate(rows) for a in row}
+    deps = {a: _deps(a, schedule.num_stages, rank_of) for a in rank_of}
+    nxt = [0] * len(rows)
+    free = [0.0] * len(rows)
     times: dict[Action, tuple[float, float]] = {}
-    for r, a in order:
-        start = free[r]
-        for d in _deps(a, schedule.num_stages, present):
-            start = max(start, times[d][1] + (send_time if rank_of[d] != r else 0.0))
-        end = start + costs[a.kind][a.stage]
-        times[a] = (start, end)
-        free[r] = end
+    while len(times) < len(rank_of):
+        progressed = False
+        for r, row in enumerate(rows):
+            while nxt[r] < len(row):
+                a = row[nxt[r]]
+                start = free[r]
+                for d in deps[a]:
+                    done = times.get(d)
+                    if done is None:
+                        break
+                    start = max(start, done[1] + (send_time if rank_of[d] != r else 0.0))
+                else:
+                    end = start + costs[a.kind][a.stage]
+                    times[a] = (start, end)
+                    free[r] = end
+                    nxt[r] += 1
+                    progressed = True
+                    continue
+                break
+        if not progressed:
+            validate(schedule)  # raises ScheduleError showing where it is stuck
+            raise AssertionError("a valid schedule made no progress")
     return times
 
 

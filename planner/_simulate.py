@@ -297,161 +297,199 @@ def _estimate(model: GPTConfig, cluster: Cluster, costs: _LayerCosts, *, global_
     ``exact``, the pipeline's makespan comes from the discrete-event simulation of the schedule
     (:func:`autopp.planner._schedule.simulate_times`) with each stage's own forward and backward times instead of
     the closed form at the slowest stage's pace."""
-    pp, v, mbs = len(stage_blocks), virtual_stages, microbatch_size
-    M = global_batch // (mbs * dp)
-    tm: KernelTimeModel = costs.profile.time_model
-    dev = cluster.device
-    dpn = cluster.devices_per_node
-    itemsize = jnp.dtype(model.dtype).itemsize
-    s, h, L = model.seq, model.hidden, model.layers
-    elems = mbs * s * h
-    act_msg = elems * itemsize  # one (mbs, s, h) activation in the model dtype
-    emb, blk, head = costs.embed, costs.block, costs.head
+    layout = _Layout(model, cluster, costs, global_batch=global_batch, tp=tp, dp=dp, fsdp=fsdp,
+                     microbatch_size=microbatch_size, schedule=schedule, virtual_stages=virtual_stages,
+                     num_stages=len(stage_blocks))
+    return layout.estimate(stage_blocks, stage_recompute, exact=exact)
 
-    # ---- tensor parallelism: per-microbatch compute and communication of each layer kind ----
-    rep_fwd = (1 - 1 / tp) * REPLICATED_BYTES_PER_ELEMENT * elems * itemsize / tm.bytes_per_s
-    blk_f = blk.forward_time_s / tp + rep_fwd
-    blk_b = blk.backward_time_s / tp + 2 * rep_fwd
-    ar = collective_time("all-reduce", act_msg, tp, cluster, spans_nodes=False) if tp > 1 else 0.0
-    # Selective recomputation re-runs the attention core: QK^T and PV matmuls and the softmax.
-    heads_local = model.heads // tp
-    attn_core = OpCost(4.0 * mbs * heads_local * s * s * model.head_dim, 0.0,
-                       itemsize * mbs * heads_local * s * (2 * s + 3 * model.head_dim), 0.0)
-    softmax = OpCost(5.0 * mbs * heads_local * s * s, mbs * heads_local * s * s,
-                     SOFTMAX_BYTES_PER_SCORE * mbs * heads_local * s * s, 0.0)
-    attn_recompute = tm.kernel_time("matmul", attn_core) + tm.kernel_time("fused", softmax)
-    # Per recomputation mode: extra backward time and communication per block, extra FLOPs per block.
-    recompute_time = {"none": (0.0, 0.0, 0.0), "full": (blk_f, 2 * ar, blk.flops),
-                      "selective": (attn_recompute, 0.0, (attn_core.flops + softmax.flops) * tp)}
-    emb_f, emb_b = emb.forward_time_s / tp, emb.backward_time_s / tp
-    head_f, head_b = head.forward_time_s / tp, head.backward_time_s / tp
 
-    # ---- parameters per GPU (before FSDP sharding) ----
-    blk_params = blk.param_bytes / itemsize
-    emb_params = emb.param_bytes / itemsize
-    head_params = head.param_bytes / itemsize + (model.vocab * h if pp > 1 else 0)  # + tied copy of wte
-    stage_params = [(n * blk_params + (emb_params if i == 0 else 0.0) + (head_params if i == pp - 1 else 0.0)) / tp
-                    for i, n in enumerate(stage_blocks)]
+class _Layout:
+    """The cost model of one (tp, pp, dp, fsdp, microbatch size, schedule) layout: each stage's time and memory as
+    a function of its block count and recomputation mode, and the step's estimate."""
 
-    # ---- FSDP (ZeRO-3) inside the data-parallel group: gather the weights for the forward and again for the
-    # backward, reduce-scatter the gradients, every microbatch; prefetching overlaps it with the stage's compute.
-    fsdp_spans = fsdp * tp > dpn
+    def __init__(self, model: GPTConfig, cluster: Cluster, costs: _LayerCosts, *, global_batch: int, tp: int,
+                 dp: int, fsdp: int, microbatch_size: int, schedule: str, virtual_stages: int, num_stages: int):
+        self.model, self.cluster, self.costs = model, cluster, costs
+        self.tp, self.dp, self.fsdp, self.mbs, self.schedule = tp, dp, fsdp, microbatch_size, schedule
+        self.v, self.pp = virtual_stages, num_stages
+        pp, v, mbs = num_stages, virtual_stages, microbatch_size
+        self.M = M = global_batch // (mbs * dp)
+        tm: KernelTimeModel = costs.profile.time_model
+        self.tm = tm
+        dpn = cluster.devices_per_node
+        self.itemsize = itemsize = jnp.dtype(model.dtype).itemsize
+        s, h = model.seq, model.hidden
+        elems = mbs * s * h
+        act_msg = elems * itemsize  # one (mbs, s, h) activation in the model dtype
+        emb, blk, head = costs.embed, costs.block, costs.head
 
-    def fsdp_comm(params: float) -> float:
-        if fsdp == 1:
+        # ---- tensor parallelism: per-microbatch compute and communication of each layer kind ----
+        rep_fwd = (1 - 1 / tp) * REPLICATED_BYTES_PER_ELEMENT * elems * itemsize / tm.bytes_per_s
+        self.blk_f = blk.forward_time_s / tp + rep_fwd
+        self.blk_b = blk.backward_time_s / tp + 2 * rep_fwd
+        self.ar = ar = collective_time("all-reduce", act_msg, tp, cluster, spans_nodes=False) if tp > 1 else 0.0
+        # Selective recomputation re-runs the attention core: QK^T and PV matmuls and the softmax.
+        heads_local = model.heads // tp
+        attn_core = OpCost(4.0 * mbs * heads_local * s * s * model.head_dim, 0.0,
+                           itemsize * mbs * heads_local * s * (2 * s + 3 * model.head_dim), 0.0)
+        softmax = OpCost(5.0 * mbs * heads_local * s * s, mbs * heads_local * s * s,
+                         SOFTMAX_BYTES_PER_SCORE * mbs * heads_local * s * s, 0.0)
+        attn_recompute = tm.kernel_time("matmul", attn_core) + tm.kernel_time("fused", softmax)
+        # Per recomputation mode: extra backward time and communication per block, extra FLOPs per block.
+        self.recompute_cost = {"none": (0.0, 0.0, 0.0), "full": (self.blk_f, 2 * ar, blk.flops),
+                               "selective": (attn_recompute, 0.0, (attn_core.flops + softmax.flops) * tp)}
+        self.emb_f, self.emb_b = emb.forward_time_s / tp, emb.backward_time_s / tp
+        self.head_f, self.head_b = head.forward_time_s / tp, head.backward_time_s / tp
+
+        # ---- parameters per GPU (before FSDP sharding) ----
+        self.blk_params = blk.param_bytes / itemsize / tp
+        self.emb_params = emb.param_bytes / itemsize / tp
+        # the last stage also holds a tied copy of the word embeddings for the head
+        self.head_params = (head.param_bytes / itemsize + (model.vocab * h if pp > 1 else 0)) / tp
+
+        # ---- FSDP (ZeRO-3) inside the data-parallel group ----
+        self.fsdp_spans = fsdp * tp > dpn
+
+        # ---- pipeline transfers ----
+        p2p = 0.0
+        if pp > 1:
+            p2p = collective_time("send-recv", act_msg / tp, 2, cluster, spans_nodes=cluster.num_nodes > 1)
+            if tp > 1:
+                p2p += collective_time("all-gather", act_msg, tp, cluster, spans_nodes=False)
+            p2p *= v  # each of a rank's v model chunks receives (and sends) every microbatch
+        self.p2p = p2p
+
+        # ---- memory per GPU ----
+        self.weight_b = itemsize + 4  # weights + fp32 gradients
+        self.opt_b = (4 if itemsize < 4 else 0) + 8  # fp32 master copy + Adam m, v
+        replicated_act = 2 * act_msg  # the two LayerNorm inputs (no sequence parallelism)
+        blk_act_tp = min(blk.activation_bytes, replicated_act) + max(0, blk.activation_bytes - replicated_act) / tp
+        kept = min(costs.non_attention_residual_bytes, blk.activation_bytes)
+        # per mode: bytes a block keeps per microbatch in flight, working bytes while it recomputes
+        self.keep = {"full": (blk.recompute_activation_bytes, blk_act_tp),
+                     "selective": (min(kept, replicated_act) + max(0, kept - replicated_act) / tp, 0.0),
+                     "none": (blk_act_tp, 0.0)}
+        # FSDP holds two gathered blocks (the one computing, the one prefetched) and one block's full gradients.
+        self.fsdp_working = 2 * self.blk_params * (itemsize + GRAD_REDUCE_BYTES) if fsdp > 1 else 0.0
+
+    def fsdp_comm(self, params: float) -> float:
+        """Per microbatch: all-gather the stage's weights for the forward and again for the backward,
+        reduce-scatter the fp32 gradients (prefetching overlaps it with the stage's compute)."""
+        if self.fsdp == 1:
             return 0.0
-        return (2 * collective_time("all-gather", params * itemsize, fsdp, cluster, spans_nodes=fsdp_spans)
-                + collective_time("reduce-scatter", params * GRAD_REDUCE_BYTES, fsdp, cluster, spans_nodes=fsdp_spans))
+        f, c, spans = self.fsdp, self.cluster, self.fsdp_spans
+        return (2 * collective_time("all-gather", params * self.itemsize, f, c, spans_nodes=spans)
+                + collective_time("reduce-scatter", params * GRAD_REDUCE_BYTES, f, c, spans_nodes=spans))
 
-    # ---- pipeline stages ----
-    p2p = 0.0
-    if pp > 1:
-        spans = cluster.num_nodes > 1
-        p2p = collective_time("send-recv", act_msg / tp, 2, cluster, spans_nodes=spans)
-        if tp > 1:
-            p2p += collective_time("all-gather", act_msg, tp, cluster, spans_nodes=False)
-        p2p *= v  # each of a rank's v model chunks receives (and sends) every microbatch
-    stages = []
-    for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute)):
-        rec_t, rec_comm, _ = recompute_time[r]
-        fc = n * blk_f + (emb_f if i == 0 else 0.0) + (head_f if i == pp - 1 else 0.0)
-        bc = n * (blk_b + rec_t) + (emb_b if i == 0 else 0.0) + (head_b if i == pp - 1 else 0.0)
-        wc = n * blk.backward_time_s / tp / 2  # weight-gradient half of the backward (ZB-H1's W)
-        tpc_f = n * 2 * ar + (ar if i == 0 else 0.0)
-        tpc_b = n * (2 * ar + rec_comm) + (ar if i == pp - 1 else 0.0)
-        fs = max(0.0, fsdp_comm(stage_params[i]) - (fc + bc))  # exposed FSDP traffic per microbatch
-        stages.append(dict(fc=fc, bc=bc, wc=wc, tpc=tpc_f + tpc_b, fsdp=fs, f=fc + tpc_f + p2p + fs / 2,
-                           b=bc + tpc_b + p2p + fs / 2))
-    slow = max(range(pp), key=lambda i: stages[i]["f"] + stages[i]["b"])
-    st = stages[slow]
-    f, b = st["f"], st["b"]
-    compute_s = M * (st["fc"] + st["bc"])
-    if exact and pp > 1:
-        from autopp.planner._schedule import get_schedule, simulate_times
+    def stage_params(self, i: int, n: int) -> float:
+        """Parameters (elements) on a GPU of stage ``i`` holding ``n`` blocks, before FSDP sharding."""
+        return (n * self.blk_params + (self.emb_params if i == 0 else 0.0)
+                + (self.head_params if i == self.pp - 1 else 0.0))
 
-        sched = get_schedule(schedule, pp * v, M, virtual_stages=v)
-        chunk = lambda key: [stages[c % pp][key] / v for c in range(pp * v)]  # noqa: E731 (chunk c on rank c % pp)
-        times = simulate_times(sched, chunk("f"), chunk("b"), chunk("wc") if schedule == "zb-h1" else None)
-        bubble = max(end for _, end in times.values()) - M * (f + b)
-    else:
-        bubble = _bubble_time(schedule, pp, v, f, b, st["wc"])
-    tp_comm_s = M * st["tpc"]
-    fsdp_comm_s = M * st["fsdp"]
-    pp_comm_s = M * 2 * p2p  # each microbatch's forward and backward send (0 without pipelining)
-    if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
-        pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2, cluster,
-                                     spans_nodes=cluster.num_nodes > 1)
+    def stage_time(self, i: int, n: int, recompute: str) -> dict[str, float]:
+        """Per-microbatch times of stage ``i`` with ``n`` blocks: compute ``fc``/``bc``, ZB-H1's weight-gradient
+        part ``wc``, tensor-parallel ``tpc``, exposed FSDP ``fsdp``, and the rank's busy ``f``/``b`` in total."""
+        first, last = i == 0, i == self.pp - 1
+        rec_t, rec_comm, _ = self.recompute_cost[recompute]
+        fc = n * self.blk_f + (self.emb_f if first else 0.0) + (self.head_f if last else 0.0)
+        bc = n * (self.blk_b + rec_t) + (self.emb_b if first else 0.0) + (self.head_b if last else 0.0)
+        wc = n * self.costs.block.backward_time_s / self.tp / 2
+        tpc_f = n * 2 * self.ar + (self.ar if first else 0.0)
+        tpc_b = n * (2 * self.ar + rec_comm) + (self.ar if last else 0.0)
+        fs = max(0.0, self.fsdp_comm(self.stage_params(i, n)) - (fc + bc))
+        return dict(fc=fc, bc=bc, wc=wc, tpc=tpc_f + tpc_b, fsdp=fs, f=fc + tpc_f + self.p2p + fs / 2,
+                    b=bc + tpc_b + self.p2p + fs / 2)
 
-    # ---- data-parallel reduction, optimizer ----
-    replicas = dp // fsdp  # groups holding a full copy of the (FSDP-sharded) state
-    dp_local = max(1, min(replicas, dpn // (tp * fsdp)))  # replicas inside one node
-    dp_nodes = -(-replicas // dp_local)  # nodes the replica group spans
-
-    def grad_reduce(params: float) -> float:
-        nbytes = params / fsdp * GRAD_REDUCE_BYTES
-        if replicas == 1:
-            return 0.0
-        if dp_nodes == 1:
-            return collective_time("all-reduce", nbytes, replicas, cluster, spans_nodes=False)
-        t = collective_time("all-reduce", nbytes / dp_local, dp_nodes, cluster, spans_nodes=True)
-        if dp_local > 1:
-            t += (collective_time("reduce-scatter", nbytes, dp_local, cluster, spans_nodes=False)
-                  + collective_time("all-gather", nbytes, dp_local, cluster, spans_nodes=False))
-        return t
-
-    b_slot = b  # stage i's last backward ends i slots before stage 0's
-    dp_comm_s = max(0.0, max(grad_reduce(stage_params[i]) - i * b_slot for i in range(pp)))
-    optimizer_s = max(stage_params) / fsdp * ADAM_BYTES_PER_PARAM / tm.bytes_per_s
-    step = compute_s + bubble + tp_comm_s + fsdp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
-
-    # ---- memory per GPU ----
-    weight_b = itemsize + 4  # weights + fp32 gradients
-    opt_b = (4 if itemsize < 4 else 0) + 8  # fp32 master copy + Adam m, v
-    replicated_act = 2 * act_msg  # the two LayerNorm inputs (no sequence parallelism)
-    blk_act_tp = min(blk.activation_bytes, replicated_act) + max(0, blk.activation_bytes - replicated_act) / tp
-    kept = min(costs.non_attention_residual_bytes, blk.activation_bytes)
-    keep = {"full": (blk.recompute_activation_bytes, blk_act_tp),
-            "selective": (min(kept, replicated_act) + max(0, kept - replicated_act) / tp, 0.0),
-            "none": (blk_act_tp, 0.0)}
-    # FSDP holds two gathered blocks (the one computing, the one prefetched) and one block's full gradients.
-    fsdp_working = 2 * blk_params / tp * (itemsize + GRAD_REDUCE_BYTES) if fsdp > 1 else 0.0
-
-    def in_flight(i: int) -> float:
+    def in_flight(self, i: int) -> float:
         """Microbatches' worth of stage-i activations held at stage i's peak."""
-        if schedule == "gpipe":
+        M, pp, v = self.M, self.pp, self.v
+        if self.schedule == "gpipe":
             return M
-        if schedule == "interleaved-1f1b" and v > 1:
-            chunks = min((v - 1) * pp + 2 * (pp - i - 1) + 1, M * v)
-            return chunks / v
-        if schedule == "zb-h1":  # warm-up forwards plus up to i deferred weight gradients (Qi et al. 2023)
+        if self.schedule == "interleaved-1f1b" and v > 1:
+            return min((v - 1) * pp + 2 * (pp - i - 1) + 1, M * v) / v
+        if self.schedule == "zb-h1":  # warm-up forwards plus up to i deferred weight gradients (Qi et al. 2023)
             return min(M, pp)
         return min(M, pp - i)
 
-    best = None
-    for i in range(pp):
-        blk_keep, working = keep[stage_recompute[i]]
-        n_mb = in_flight(i)
-        act = n_mb * stage_blocks[i] * blk_keep + working
+    def stage_memory(self, i: int, n: int, recompute: str) -> tuple[float, float, float, float]:
+        """Peak bytes on a GPU of stage ``i`` with ``n`` blocks: (total, weights + gradients, optimizer state,
+        activations)."""
+        emb, head = self.costs.embed, self.costs.head
+        blk_keep, working = self.keep[recompute]
+        n_mb = self.in_flight(i)
+        act = n_mb * n * blk_keep + (working if n else 0.0)
         if i == 0:
-            act += n_mb * emb.activation_bytes / tp
-        if i == pp - 1:
-            act += max(1.0, n_mb) * head.activation_bytes / tp
-        total = stage_params[i] * (weight_b + opt_b) / fsdp + fsdp_working + act
-        if best is None or total > best[0]:
-            best = (total, stage_params[i] * weight_b / fsdp + fsdp_working, stage_params[i] * opt_b / fsdp, act)
-    peak, param_mem, opt_mem, act_mem = best
+            act += n_mb * emb.activation_bytes / self.tp
+        if i == self.pp - 1:
+            act += max(1.0, n_mb) * head.activation_bytes / self.tp
+        params = self.stage_params(i, n)
+        weights = params * self.weight_b / self.fsdp + self.fsdp_working
+        opt = params * self.opt_b / self.fsdp
+        return weights + opt + act, weights, opt, act
 
-    # ---- FLOPs ----
-    mb_total = M * dp  # microbatches per step over all replicas
-    model_flops = mb_total * sum(l.flops + l.backward_flops for l in (emb, head)) + mb_total * L * (
-        blk.flops + blk.backward_flops)
-    extra = mb_total * sum(n * recompute_time[r][2] for n, r in zip(stage_blocks, stage_recompute))
-    return Estimate(
-        step_time_s=step,
-        tflops_per_gpu=(model_flops + extra) / step / cluster.num_devices / 1e12,
-        mfu=model_flops / (step * cluster.num_devices * dev.peak_flops("bfloat16")),
-        peak_memory_bytes_per_gpu=int(peak), fits=bool(peak <= dev.memory_capacity),
-        compute_s=compute_s, bubble_s=bubble, tp_comm_s=tp_comm_s, fsdp_comm_s=fsdp_comm_s, pp_comm_s=pp_comm_s,
-        dp_comm_s=dp_comm_s, optimizer_s=optimizer_s, num_microbatches=M, param_bytes=int(param_mem),
-        optimizer_bytes=int(opt_mem), activation_bytes=int(act_mem),
-    )
+    def estimate(self, stage_blocks: list[int], stage_recompute: list[str], exact: bool = False) -> Estimate:
+        pp, v, M, dp, fsdp, tp = self.pp, self.v, self.M, self.dp, self.fsdp, self.tp
+        cluster, model, itemsize = self.cluster, self.model, self.itemsize
+        emb, blk, head = self.costs.embed, self.costs.block, self.costs.head
+        stages = [self.stage_time(i, n, r) for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute))]
+        slow = max(range(pp), key=lambda i: stages[i]["f"] + stages[i]["b"])
+        st = stages[slow]
+        f, b = st["f"], st["b"]
+        compute_s = M * (st["fc"] + st["bc"])
+        if exact and pp > 1:
+            from autopp.planner._schedule import get_schedule, simulate_times
+
+            sched = get_schedule(self.schedule, pp * v, M, virtual_stages=v)
+            chunk = lambda key: [stages[c % pp][key] / v for c in range(pp * v)]  # noqa: E731 (chunk c on rank c % pp)
+            times = simulate_times(sched, chunk("f"), chunk("b"), chunk("wc") if self.schedule == "zb-h1" else None)
+            bubble = max(end for _, end in times.values()) - M * (f + b)
+        else:
+            bubble = _bubble_time(self.schedule, pp, v, f, b, st["wc"])
+        tp_comm_s = M * st["tpc"]
+        fsdp_comm_s = M * st["fsdp"]
+        pp_comm_s = M * 2 * self.p2p  # each microbatch's forward and backward send (0 without pipelining)
+        if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
+            pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2,
+                                         cluster, spans_nodes=cluster.num_nodes > 1)
+
+        # ---- data-parallel reduction of each FSDP shard over its replicas, optimizer ----
+        replicas = dp // fsdp
+        dp_local = max(1, min(replicas, cluster.devices_per_node // (tp * fsdp)))  # replicas inside one node
+        dp_nodes = -(-replicas // dp_local)  # nodes the replica group spans
+
+        def grad_reduce(params: float) -> float:
+            nbytes = params / fsdp * GRAD_REDUCE_BYTES
+            if replicas == 1:
+                return 0.0
+            if dp_nodes == 1:
+                return collective_time("all-reduce", nbytes, replicas, cluster, spans_nodes=False)
+            t = collective_time("all-reduce", nbytes / dp_local, dp_nodes, cluster, spans_nodes=True)
+            if dp_local > 1:
+                t += (collective_time("reduce-scatter", nbytes, dp_local, cluster, spans_nodes=False)
+                      + collective_time("all-gather", nbytes, dp_local, cluster, spans_nodes=False))
+            return t
+
+        params = [self.stage_params(i, n) for i, n in enumerate(stage_blocks)]
+        b_slot = b  # stage i's last backward ends i slots before stage 0's
+        dp_comm_s = max(0.0, max(grad_reduce(params[i]) - i * b_slot for i in range(pp)))
+        optimizer_s = max(params) / fsdp * ADAM_BYTES_PER_PARAM / self.tm.bytes_per_s
+        step = compute_s + bubble + tp_comm_s + fsdp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+
+        peak, weights, opt, act = max(self.stage_memory(i, n, r)
+                                      for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute)))
+
+        # ---- FLOPs ----
+        mb_total = M * dp  # microbatches per step over all replicas
+        model_flops = mb_total * sum(l.flops + l.backward_flops for l in (emb, head)) + mb_total * model.layers * (
+            blk.flops + blk.backward_flops)
+        extra = mb_total * sum(n * self.recompute_cost[r][2] for n, r in zip(stage_blocks, stage_recompute))
+        dev = cluster.device
+        return Estimate(
+            step_time_s=step,
+            tflops_per_gpu=(model_flops + extra) / step / cluster.num_devices / 1e12,
+            mfu=model_flops / (step * cluster.num_devices * dev.peak_flops("bfloat16")),
+            peak_memory_bytes_per_gpu=int(peak), fits=bool(peak <= dev.memory_capacity),
+            compute_s=compute_s, bubble_s=bubble, tp_comm_s=tp_comm_s, fsdp_comm_s=fsdp_comm_s,
+            pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s, num_microbatches=M,
+            param_bytes=int(weights), optimizer_bytes=int(opt), activation_bytes=int(act),
+        )

@@ -1,0 +1,278 @@
+"""``plan_model``: the best training plan for a model on a cluster, in seconds.
+
+The search decomposes the way the cost model does. The outer choices are few and discrete: tensor degree
+(divisors of the node size that divide the heads), pipeline degree, data degree (the rest of the devices), FSDP
+degree inside the data-parallel group (none, a node's worth, all), microbatch size, schedule (with its virtual
+stages) and recomputation. Every combination is costed with an equal split by :func:`simulate`'s closed form
+(about 0.1 ms each). The most promising layouts are then refined by CP-SAT (:func:`assign_blocks`): blocks per
+stage (the first stage also holds the embedding, the last the head, so equal splits are rarely best) and a
+recomputation mode per stage, under each stage's memory. The refined and the equal splits of those layouts are
+ranked by the discrete-event simulation of their schedule with each stage's own times, and the fastest that fits
+becomes the plan. An equal split of every layout is among the candidates, so the plan is never predicted slower
+than the best equal split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from autopp.models._gpt import GPT, GPTConfig
+from autopp.planner._cpsat import assign_blocks
+from autopp.planner._plan import Plan, PlannerStats, StagePlan
+from autopp.planner._schedule import get_schedule
+from autopp.planner._simulate import (
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    Estimate,
+    _Layout,
+    _layer_costs,
+    _positive_int,
+)
+from autopp.profiler._cluster import Cluster
+from autopp.profiler._devices import DEVICE_KINDS
+
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
+"""Microbatch sizes searched by default (Megatron-LM's published runs use 1 to 8 for large models)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayoutKey:
+    tp: int
+    pp: int
+    dp: int
+    fsdp: int
+    mbs: int
+    schedule: str
+    v: int
+
+
+@dataclasses.dataclass
+class _Candidate:
+    key: _LayoutKey
+    stage_blocks: tuple[int, ...]
+    recompute: tuple[str, ...]
+    estimate: Estimate
+    status: str = "UNIFORM"
+    gap: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def model_fingerprint(config: GPTConfig) -> str:
+    """A plan made offline for a model description is tied to it by this hash of its configuration."""
+    text = json.dumps(config.to_dict(), sort_keys=True)
+    return "gpt-config:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _even_split(blocks: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(blocks, stages)
+    # the extra blocks go to the middle stages (the first and last also hold the embedding and the head)
+    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
+    counts = [base] * stages
+    for s in order[:extra]:
+        counts[s] += 1
+    return tuple(counts)
+
+
+def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: int,
+               schedules: tuple[str, ...] = SCHEDULES, recompute: tuple[str, ...] = RECOMPUTE_MODES,
+               microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES, max_virtual_stages: int = 4,
+               refine_top: int = 12, time_limit_s: float = 5.0) -> Plan:
+    """The fastest plan the cost model of :func:`~autopp.planner.simulate` finds for training ``model`` with
+    ``global_batch`` sequences per step on ``cluster`` (see the module docstring for the search).
+
+    ``schedules``, ``recompute`` and ``microbatch_sizes`` restrict the search; ``refine_top`` layouts get a CP-SAT
+    stage assignment (each within ``time_limit_s``). Raises ValueError when no layout fits the devices' memory,
+    saying how much the least demanding one needs and what would make it fit.
+    """
+    t0 = time.perf_counter()
+    if isinstance(model, GPT):
+        model = model.config
+    if not isinstance(model, GPTConfig):
+        raise TypeError(
+            f"plan_model: model must be an autopp.models.GPTConfig (or GPT), got {type(model).__name__}; for your "
+            "own training step, autopp.parallelize(step) plans it on the devices it is given (or describe the "
+            "model as a GPTConfig to plan for a cluster you do not have).")
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    elif not isinstance(cluster, Cluster):
+        raise TypeError(f"plan_model: cluster must be a Cluster or a string like '128x8xH100', got {cluster!r}.")
+    global_batch = _positive_int("global_batch", global_batch, 512)
+    for name, values, valid in (("schedules", schedules, SCHEDULES), ("recompute", recompute, RECOMPUTE_MODES)):
+        bad = [v for v in values if v not in valid] if isinstance(values, (tuple, list)) and values else [values]
+        if bad:
+            raise ValueError(f"plan_model: {name}={values!r} must be a non-empty tuple of {', '.join(valid)} "
+                             f"(not {bad}); e.g. {name}={valid[:2]!r}.")
+    if not isinstance(microbatch_sizes, (tuple, list)) or not microbatch_sizes:
+        raise ValueError(f"plan_model: microbatch_sizes={microbatch_sizes!r} must be a non-empty tuple of positive "
+                         "ints, e.g. (1, 2, 4).")
+    for m in microbatch_sizes:
+        _positive_int("microbatch_sizes entry", m)
+
+    L, n, dpn = model.layers, cluster.num_devices, cluster.devices_per_node
+    candidates = 0
+    uniform: list[_Candidate] = []  # the best equal split (over recomputation) of each layout
+    least_memory: tuple[float, _LayoutKey | None] = (math.inf, None)
+    layouts: dict[_LayoutKey, _Layout] = {}
+    for tp in [d for d in _divisors(dpn) if model.heads % d == 0]:
+        for pp in [p for p in range(1, L + 1) if n % (tp * p) == 0]:
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            fsdps = sorted({1, dp} | ({dpn // tp} if tp < dpn and dp % (dpn // tp) == 0 else set()))
+            for mbs in [b for b in microbatch_sizes if (global_batch // dp) % b == 0]:
+                M = global_batch // (dp * mbs)
+                costs = _layer_costs(model, mbs, cluster)
+                for schedule in (schedules if pp > 1 else schedules[:1]):
+                    vs = [1]
+                    if schedule == "interleaved-1f1b":
+                        vs = [v for v in range(2, max_virtual_stages + 1) if L % (pp * v) == 0 and M % pp == 0]
+                    for v in vs:
+                        for fsdp in fsdps:
+                            key = _LayoutKey(tp, pp, dp, fsdp, mbs, schedule, v)
+                            layout = _Layout(model, cluster, costs, global_batch=global_batch, tp=tp, dp=dp,
+                                             fsdp=fsdp, microbatch_size=mbs, schedule=schedule, virtual_stages=v,
+                                             num_stages=pp)
+                            layouts[key] = layout
+                            blocks = _even_split(L, pp)
+                            best = None
+                            for r in recompute:
+                                est = layout.estimate(list(blocks), [r] * pp)
+                                candidates += 1
+                                least_memory = min(least_memory, (est.peak_memory_bytes_per_gpu, key),
+                                                   key=lambda x: x[0])
+                                if est.fits and L % (pp * v) == 0 and (best is None or est.step_time_s <
+                                                                       best.estimate.step_time_s):
+                                    best = _Candidate(key, blocks, (r,) * pp, est)
+                            if best is not None:
+                                uniform.append(best)
+    # Layouts whose blocks do not divide evenly get no equal split but may still be refined.
+    uneven = [key for key in layouts if L % (key.pp * key.v) and key.v == 1]
+
+    uniform.sort(key=lambda c: c.estimate.step_time_s)
+    pool: list[_Candidate] = []
+    refine = [c.key for c in uniform if c.key.pp > 1 and c.key.v == 1][:refine_top]
+    refine += [k for k in sorted(uneven, key=lambda k: (k.tp, k.pp, k.mbs))
+               if k.pp > 1][:max(0, refine_top - len(refine))]
+    for key in dict.fromkeys(refine):
+        refined = _refine(layouts[key], key, recompute, time_limit_s)
+        if refined is not None:
+            candidates += 1
+            pool.append(refined)
+    for c in uniform[:refine_top]:  # the best equal splits, re-ranked by the same event simulation
+        pool.append(dataclasses.replace(c, estimate=layouts[c.key].estimate(list(c.stage_blocks),
+                                                                              list(c.recompute), exact=True)))
+    pool = [c for c in pool if c.estimate.fits]
+    if not pool:
+        raise ValueError(_infeasible_message(model, cluster, global_batch, least_memory))
+    best = min(pool, key=lambda c: (c.estimate.step_time_s, c.key.pp, c.key.tp))
+    stats = PlannerStats(wall_time_s=time.perf_counter() - t0, solver_status=best.status,
+                         optimality_gap=best.gap, candidates=candidates,
+                         best_uniform_step_time_s=uniform[0].estimate.step_time_s if uniform else math.inf)
+    return _to_plan(model, cluster, best, layouts[best.key], stats)
+
+
+def _refine(layout: _Layout, key: _LayoutKey, recompute: tuple[str, ...], time_limit_s: float) -> _Candidate | None:
+    """CP-SAT blocks per stage and recomputation per stage for one layout; the exact estimate of its answer."""
+    pp, L = key.pp, layout.model.layers
+    nbar = max(1, -(-L // pp))
+    block_time, const_time, block_mem, const_mem = [], [], [], []
+    for i in range(pp):
+        bt, ct, bm, cm = [], [], [], []
+        for r in recompute:
+            t0 = layout.stage_time(i, 0, r)
+            t1 = layout.stage_time(i, nbar, r)
+            m0 = layout.stage_memory(i, 0, r)[0]
+            m1 = layout.stage_memory(i, nbar, r)[0]
+            ct.append(t0["f"] + t0["b"])
+            bt.append((t1["f"] + t1["b"] - ct[-1]) / nbar)  # secant: exact unless FSDP traffic is partly hidden
+            cm.append(m0)
+            bm.append((m1 - m0) / nbar)
+        block_time.append(bt)
+        const_time.append(ct)
+        block_mem.append(bm)
+        const_mem.append(cm)
+    lows = [0 if i in (0, pp - 1) else 1 for i in range(pp)]
+    got = assign_blocks(L, block_time, const_time, block_mem, const_mem, layout.cluster.device.memory_capacity,
+                        min_blocks=lows, recompute_options=recompute, time_limit_s=time_limit_s)
+    if got is None:
+        return None
+    est = layout.estimate(list(got.stage_blocks), list(got.recompute), exact=True)
+    return _Candidate(key, got.stage_blocks, got.recompute, est, status=got.status, gap=got.gap)
+
+
+def _infeasible_message(model: GPTConfig, cluster: Cluster, global_batch: int,
+                        least: tuple[float, _LayoutKey | None]) -> str:
+    need, key = least
+    cap = cluster.device.memory_capacity
+    msg = (f"plan_model: no layout of {model.num_params / 1e9:.3g}B-parameter GPT (global batch {global_batch}) fits "
+           f"{cluster}: the least memory any option needs is {need / 2**30:.1f} GiB per device")
+    if key is not None:
+        msg += (f" (tp={key.tp}, pp={key.pp}, dp={key.dp}, fsdp={key.fsdp}, microbatch size {key.mbs}, "
+                f"{key.schedule}, full recomputation)")
+    msg += f", but a {cluster.device.name} has {cap / 2**30:.1f} GiB."
+    bigger = [name for name, spec in DEVICE_KINDS.items() if spec.memory_capacity >= need]
+    fixes = []
+    if bigger:
+        fixes.append(f"a device with more memory ({', '.join(bigger)})")
+    for factor in (2, 4, 8, 16):
+        more = dataclasses.replace(cluster, num_nodes=cluster.num_nodes * factor)
+        if _least_memory(model, more, global_batch * factor) <= cap:
+            fixes.append(f"{factor}x the nodes ({more.shorthand}, with the global batch scaled to "
+                         f"{global_batch * factor} so each replica keeps its share)")
+            break
+    fixes.append("a smaller model or shorter sequences")
+    return msg + " It would fit with " + ", or ".join(fixes) + "."
+
+
+def _least_memory(model: GPTConfig, cluster: Cluster, global_batch: int) -> float:
+    """The least peak memory per device over the layouts with the most sharding (a quick feasibility probe)."""
+    tp = max(d for d in _divisors(cluster.devices_per_node) if model.heads % d == 0)
+    best = math.inf
+    for pp in [p for p in range(1, model.layers + 1) if cluster.num_devices % (tp * p) == 0]:
+        dp = cluster.num_devices // (tp * pp)
+        if global_batch % dp:
+            continue
+        layout = _Layout(model, cluster, _layer_costs(model, 1, cluster), global_batch=global_batch, tp=tp, dp=dp,
+                         fsdp=dp, microbatch_size=1, schedule="1f1b", virtual_stages=1, num_stages=pp)
+        est = layout.estimate(list(_even_split(model.layers, pp)), ["full"] * pp)
+        best = min(best, est.peak_memory_bytes_per_gpu)
+    return best
+
+
+def _to_plan(model: GPTConfig, cluster: Cluster, best: _Candidate, layout: _Layout, stats: PlannerStats) -> Plan:
+    key = best.key
+    costs = layout.costs
+    per_stage = key.tp * key.dp  # devices per group
+    itemsize = layout.itemsize
+    # Interleaved schedules run v model chunks per device group: chunk c (a stage of the plan) on group c % pp.
+    num_chunks = key.pp * key.v
+    chunk_blocks = [n // key.v for n in best.stage_blocks for _ in range(key.v)] if key.v > 1 else best.stage_blocks
+    stages = []
+    first = 0
+    for c, blocks in enumerate(chunk_blocks):
+        group = c % key.pp
+        has_embed, has_head = c == 0, c == num_chunks - 1
+        last = first + blocks + has_embed + has_head - 1  # layers: 0 = embed, 1..L = blocks, L + 1 = head
+        flops = (blocks * costs.block.flops + (costs.embed.flops if has_embed else 0.0)
+                 + (costs.head.flops if has_head else 0.0))
+        params = (blocks * layout.blk_params + (layout.emb_params if has_embed else 0.0)
+                  + (layout.head_params if has_head else 0.0))
+        stages.append(StagePlan(
+            index=c, devices=tuple(range(group * per_stage, (group + 1) * per_stage)),
+            mesh_shape={"data": key.dp // key.fsdp, "fsdp": key.fsdp, "tensor": key.tp},
+            equations=None, num_equations=None, flops=float(flops), param_bytes=int(params * key.tp * itemsize),
+            cut_bytes_after=0 if has_head else key.mbs * model.seq * model.hidden * itemsize,
+            layers=(first, last), recompute=best.recompute[group],
+        ))
+        first = last + 1
+    sched = get_schedule(key.schedule, key.pp * key.v, layout.M, virtual_stages=key.v)
+    return Plan(model_fingerprint=model_fingerprint(model), stages=tuple(stages), num_microbatches=layout.M,
+                schedule=key.schedule, schedule_text=sched.to_text(), loss_reduction="mean",
+                microbatch_size=key.mbs, virtual_stages=key.v, cluster=cluster.to_dict(), predicted=best.estimate,
+                planner=stats)
