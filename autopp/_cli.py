@@ -173,37 +173,69 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def cmd_simulate(args) -> int:
-    import json
-
+def _gpt_and_cluster(args, command: str):
+    """The GPT described by the model flags and the --cluster (with --override) of ``command``."""
     from autopp.models import GPTConfig
-    from autopp.planner import simulate
     from autopp.profiler import Cluster
 
     if args.model != "gpt":
-        raise ValueError("autopp simulate models GPTs only for now; use --model gpt.")
+        raise ValueError(f"autopp {command} models GPTs only for now; use --model gpt.")
     config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
                        dtype=args.dtype)
     cluster = Cluster.parse(args.cluster)
     if args.override:
         cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
+    return config, cluster
+
+
+def cmd_plan(args) -> int:
+    from autopp.planner import plan_model
+
+    config, cluster = _gpt_and_cluster(args, "plan")
+    kwargs = {}
+    if args.schedules:
+        kwargs["schedules"] = tuple(args.schedules)
+    if args.recompute:
+        kwargs["recompute"] = tuple(args.recompute)
+    if args.microbatch_sizes:
+        kwargs["microbatch_sizes"] = tuple(args.microbatch_sizes)
+    plan = plan_model(config, cluster, global_batch=args.global_batch, **kwargs)
+    if args.out:
+        plan.to_json(args.out)
+    if args.json:
+        print(plan.to_json())
+        return 0
+    print(f"gpt {config.to_dict()} ({config.num_params / 1e9:.3g}B parameters) on {cluster}, global batch "
+          f"{args.global_batch}")
+    print(plan)
+    if args.out:
+        print(f"plan written to {args.out} (autopp show {args.out})")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    import json
+
+    from autopp.planner import simulate
+
+    config, cluster = _gpt_and_cluster(args, "simulate")
     dp = args.dp if args.dp is not None else cluster.num_devices // (args.tp * args.pp)
     est = simulate(config, cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=dp,
                    microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=args.recompute,
-                   virtual_stages=args.virtual_stages)
+                   virtual_stages=args.virtual_stages, fsdp=args.fsdp)
     if args.json:
         print(json.dumps({"model": config.to_dict(), "cluster": cluster.to_dict(),
                           "layout": {"tp": args.tp, "pp": args.pp, "dp": dp, "microbatch_size": args.microbatch_size,
                                      "schedule": args.schedule, "recompute": args.recompute,
-                                     "virtual_stages": args.virtual_stages},
+                                     "virtual_stages": args.virtual_stages, "fsdp": args.fsdp},
                           "predicted": est.to_dict()}, indent=1))
         return 0
     print(f"gpt {config.to_dict()} on {cluster}, global batch {args.global_batch}")
-    print(f"layout: tp {args.tp} x pp {args.pp} x dp {dp}, microbatch {args.microbatch_size} "
+    print(f"layout: tp {args.tp} x pp {args.pp} x dp {dp} (FSDP over {args.fsdp}), microbatch {args.microbatch_size} "
           f"({est.num_microbatches} per step), {args.schedule}"
           f"{f' v={args.virtual_stages}' if args.virtual_stages > 1 else ''}, recompute {args.recompute}")
     print(f"step time      {est.step_time_s:10.3f} s   (compute {est.compute_s:.3f}, bubble {est.bubble_s:.3f}, "
-          f"tp {est.tp_comm_s:.3f}, pp {est.pp_comm_s:.3f}, dp {est.dp_comm_s:.3f}, optimizer {est.optimizer_s:.3f})")
+          f"tp {est.tp_comm_s:.3f}, fsdp {est.fsdp_comm_s:.3f}, pp {est.pp_comm_s:.3f}, dp {est.dp_comm_s:.3f}, optimizer {est.optimizer_s:.3f})")
     print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {est.mfu * 100:.1f}%")
     print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / 2**30:10.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'} "
           f"in {cluster.memory_per_device / 2**30:.0f} GiB)")
@@ -217,8 +249,13 @@ def cmd_show(args) -> int:
     plan = Plan.from_json(args.plan)
     print(f"plan {args.plan} (schema {plan.schema_version}, model fingerprint {plan.model_fingerprint})")
     print(plan)
-    print("schedule:")
-    print(Schedule.from_text(plan.schedule_text, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches))
+    timeline = plan.timeline()
+    if timeline:
+        print(timeline)
+    sched = Schedule.from_text(plan.schedule_text, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches)
+    if args.grid or not timeline:
+        print("schedule:")
+        print(sched)
     return 0
 
 
@@ -258,11 +295,25 @@ def main(argv=None) -> int:
     sim.add_argument("--schedule", default="1f1b")
     sim.add_argument("--recompute", default="full")
     sim.add_argument("--virtual-stages", type=_positive, default=1)
+    sim.add_argument("--fsdp", type=_positive, default=1, help="FSDP (ZeRO-3) degree inside dp (default 1)")
     sim.add_argument("--override", action="append", metavar="FIELD=VALUE", help="override a device field")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=cmd_simulate)
-    show = sub.add_parser("show", help="print a saved plan: stage table and schedule grid")
+    plan = sub.add_parser("plan", help="find the fastest layout for a GPT on a cluster (CP-SAT + simulator)")
+    _add_model_flags(plan)
+    plan.add_argument("--global-batch", type=_positive, required=True)
+    plan.add_argument("--cluster", required=True, help="e.g. 128x8xH100")
+    plan.add_argument("--schedules", nargs="+", default=None, help="restrict the schedules searched")
+    plan.add_argument("--recompute", nargs="+", default=None, help="restrict the recomputation modes searched")
+    plan.add_argument("--microbatch-sizes", type=_positive, nargs="+", default=None,
+                      help="microbatch sizes searched (default 1 2 4 8)")
+    plan.add_argument("--override", action="append", metavar="FIELD=VALUE", help="override a device field")
+    plan.add_argument("--out", default=None, help="write the plan's JSON here")
+    plan.add_argument("--json", action="store_true", help="print the plan's JSON")
+    plan.set_defaults(func=cmd_plan)
+    show = sub.add_parser("show", help="print a saved plan: stages, memory, predicted timeline")
     show.add_argument("plan", help="path of a plan's JSON (plan.to_json(path))")
+    show.add_argument("--grid", action="store_true", help="also print the schedule grid")
     show.set_defaults(func=cmd_show)
     args = parser.parse_args(argv)
     try:

@@ -46,6 +46,10 @@ class StagePlan:
     by equations without layers)."""
     recompute: str = "none"
     """Activation recomputation on this stage: ``none``, ``full`` or ``selective``."""
+    forward_time_s: float | None = None
+    """Predicted seconds of one microbatch's forward on this stage (communication included), if predicted."""
+    backward_time_s: float | None = None
+    """Predicted seconds of one microbatch's backward on this stage (recomputation included), if predicted."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.mesh_shape) - set(MESH_AXES))
@@ -198,6 +202,34 @@ class Plan:
             ) from None
         return cls.from_dict(data)
 
+    def timeline(self, width: int = 100) -> str:
+        """The predicted timeline as text, one line per device group: which stage's ``F``/``B``/``I``/``W`` runs
+        in each of ``width`` time slices (the letter of the action covering most of the slice; ``.`` idle), from
+        the event simulation of the schedule with each stage's predicted times. Empty when the plan has none."""
+        from autopp.planner._schedule import Schedule, simulate_times
+
+        if any(s.forward_time_s is None or s.backward_time_s is None for s in self.stages):
+            return ""
+        sched = Schedule.from_text(self.schedule_text, num_stages=self.num_stages,
+                                   num_microbatches=self.num_microbatches)
+        times = simulate_times(sched, [s.forward_time_s for s in self.stages],
+                               [s.backward_time_s for s in self.stages])
+        makespan = max(end for _, end in times.values())
+        slot = makespan / width
+        rank_of = {a: r for r, _, a in sched.actions()}
+        cover = [[{} for _ in range(width)] for _ in range(sched.num_ranks)]
+        for a, (start, end) in times.items():
+            for k in range(int(start / slot), min(width, int(end / slot) + 1)):
+                overlap = min(end, (k + 1) * slot) - max(start, k * slot)
+                if overlap > 0:
+                    cover[rank_of[a]][k][a.kind] = cover[rank_of[a]][k].get(a.kind, 0.0) + overlap
+        lines = [f"predicted timeline: {makespan * 1e3:.4g} ms for the pipeline, {slot * 1e3:.3g} ms per column "
+                 "(F forward, B backward, I/W input/weight gradient, . idle)"]
+        for r, row in enumerate(cover):
+            chars = "".join(max(c, key=c.get) if c and sum(c.values()) >= slot / 2 else "." for c in row)
+            lines.append(f"  group {r:>3} |{chars}|")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         mb = f" of {self.microbatch_size} example(s)" if self.microbatch_size else ""
         sched = self.schedule + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
@@ -221,7 +253,12 @@ class Plan:
             lines.append(
                 f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu:.1f} TFLOP/s per device, MFU "
                 f"{100 * e.mfu:.1f}%, peak memory {e.peak_memory_bytes_per_gpu / 2**30:.2f} GiB per device "
-                f"({'fits' if e.fits else 'DOES NOT FIT'})")
+                f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / 2**30:.2f}, "
+                f"optimizer state {e.optimizer_bytes / 2**30:.2f}, activations {e.activation_bytes / 2**30:.2f} GiB)")
+            lines.append(
+                f"  time: compute {e.compute_s:.4g} s, bubble {e.bubble_s:.4g}, tensor-parallel {e.tp_comm_s:.4g}, "
+                f"FSDP {e.fsdp_comm_s:.4g}, pipeline sends {e.pp_comm_s:.4g}, data-parallel {e.dp_comm_s:.4g}, "
+                f"optimizer {e.optimizer_s:.4g}")
         if self.planner is not None:
             st = self.planner
             lines.append(

@@ -81,12 +81,14 @@ def _even_split(blocks: int, stages: int) -> tuple[int, ...]:
 
 def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: int,
                schedules: tuple[str, ...] = SCHEDULES, recompute: tuple[str, ...] = RECOMPUTE_MODES,
-               microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES, max_virtual_stages: int = 4,
+               microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES, pipeline_degrees: tuple[int, ...] | None = None,
+               max_virtual_stages: int = 4,
                refine_top: int = 12, time_limit_s: float = 5.0) -> Plan:
     """The fastest plan the cost model of :func:`~autopp.planner.simulate` finds for training ``model`` with
     ``global_batch`` sequences per step on ``cluster`` (see the module docstring for the search).
 
-    ``schedules``, ``recompute`` and ``microbatch_sizes`` restrict the search; ``refine_top`` layouts get a CP-SAT
+    ``schedules``, ``recompute``, ``microbatch_sizes`` and ``pipeline_degrees`` (e.g. ``(1,)`` for the best plan
+    without pipelining) restrict the search; ``refine_top`` layouts get a CP-SAT
     stage assignment (each within ``time_limit_s``). Raises ValueError when no layout fits the devices' memory,
     saying how much the least demanding one needs and what would make it fit.
     """
@@ -113,6 +115,12 @@ def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: 
                          "ints, e.g. (1, 2, 4).")
     for m in microbatch_sizes:
         _positive_int("microbatch_sizes entry", m)
+    if pipeline_degrees is not None:
+        if not isinstance(pipeline_degrees, (tuple, list)) or not pipeline_degrees:
+            raise ValueError(f"plan_model: pipeline_degrees={pipeline_degrees!r} must be None or a non-empty tuple of "
+                             "positive ints, e.g. (1,) for no pipelining.")
+        for d in pipeline_degrees:
+            _positive_int("pipeline_degrees entry", d)
 
     L, n, dpn = model.layers, cluster.num_devices, cluster.devices_per_node
     candidates = 0
@@ -120,7 +128,8 @@ def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: 
     least_memory: tuple[float, _LayoutKey | None] = (math.inf, None)
     layouts: dict[_LayoutKey, _Layout] = {}
     for tp in [d for d in _divisors(dpn) if model.heads % d == 0]:
-        for pp in [p for p in range(1, L + 1) if n % (tp * p) == 0]:
+        for pp in [p for p in range(1, L + 1) if n % (tp * p) == 0
+                   and (pipeline_degrees is None or p in pipeline_degrees)]:
             dp = n // (tp * pp)
             if global_batch % dp:
                 continue
@@ -253,6 +262,7 @@ def _to_plan(model: GPTConfig, cluster: Cluster, best: _Candidate, layout: _Layo
     # Interleaved schedules run v model chunks per device group: chunk c (a stage of the plan) on group c % pp.
     num_chunks = key.pp * key.v
     chunk_blocks = [n // key.v for n in best.stage_blocks for _ in range(key.v)] if key.v > 1 else best.stage_blocks
+    times = [layout.stage_time(i, n, r) for i, (n, r) in enumerate(zip(best.stage_blocks, best.recompute))]
     stages = []
     first = 0
     for c, blocks in enumerate(chunk_blocks):
@@ -269,6 +279,7 @@ def _to_plan(model: GPTConfig, cluster: Cluster, best: _Candidate, layout: _Layo
             equations=None, num_equations=None, flops=float(flops), param_bytes=int(params * key.tp * itemsize),
             cut_bytes_after=0 if has_head else key.mbs * model.seq * model.hidden * itemsize,
             layers=(first, last), recompute=best.recompute[group],
+            forward_time_s=times[group]["f"] / key.v, backward_time_s=times[group]["b"] / key.v,
         ))
         first = last + 1
     sched = get_schedule(key.schedule, key.pp * key.v, layout.M, virtual_stages=key.v)
