@@ -52,3 +52,33 @@ def test_show_prints_a_saved_plan(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{")
     assert main(["show", str(tmp_path / "bad.json")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+PLAN_ARGS = ["plan", "--layers", "12", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--vocab", "51200",
+             "--global-batch", "32", "--cluster", "4x2xA100-40GB", "--override", "inter_node_bandwidth=1.25e9"]
+
+
+def test_plan_writes_the_plan_model_plan_and_show_reads_it(tmp_path, capsys):
+    from autopp.models import GPTConfig
+    from autopp.planner import Plan, plan_model
+    from autopp.profiler import Cluster
+
+    path = tmp_path / "plan.json"
+    assert main(PLAN_ARGS + ["--out", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 4 stage(s)" in out and "predicted: step" in out and f"written to {path}" in out
+    saved = Plan.from_json(path)
+    cluster = Cluster.parse("4x2xA100-40GB").with_device_overrides(inter_node_bandwidth=1.25e9)
+    direct = plan_model(GPTConfig(layers=12, hidden=2048, heads=16, seq=1024, vocab=51200, dtype="bfloat16"), cluster,
+                        global_batch=32)
+    assert saved.stages == direct.stages and saved.predicted == direct.predicted
+    assert main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "predicted timeline" in shown and "group   3 |" in shown and "optimizer state" in shown
+
+
+def test_plan_infeasible_is_an_error_that_says_why(capsys):
+    assert main(["plan", "--layers", "96", "--hidden", "12288", "--heads", "96", "--seq", "2048", "--vocab", "51200",
+                 "--global-batch", "8", "--cluster", "1x8xA100-40GB", "--microbatch-sizes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "least memory any option needs" in err and "It would fit with" in err
