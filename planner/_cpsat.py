@@ -10,6 +10,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -171,7 +172,10 @@ def assign_blocks(
     capacity_bytes: float,
     *,
     min_blocks: Sequence[int] | None = None,
-    recompute_options: Sequence[str] = ("none",),
+    recompute_options: Sequence[Any] = ("none",),
+    option_devices: Sequence[Sequence[int]] | None = None,
+    total_devices: int | None = None,
+    hint: tuple[Sequence[int], Sequence[int]] | None = None,
     time_limit_s: float = 10.0,
     workers: int = 2,
 ) -> BlockAssignment | None:
@@ -183,7 +187,11 @@ def assign_blocks(
     with ``n`` blocks under option ``r`` takes ``block_time[s][r] * n + const_time[s][r]`` per microbatch and
     holds ``block_mem[s][r] * n + const_mem[s][r]`` bytes (per-stage coefficients carry what differs between
     stages: the embedding on the first, the head on the last, the microbatches each keeps in flight).
-    ``min_blocks[s]`` (default 1) is the fewest blocks stage ``s`` may hold. Returns None when nothing fits.
+    ``min_blocks[s]`` (default 1) is the fewest blocks stage ``s`` may hold. The options are labelled by
+    ``recompute_options`` (recomputation modes, or any labels such as (tensor degree, mode) pairs); with
+    ``option_devices[s][o]``, option ``o`` of stage ``s`` occupies that many devices and the chosen options must
+    occupy exactly ``total_devices`` (stages of different sizes). ``hint`` (blocks per stage, option index per
+    stage) seeds the search with a known solution. Returns None when nothing fits.
     """
     num_stages = len(block_time)
     num_opts = len(recompute_options)
@@ -213,9 +221,17 @@ def assign_blocks(
             # rounded up, so that what the solver accepts fits in exact arithmetic too
             m.Add(tb[s][r] * n[s] + tc[s][r] <= bottleneck).OnlyEnforceIf(y[s][r])
             m.Add(mb[s][r] * n[s] + mc[s][r] <= cap).OnlyEnforceIf(y[s][r])
-    # Redundant: the slowest stage is at least the average of every stage at its cheapest option.
-    m.Add(bottleneck * num_stages >= sum(min(tc[s]) for s in range(num_stages)) + min(map(min, tb)) * num_blocks)
+    if option_devices is not None:
+        m.Add(sum(option_devices[s][r] * y[s][r] for s in range(num_stages) for r in range(num_opts)) == total_devices)
+    else:
+        # Redundant: the slowest stage is at least the average of every stage at its cheapest option.
+        m.Add(bottleneck * num_stages >= sum(min(tc[s]) for s in range(num_stages)) + min(map(min, tb)) * num_blocks)
     m.Minimize(bottleneck)
+    if hint is not None:
+        for s, (blocks_s, opt_s) in enumerate(zip(*hint)):
+            m.AddHint(n[s], blocks_s)
+            for r in range(num_opts):
+                m.AddHint(y[s][r], r == opt_s)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
@@ -224,10 +240,12 @@ def assign_blocks(
         return None
     blocks = [solver.Value(v) for v in n]
     limit = solver.Value(bottleneck)
-    # The solver only cares about the slowest stage; every stage takes its fastest option that fits in the
-    # solver's own (integer) terms, so that no stage recomputes needlessly.
+    chosen = [next(r for r in range(num_opts) if solver.Value(y[s][r])) for s in range(num_stages)]
+    # The solver only cares about the slowest stage; every stage takes its fastest option (of the same size)
+    # that fits in the solver's own integer terms, so that no stage recomputes needlessly.
+    size = option_devices or [[0] * num_opts] * num_stages
     ridx = [min((r for r in range(num_opts) if tb[s][r] * blocks[s] + tc[s][r] <= limit
-                 and mb[s][r] * blocks[s] + mc[s][r] <= cap),
+                 and mb[s][r] * blocks[s] + mc[s][r] <= cap and size[s][r] == size[s][chosen[s]]),
                 key=lambda r: (tb[s][r] * blocks[s] + tc[s][r], r)) for s in range(num_stages)]
     times, _ = evaluate_blocks(blocks, ridx, block_time, const_time, block_mem, const_mem)
     obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()

@@ -28,7 +28,8 @@ class StagePlan:
     devices: tuple[int, ...]
     """Ids of the devices of this stage's sub-mesh."""
     mesh_shape: dict[str, int]
-    """Axes of the stage's sub-mesh and their sizes, e.g. ``{"data": 2}``."""
+    """Axes of the stage's sub-mesh and their sizes, e.g. ``{"data": 2}``; ``devices`` lists the mesh in row-major
+    order of ``data``, ``fsdp``, ``tensor`` (a tensor-parallel group is consecutive devices)."""
     equations: tuple[int, int] | None
     """First and last index (inclusive) of the loss's forward equations this stage computes (the
     first one, ``equations[0]``, is what a replayed plan splits at); None in a plan made offline from a model

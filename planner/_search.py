@@ -57,6 +57,8 @@ class _Candidate:
     estimate: Estimate
     status: str = "UNIFORM"
     gap: float = 0.0
+    stage_layouts: tuple[_Layout, ...] | None = None
+    """Each stage's layout when their tensor degrees differ (None: the key's layout for every stage)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,13 +85,14 @@ def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: 
                schedules: tuple[str, ...] = SCHEDULES, recompute: tuple[str, ...] = RECOMPUTE_MODES,
                microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES, pipeline_degrees: tuple[int, ...] | None = None,
                max_virtual_stages: int = 4,
-               refine_top: int = 12, time_limit_s: float = 5.0) -> Plan:
+               refine_top: int = 12, mixed_top: int = 3, time_limit_s: float = 5.0) -> Plan:
     """The fastest plan the cost model of :func:`~autopp.planner.simulate` finds for training ``model`` with
     ``global_batch`` sequences per step on ``cluster`` (see the module docstring for the search).
 
     ``schedules``, ``recompute``, ``microbatch_sizes`` and ``pipeline_degrees`` (e.g. ``(1,)`` for the best plan
     without pipelining) restrict the search; ``refine_top`` layouts get a CP-SAT
-    stage assignment (each within ``time_limit_s``). Raises ValueError when no layout fits the devices' memory,
+    stage assignment (each within ``time_limit_s``), and the best ``mixed_top`` of those one
+    where stages may also differ in tensor degree. Raises ValueError when no layout fits the devices' memory,
     saying how much the least demanding one needs and what would make it fit.
     """
     t0 = time.perf_counter()
@@ -173,6 +176,15 @@ def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: 
         if refined is not None:
             candidates += 1
             pool.append(refined)
+    # The best few refined layouts may also give their stages different tensor degrees (stages of different
+    # sizes); that model is larger, so it starts from the equal-degree answer and gets a shorter time limit.
+    fits = sorted((c for c in pool if c.estimate.fits), key=lambda c: c.estimate.step_time_s)
+    for c in fits[:mixed_top]:
+        if len(_tensor_options(model, cluster, c.key)) > 1:
+            mixed = _refine(layouts[c.key], c.key, recompute, min(time_limit_s, 1.0), mix_tensor=True, start=c)
+            if mixed is not None:
+                candidates += 1
+                pool.append(mixed)
     for c in uniform[:refine_top]:  # the best equal splits, re-ranked by the same event simulation
         pool.append(dataclasses.replace(c, estimate=layouts[c.key].estimate(list(c.stage_blocks),
                                                                               list(c.recompute), exact=True)))
@@ -186,18 +198,37 @@ def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: 
     return _to_plan(model, cluster, best, layouts[best.key], stats)
 
 
-def _refine(layout: _Layout, key: _LayoutKey, recompute: tuple[str, ...], time_limit_s: float) -> _Candidate | None:
-    """CP-SAT blocks per stage and recomputation per stage for one layout; the exact estimate of its answer."""
+def _tensor_options(model: GPTConfig, cluster: Cluster, key: _LayoutKey) -> list[int]:
+    """Tensor degrees a stage of this layout may take: half, the same as, or twice the layout's, powers of two
+    that divide the node and the heads (so that stages placed in decreasing tensor degree keep every tensor
+    group inside a node)."""
+    dpn = cluster.devices_per_node
+    if dpn & (dpn - 1) or key.tp & (key.tp - 1) or key.pp == 1:
+        return [key.tp]
+    return [d for d in (key.tp // 2, key.tp, key.tp * 2) if d >= 1 and dpn % d == 0 and model.heads % d == 0]
+
+
+def _refine(layout: _Layout, key: _LayoutKey, recompute: tuple[str, ...], time_limit_s: float, *,
+            mix_tensor: bool = False, start: _Candidate | None = None) -> _Candidate | None:
+    """CP-SAT blocks per stage and recomputation per stage for one layout, and with ``mix_tensor`` a tensor degree
+    per stage (the stages' devices adding up to the cluster), seeded with ``start``; the exact estimate of its
+    answer."""
     pp, L = key.pp, layout.model.layers
+    model, cluster = layout.model, layout.cluster
+    by_tp = {}
+    for tp in (_tensor_options(model, cluster, key) if mix_tensor else [key.tp]):
+        by_tp[tp] = layout if tp == key.tp else _Layout(
+            model, cluster, layout.costs, global_batch=layout.M * key.mbs * key.dp, tp=tp, dp=key.dp, fsdp=key.fsdp,
+            microbatch_size=key.mbs, schedule=key.schedule, virtual_stages=key.v, num_stages=pp)
+    options = [(tp, r) for tp in by_tp for r in recompute]
     nbar = max(1, -(-L // pp))
     block_time, const_time, block_mem, const_mem = [], [], [], []
     for i in range(pp):
         bt, ct, bm, cm = [], [], [], []
-        for r in recompute:
-            t0 = layout.stage_time(i, 0, r)
-            t1 = layout.stage_time(i, nbar, r)
-            m0 = layout.stage_memory(i, 0, r)[0]
-            m1 = layout.stage_memory(i, nbar, r)[0]
+        for tp, r in options:
+            lay = by_tp[tp]
+            t0, t1 = lay.stage_time(i, 0, r), lay.stage_time(i, nbar, r)
+            m0, m1 = lay.stage_memory(i, 0, r)[0], lay.stage_memory(i, nbar, r)[0]
             ct.append(t0["f"] + t0["b"])
             bt.append((t1["f"] + t1["b"] - ct[-1]) / nbar)  # secant: exact unless FSDP traffic is partly hidden
             cm.append(m0)
@@ -207,12 +238,19 @@ def _refine(layout: _Layout, key: _LayoutKey, recompute: tuple[str, ...], time_l
         block_mem.append(bm)
         const_mem.append(cm)
     lows = [0 if i in (0, pp - 1) else 1 for i in range(pp)]
-    got = assign_blocks(L, block_time, const_time, block_mem, const_mem, layout.cluster.device.memory_capacity,
-                        min_blocks=lows, recompute_options=recompute, time_limit_s=time_limit_s)
+    devices = [[tp * key.dp for tp, _ in options]] * pp if len(by_tp) > 1 else None
+    hint = None if start is None else (start.stage_blocks, [options.index((key.tp, r)) for r in start.recompute])
+    got = assign_blocks(L, block_time, const_time, block_mem, const_mem, cluster.device.memory_capacity,
+                        min_blocks=lows, recompute_options=options, option_devices=devices,
+                        total_devices=cluster.num_devices if devices else None, hint=hint, time_limit_s=time_limit_s)
     if got is None:
         return None
-    est = layout.estimate(list(got.stage_blocks), list(got.recompute), exact=True)
-    return _Candidate(key, got.stage_blocks, got.recompute, est, status=got.status, gap=got.gap)
+    stage_tp = tuple(tp for tp, _ in got.recompute)
+    modes = tuple(r for _, r in got.recompute)
+    est = layout.estimate(list(got.stage_blocks), list(modes), exact=True,
+                          stage_layouts=[by_tp[tp] for tp in stage_tp])
+    return _Candidate(key, got.stage_blocks, modes, est, status=got.status, gap=got.gap,
+                      stage_layouts=None if set(stage_tp) == {key.tp} else tuple(by_tp[tp] for tp in stage_tp))
 
 
 def _infeasible_message(model: GPTConfig, cluster: Cluster, global_batch: int,
@@ -257,12 +295,18 @@ def _least_memory(model: GPTConfig, cluster: Cluster, global_batch: int) -> floa
 def _to_plan(model: GPTConfig, cluster: Cluster, best: _Candidate, layout: _Layout, stats: PlannerStats) -> Plan:
     key = best.key
     costs = layout.costs
-    per_stage = key.tp * key.dp  # devices per group
     itemsize = layout.itemsize
+    lay = best.stage_layouts or (layout,) * key.pp
+    # Device groups in decreasing tensor degree, so that each group starts at a multiple of its tensor degree
+    # and every tensor-parallel group stays inside a node; the pipeline order is the stages' own.
+    offsets, at = {}, 0
+    for g in sorted(range(key.pp), key=lambda g: -lay[g].tp):
+        offsets[g] = at
+        at += lay[g].tp * key.dp
     # Interleaved schedules run v model chunks per device group: chunk c (a stage of the plan) on group c % pp.
     num_chunks = key.pp * key.v
     chunk_blocks = [n // key.v for n in best.stage_blocks for _ in range(key.v)] if key.v > 1 else best.stage_blocks
-    times = [layout.stage_time(i, n, r) for i, (n, r) in enumerate(zip(best.stage_blocks, best.recompute))]
+    times = [lay[i].stage_time(i, n, r) for i, (n, r) in enumerate(zip(best.stage_blocks, best.recompute))]
     stages = []
     first = 0
     for c, blocks in enumerate(chunk_blocks):
@@ -271,12 +315,12 @@ def _to_plan(model: GPTConfig, cluster: Cluster, best: _Candidate, layout: _Layo
         last = first + blocks + has_embed + has_head - 1  # layers: 0 = embed, 1..L = blocks, L + 1 = head
         flops = (blocks * costs.block.flops + (costs.embed.flops if has_embed else 0.0)
                  + (costs.head.flops if has_head else 0.0))
-        params = (blocks * layout.blk_params + (layout.emb_params if has_embed else 0.0)
-                  + (layout.head_params if has_head else 0.0))
+        g = lay[group]
+        params = (blocks * g.blk_params + (g.emb_params if has_embed else 0.0) + (g.head_params if has_head else 0.0))
         stages.append(StagePlan(
-            index=c, devices=tuple(range(group * per_stage, (group + 1) * per_stage)),
-            mesh_shape={"data": key.dp // key.fsdp, "fsdp": key.fsdp, "tensor": key.tp},
-            equations=None, num_equations=None, flops=float(flops), param_bytes=int(params * key.tp * itemsize),
+            index=c, devices=tuple(range(offsets[group], offsets[group] + g.tp * key.dp)),
+            mesh_shape={"data": key.dp // key.fsdp, "fsdp": key.fsdp, "tensor": g.tp},
+            equations=None, num_equations=None, flops=float(flops), param_bytes=int(params * g.tp * itemsize),
             cut_bytes_after=0 if has_head else key.mbs * model.seq * model.hidden * itemsize,
             layers=(first, last), recompute=best.recompute[group],
             forward_time_s=times[group]["f"] / key.v, backward_time_s=times[group]["b"] / key.v,

@@ -427,11 +427,34 @@ class _Layout:
         opt = params * self.opt_b / self.fsdp
         return weights + opt + act, weights, opt, act
 
-    def estimate(self, stage_blocks: list[int], stage_recompute: list[str], exact: bool = False) -> Estimate:
-        pp, v, M, dp, fsdp, tp = self.pp, self.v, self.M, self.dp, self.fsdp, self.tp
+    def grad_reduce_time(self, params: float) -> float:
+        """Seconds to all-reduce the fp32 gradients of ``params`` elements (a GPU's FSDP shard of them) over the
+        ``dp / fsdp`` replicas holding the same shard, hierarchically when they span nodes."""
+        cluster, fsdp = self.cluster, self.fsdp
+        replicas = self.dp // fsdp
+        if replicas == 1:
+            return 0.0
+        dp_local = max(1, min(replicas, cluster.devices_per_node // (self.tp * fsdp)))  # replicas inside one node
+        dp_nodes = -(-replicas // dp_local)  # nodes the replica group spans
+        nbytes = params / fsdp * GRAD_REDUCE_BYTES
+        if dp_nodes == 1:
+            return collective_time("all-reduce", nbytes, replicas, cluster, spans_nodes=False)
+        t = collective_time("all-reduce", nbytes / dp_local, dp_nodes, cluster, spans_nodes=True)
+        if dp_local > 1:
+            t += (collective_time("reduce-scatter", nbytes, dp_local, cluster, spans_nodes=False)
+                  + collective_time("all-gather", nbytes, dp_local, cluster, spans_nodes=False))
+        return t
+
+    def estimate(self, stage_blocks: list[int], stage_recompute: list[str], exact: bool = False,
+                 stage_layouts: list[_Layout] | None = None) -> Estimate:
+        """The step's estimate. ``stage_layouts[i]`` (default: this layout for every stage) costs stage ``i``:
+        stages may differ in tensor degree (same pipeline, data and FSDP degrees, microbatches and schedule);
+        their device counts must add up to the cluster's."""
+        pp, v, M, dp, fsdp = self.pp, self.v, self.M, self.dp, self.fsdp
         cluster, model, itemsize = self.cluster, self.model, self.itemsize
         emb, blk, head = self.costs.embed, self.costs.block, self.costs.head
-        stages = [self.stage_time(i, n, r) for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute))]
+        lay = stage_layouts or [self] * pp
+        stages = [lay[i].stage_time(i, n, r) for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute))]
         slow = max(range(pp), key=lambda i: stages[i]["f"] + stages[i]["b"])
         st = stages[slow]
         f, b = st["f"], st["b"]
@@ -447,42 +470,27 @@ class _Layout:
             bubble = _bubble_time(self.schedule, pp, v, f, b, st["wc"])
         tp_comm_s = M * st["tpc"]
         fsdp_comm_s = M * st["fsdp"]
-        pp_comm_s = M * 2 * self.p2p  # each microbatch's forward and backward send (0 without pipelining)
+        pp_comm_s = M * 2 * lay[slow].p2p  # each microbatch's forward and backward send (0 without pipelining)
         if pp > 1:  # tied word-embedding gradient between the first and last stage, once per step
-            pp_comm_s += collective_time("all-reduce", emb.param_bytes / tp * GRAD_REDUCE_BYTES / itemsize, 2,
+            pp_comm_s += collective_time("all-reduce", emb.param_bytes / lay[0].tp * GRAD_REDUCE_BYTES / itemsize, 2,
                                          cluster, spans_nodes=cluster.num_nodes > 1)
 
         # ---- data-parallel reduction of each FSDP shard over its replicas, optimizer ----
-        replicas = dp // fsdp
-        dp_local = max(1, min(replicas, cluster.devices_per_node // (tp * fsdp)))  # replicas inside one node
-        dp_nodes = -(-replicas // dp_local)  # nodes the replica group spans
-
-        def grad_reduce(params: float) -> float:
-            nbytes = params / fsdp * GRAD_REDUCE_BYTES
-            if replicas == 1:
-                return 0.0
-            if dp_nodes == 1:
-                return collective_time("all-reduce", nbytes, replicas, cluster, spans_nodes=False)
-            t = collective_time("all-reduce", nbytes / dp_local, dp_nodes, cluster, spans_nodes=True)
-            if dp_local > 1:
-                t += (collective_time("reduce-scatter", nbytes, dp_local, cluster, spans_nodes=False)
-                      + collective_time("all-gather", nbytes, dp_local, cluster, spans_nodes=False))
-            return t
-
-        params = [self.stage_params(i, n) for i, n in enumerate(stage_blocks)]
+        params = [lay[i].stage_params(i, n) for i, n in enumerate(stage_blocks)]
         b_slot = b  # stage i's last backward ends i slots before stage 0's
-        dp_comm_s = max(0.0, max(grad_reduce(params[i]) - i * b_slot for i in range(pp)))
+        dp_comm_s = max(0.0, max(lay[i].grad_reduce_time(params[i]) - i * b_slot for i in range(pp)))
         optimizer_s = max(params) / fsdp * ADAM_BYTES_PER_PARAM / self.tm.bytes_per_s
         step = compute_s + bubble + tp_comm_s + fsdp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
 
-        peak, weights, opt, act = max(self.stage_memory(i, n, r)
+        peak, weights, opt, act = max(lay[i].stage_memory(i, n, r)
                                       for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute)))
 
         # ---- FLOPs ----
         mb_total = M * dp  # microbatches per step over all replicas
         model_flops = mb_total * sum(l.flops + l.backward_flops for l in (emb, head)) + mb_total * model.layers * (
             blk.flops + blk.backward_flops)
-        extra = mb_total * sum(n * self.recompute_cost[r][2] for n, r in zip(stage_blocks, stage_recompute))
+        extra = mb_total * sum(n * lay[i].recompute_cost[r][2]
+                               for i, (n, r) in enumerate(zip(stage_blocks, stage_recompute)))
         dev = cluster.device
         return Estimate(
             step_time_s=step,

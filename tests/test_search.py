@@ -95,36 +95,54 @@ def test_plan_json_round_trip_is_exact(plan, tmp_path):
     assert data["schema_version"] == 2 and data["planner"]["solver_status"] == "OPTIMAL"
 
 
-def test_stage_split_equals_brute_force_of_the_same_cost_model():
-    """CP-SAT's blocks per stage and recomputation per stage, against every composition costed by the simulator's
-    own per-stage time and memory (not the linear coefficients the solver sees)."""
-    model = GPTConfig(layers=7, hidden=512, heads=8, seq=256, vocab=32768, dtype="bfloat16")
-    cluster = Cluster.parse("1x8xA100-80GB")
+@pytest.mark.parametrize("schedule, pp, mix_tensor, vocab", [
+    ("1f1b", 3, False, 32768), ("gpipe", 2, False, 32768), ("zb-h1", 4, False, 32768), ("zb-h1", 2, True, 32768),
+    ("1f1b", 3, True, 131072),  # the heavy head's stage takes 4 devices of tensor parallelism, the others 1
+])
+def test_stage_split_equals_brute_force_of_the_same_cost_model(schedule, pp, mix_tensor, vocab):
+    """CP-SAT's blocks per stage, recomputation per stage (and tensor degree per stage, the stages' devices adding
+    up to the cluster's), against every combination costed by the simulator's own per-stage time and memory (not
+    the linear coefficients the solver sees)."""
+    model = GPTConfig(layers=7, hidden=512, heads=8, seq=256, vocab=vocab, dtype="bfloat16")
+    tp, dp = 2, 2
+    cluster = Cluster.parse(f"{pp * tp * dp // 4}x4xA100-80GB")
     costs = _layer_costs(model, 2, cluster)
     modes = ("none", "full", "selective")
-    for schedule, pp in (("1f1b", 3), ("gpipe", 2), ("zb-h1", 4)):
-        layout = _Layout(model, cluster, costs, global_batch=16, tp=2, dp=8 // (2 * pp) or 1, fsdp=1,
-                         microbatch_size=2, schedule=schedule, virtual_stages=1, num_stages=pp)
-        # a capacity that rules out keeping every activation on the first stage
-        roomy = layout.stage_memory(0, 3, "none")[0]
-        for cap in (80e9, roomy * 0.9):
-            layout.cluster = cluster.with_device_overrides(memory_capacity=int(cap))
-            best = None
-            for blocks in itertools.product(range(model.layers + 1), repeat=pp):
-                if sum(blocks) != model.layers or any(b < 1 for b in blocks[1:-1]):
+    key = _LayoutKey(tp, pp, dp, 1, 2, schedule, 1)
+    tps = (1, 2, 4) if mix_tensor else (tp,)
+
+    def layout_for(t, capacity):
+        c = cluster.with_device_overrides(memory_capacity=int(capacity))
+        return _Layout(model, c, costs, global_batch=16, tp=t, dp=dp, fsdp=1, microbatch_size=2, schedule=schedule,
+                       virtual_stages=1, num_stages=pp)
+
+    roomy = layout_for(tp, 80e9).stage_memory(0, 3, "none")[0]
+    for cap in (80e9, roomy * 0.9):  # the second rules out keeping every activation on the first stage
+        lay = {t: layout_for(t, cap) for t in tps}
+        best = None
+        for blocks in itertools.product(range(model.layers + 1), repeat=pp):
+            if sum(blocks) != model.layers or any(b < 1 for b in blocks[1:-1]):
+                continue
+            for opts in itertools.product(itertools.product(tps, modes), repeat=pp):
+                if sum(t for t, _ in opts) * dp != cluster.num_devices:
                     continue
-                for rs in itertools.product(modes, repeat=pp):
-                    if all(layout.stage_memory(i, b, r)[0] <= cap for i, (b, r) in enumerate(zip(blocks, rs))):
-                        t = max(sum(layout.stage_time(i, b, r)[k] for k in "fb")
-                                for i, (b, r) in enumerate(zip(blocks, rs)))
-                        best = t if best is None else min(best, t)
-            key = _LayoutKey(2, pp, layout.dp, 1, 2, schedule, 1)
-            got = _refine(layout, key, modes, time_limit_s=5.0)
-            bottleneck = max(sum(layout.stage_time(i, b, r)[k] for k in "fb")
-                             for i, (b, r) in enumerate(zip(got.stage_blocks, got.recompute)))
-            assert bottleneck == pytest.approx(best, rel=1e-5), (schedule, pp, cap)
-            assert all(layout.stage_memory(i, b, r)[0] <= cap
-                       for i, (b, r) in enumerate(zip(got.stage_blocks, got.recompute)))
+                if all(lay[t].stage_memory(i, b, r)[0] <= cap for i, (b, (t, r)) in enumerate(zip(blocks, opts))):
+                    worst = max(sum(lay[t].stage_time(i, b, r)[k] for k in "fb")
+                                for i, (b, (t, r)) in enumerate(zip(blocks, opts)))
+                    best = worst if best is None else min(best, worst)
+        got = _refine(lay[tp], key, modes, time_limit_s=10.0, mix_tensor=mix_tensor)
+        if best is None:
+            assert got is None
+            continue
+        stage_lay = got.stage_layouts or (lay[tp],) * pp
+        assert sum(s.tp for s in stage_lay) * dp == cluster.num_devices
+        worst = max(sum(s.stage_time(i, b, r)[k] for k in "fb")
+                    for i, (s, b, r) in enumerate(zip(stage_lay, got.stage_blocks, got.recompute)))
+        assert worst == pytest.approx(best, rel=1e-5), (schedule, pp, cap)
+        if vocab == 131072 and cap == 80e9:
+            assert [s.tp for s in stage_lay] == [1, 1, 4]
+        assert all(s.stage_memory(i, b, r)[0] <= cap
+                   for i, (s, b, r) in enumerate(zip(stage_lay, got.stage_blocks, got.recompute)))
 
 
 def test_infeasible_request_says_what_it_needs_and_what_would_fit():
@@ -150,3 +168,25 @@ def test_bad_arguments(kwargs, match):
         plan_model(MODEL, CLUSTER, **kwargs)
     with pytest.raises(TypeError, match=r"model must be an autopp.models.GPTConfig"):
         plan_model("gpt", CLUSTER, global_batch=8)
+
+
+def test_stages_of_different_sizes_get_disjoint_devices_with_tensor_groups_inside_nodes():
+    from autopp.planner._plan import PlannerStats
+    from autopp.planner._search import _to_plan
+
+    model = GPTConfig(layers=7, hidden=512, heads=8, seq=256, vocab=131072, dtype="bfloat16")
+    cluster = Cluster.parse("3x4xA100-80GB")
+    layout = _Layout(model, cluster, _layer_costs(model, 2, cluster), global_batch=16, tp=2, dp=2, fsdp=1,
+                     microbatch_size=2, schedule="1f1b", virtual_stages=1, num_stages=3)
+    got = _refine(layout, _LayoutKey(2, 3, 2, 1, 2, "1f1b", 1), ("none",), 10.0, mix_tensor=True)
+    assert [s.tp for s in got.stage_layouts] == [1, 1, 4]
+    stats = PlannerStats(wall_time_s=0.0, solver_status=got.status, optimality_gap=0.0, candidates=1,
+                         best_uniform_step_time_s=1.0)
+    plan = _to_plan(model, cluster, got, layout, stats)
+    assert [len(s.devices) for s in plan.stages] == [2, 2, 8]
+    assert sorted(d for s in plan.stages for d in s.devices) == list(range(12))
+    for s in plan.stages:
+        tp = s.mesh_shape["tensor"]
+        for k in range(0, len(s.devices), tp):  # consecutive devices form a tensor group: one node each
+            assert len({d // 4 for d in s.devices[k:k + tp]}) == 1
+    assert Plan.from_json(plan.to_json()) == plan
