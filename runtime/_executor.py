@@ -515,6 +515,7 @@ class _Builder:
         act_at: dict[tuple[Any, int, int], int] = {}  # (fwd var, microbatch, stage) -> slot
         ct_parts: dict[tuple[Any, int], list[int]] = collections.defaultdict(list)  # (var, mb) -> slots
         fwd_state: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (s, m) -> (input slots, kept residuals)
+        w_state: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (s, m) -> (W's bwd arguments, stash)
         out_parts: dict[int, list[int]] = collections.defaultdict(list)  # fwd outvar index -> per-mb slots
         outvar_idx = {}
         for k, a in enumerate(fwd.outvars):
@@ -613,11 +614,21 @@ class _Builder:
                 outs = self.emit(pr.bwd, kept + forwarded + cts + acc[s], len(acc[s]) + len(pr.act_idx), f"{s}B{m}")
                 acc[s] = outs[:len(acc[s])]
                 ship_input_cts(s, m, outs[len(acc[s]):])
-            else:
-                raise ValueError(
-                    f"schedule action {act} of kind {act.kind!r} is not supported by this runtime yet; use a "
-                    "schedule of F and B actions (gpipe, 1f1b)."
-                )
+            elif act.kind == "I":
+                ins, kept = fwd_state[(s, m)]
+                forwarded = [ins[i] for i in pr.forwarded_inputs]
+                args = kept + forwarded + output_cts(s, m)
+                bwd_input = pr.bwd_input
+                n_ct = len(pr.act_idx)
+                outs = (self.emit(bwd_input, args, n_ct + pr.num_stash, f"{s}I{m}")
+                        if n_ct + pr.num_stash else [])
+                ship_input_cts(s, m, outs[:n_ct])
+                w_state[(s, m)] = ([args[k] for k in pr.weight_args], outs[n_ct:])
+            else:  # W
+                fwd_state.pop((s, m))
+                w_args, stash = w_state.pop((s, m))
+                if acc[s]:
+                    acc[s] = self.emit(pr.bwd_weight, w_args + stash + acc[s], len(acc[s]), f"{s}W{m}")
 
         reduced = {}
         # Loss and aux: reduce the per-microbatch values on the stage that produced them.

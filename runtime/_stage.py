@@ -107,6 +107,12 @@ class StagePrograms:
       differentiable *parameter* input; ``input_cotangents`` one per differentiable activation input.
     * ``fwd_bwd(*inputs, *grad_acc) -> (*outputs, *grad_acc, *input_cotangents)``: both at once, for a
       stage whose differentiable outputs all have constant cotangents (the loss stage).
+    * ``bwd_input(*residuals, *forwarded_inputs, *cotangents) -> (*input_cotangents, *stash)`` and
+      ``bwd_weight(*w_args, *stash, *grad_acc) -> (*grad_acc)``: ``bwd`` split for zero-bubble schedules (an
+      ``I`` and a ``W`` action): the input-gradient part is the slice of the backward that the input
+      cotangents need; the weight-gradient part is the rest, reading ``stash`` (values the input part computed
+      that it also needs: the output gradients of the stage's layers) and the ``bwd`` arguments listed in
+      :attr:`weight_args` (positions among ``residuals, forwarded_inputs, cotangents``).
     """
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
@@ -212,6 +218,77 @@ class StagePrograms:
         n_bwd_in = num_kept + len(forwarded) + n_ct + len(param_idx)
         self.bwd = jax.jit(bwd, out_shardings=acc_shardings + act_ct,
                            donate_argnums=tuple(range(n_bwd_in - len(param_idx), n_bwd_in)))
+        self._bwd_fn, self._acc_shardings, self._act_ct_shardings = bwd, acc_shardings, act_ct
+        self._residual_sharding = residual_sharding
+        self._bwd_in_avals = ([jax.ShapeDtypeStruct(r.aval.shape, r.aval.dtype) for r in kept]
+                              + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
+                                 for i in forwarded]
+                              + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+                              + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
+                                 for i in param_idx])
+        self._split = None
         self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings,
                                out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
                                donate_argnums=tuple(range(len(g.inputs), len(g.inputs) + len(param_idx))))
+
+    def _split_backward(self):
+        """Build ``bwd_input`` / ``bwd_weight`` (on first use: only zero-bubble schedules need them)."""
+        traced = jax.make_jaxpr(self._bwd_fn)(*self._bwd_in_avals)
+        jaxpr = traced.jaxpr
+        n_acc = len(self.param_idx)
+        n_args = len(jaxpr.invars) - n_acc
+        acc_out, ct_out = jaxpr.outvars[:n_acc], jaxpr.outvars[n_acc:]
+
+        def needed_by(outvars, exclude=frozenset()):
+            want = {v for v in outvars if _is_var(v)}
+            ids = []
+            for i in reversed(range(len(jaxpr.eqns))):
+                e = jaxpr.eqns[i]
+                if i not in exclude and any(o in want for o in e.outvars):
+                    ids.append(i)
+                    want.update(a for a in e.invars if _is_var(a))
+            return sorted(ids)
+
+        input_ids = needed_by(ct_out)
+        weight_ids = needed_by(acc_out, exclude=frozenset(input_ids))
+        made_by_input = {o for i in input_ids for o in jaxpr.eqns[i].outvars}
+        used_by_weight = []
+        for i in weight_ids:
+            for a in jaxpr.eqns[i].invars:
+                if _is_var(a) and a not in used_by_weight:
+                    used_by_weight.append(a)
+        for a in acc_out:
+            if _is_var(a) and a not in used_by_weight:
+                used_by_weight.append(a)
+        stash = [v for v in used_by_weight if v in made_by_input]
+        arg_vars = jaxpr.invars[:n_args]
+        self.weight_args = [k for k, v in enumerate(arg_vars) if v in used_by_weight]
+        acc_vars = jaxpr.invars[n_args:]
+        input_jaxpr = jex_core.ClosedJaxpr(_compat.new_jaxpr(
+            jaxpr.constvars, arg_vars, list(ct_out) + stash, [jaxpr.eqns[i] for i in input_ids], jaxpr.effects,
+            f"stage {self.graph.index} input gradient"), traced.consts)
+        weight_jaxpr = jex_core.ClosedJaxpr(_compat.new_jaxpr(
+            jaxpr.constvars, [arg_vars[k] for k in self.weight_args] + stash + list(acc_vars), list(acc_out),
+            [jaxpr.eqns[i] for i in weight_ids], jaxpr.effects, f"stage {self.graph.index} weight gradient"),
+            traced.consts)
+        self.num_stash = len(stash)
+        stash_sh = tuple(self._residual_sharding(v.aval.shape) for v in stash)
+        self._bwd_input = jax.jit(lambda *a: tuple(jax.core.eval_jaxpr(input_jaxpr.jaxpr, input_jaxpr.consts, *a)),
+                                  out_shardings=self._act_ct_shardings + stash_sh)
+        n_w = len(self.weight_args) + len(stash)
+        self._bwd_weight = jax.jit(
+            lambda *a: tuple(jax.core.eval_jaxpr(weight_jaxpr.jaxpr, weight_jaxpr.consts, *a)),
+            out_shardings=self._acc_shardings, donate_argnums=tuple(range(n_w, n_w + n_acc)))
+        self._split = True
+
+    @property
+    def bwd_input(self):
+        if self._split is None:
+            self._split_backward()
+        return self._bwd_input
+
+    @property
+    def bwd_weight(self):
+        if self._split is None:
+            self._split_backward()
+        return self._bwd_weight
