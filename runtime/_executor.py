@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import place_outer
 from autopp.planner._schedule import Schedule, dispatch_order
-from autopp.runtime._stage import StagePrograms, stage_graphs
+from autopp.runtime._stage import RECOMPUTE_POLICIES, StagePrograms, stage_graphs
 
 Literal = jex_core.Literal
 
@@ -128,6 +128,8 @@ class PipelineConfig:
     num_microbatches: int
     loss_reduction: str
     schedule: Schedule
+    recompute: tuple[str, ...]
+    """Recomputation mode of each stage."""
 
 
 class Executable:
@@ -454,7 +456,8 @@ class _Builder:
                          for v, p, d in zip(g.inputs, is_param, g.diff_inputs) if d and not p]
             progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
                                        out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
-                                       residual_sharding=functools.partial(meshes.batch_sharding, s)))
+                                       residual_sharding=functools.partial(meshes.batch_sharding, s),
+                                       recompute=self.config.recompute[s]))
         self.progs = progs
 
         # Per-step inputs of each stage that do not change across microbatches.
@@ -701,6 +704,8 @@ class _Builder:
                     outs = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
                     return outs[0], outs[1:]
 
+                if self.config.recompute[0] != "none":
+                    loss_of = jax.checkpoint(loss_of, policy=RECOMPUTE_POLICIES[self.config.recompute[0]])
                 (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
                 return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
 
@@ -763,8 +768,14 @@ def _sum_program(n, sharding):
 
 
 def build_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
-                     schedule) -> Executable:
-    """Build the step's instruction list. ``forward`` is the loss's forward jaxpr at microbatch size."""
+                     schedule, recompute: Sequence[str] | None = None) -> Executable:
+    """Build the step's instruction list. ``forward`` is the loss's forward jaxpr at microbatch size;
+    ``recompute`` gives each stage's recomputation mode (default none)."""
     meshes = StageMeshes(stage_devices)
-    config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule)
+    recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
+    if len(recompute) != split.num_stages or not set(recompute) <= {"none", "full", "selective"}:
+        raise ValueError(f"recompute={recompute!r}: give one of 'none', 'full', 'selective' per stage "
+                         f"({split.num_stages} stages).")
+    config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
+                            recompute=recompute)
     return _Builder(traced, forward, split, meshes, config).build()

@@ -97,8 +97,18 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
     return graphs
 
 
+RECOMPUTE_POLICIES = {
+    "full": None,  # keep only the stage's inputs; the backward re-runs the whole forward
+    # keep the outputs of matmuls without batch dimensions (the linear layers); recompute the rest, notably the
+    # attention core, whose einsums carry batch and head dimensions (Korthikanti et al. 2022's selective scheme)
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""``jax.checkpoint`` policy of each recomputation mode (``none``: no checkpoint)."""
+
+
 class StagePrograms:
-    """The jitted programs of one stage.
+    """The jitted programs of one stage (``recompute``: ``none``, ``full`` or ``selective``, see
+    :data:`RECOMPUTE_POLICIES`).
 
     * ``fwd(*inputs) -> (*outputs, *residuals)``: outputs as in :class:`StageGraph`; residuals are what
       the VJP keeps, minus residuals that are inputs (those are passed to ``bwd`` from the inputs).
@@ -116,7 +126,8 @@ class StagePrograms:
     """
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
-                 in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding):
+                 in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
+                 recompute: str = "none"):
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -139,6 +150,8 @@ class StagePrograms:
                 outs = run(vals)
                 return [outs[i] for i in diff_out_idx], outs
 
+            if recompute != "none":
+                f = jax.checkpoint(f, policy=RECOMPUTE_POLICIES[recompute])
             _, vjp_fn, outs = jax.vjp(f, [inputs[i] for i in diff_in_idx], has_aux=True)
             return outs, vjp_fn
 
