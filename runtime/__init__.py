@@ -15,5 +15,7 @@ from autopp.planner._schedule import (
     zb_h1,
 )
 
-__all__ = ["SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError", "bubble_fraction", "dispatch_order",
+from autopp.runtime._timeline import TaskEvent, Timeline, run_with_timeline
+
+__all__ = ["TaskEvent", "Timeline", "run_with_timeline", "SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError", "bubble_fraction", "dispatch_order",
            "get_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate", "zb_h1"]

@@ -39,6 +39,8 @@ class Task:
     outs: tuple[int, ...]
     label: str
     frees: tuple[int, ...] = ()
+    devices: frozenset[int] = frozenset()
+    """Ids of the devices the task's outputs live on (where it runs, for a timeline)."""
 
 
 def _vars(atoms):
@@ -145,7 +147,11 @@ class Executable:
         self.description = description
         self._plain = [(t.fn, t.ins, t.outs, t.frees) for t in tasks]
 
-    def run(self, flat_args: Sequence[Any]):
+    def run(self, flat_args: Sequence[Any], on_dispatch: Callable[[int, tuple], None] | None = None):
+        """Run one step. ``on_dispatch(task index, outputs)``, if given, is called after each task is issued
+        (for :func:`autopp.runtime.run_with_timeline`)."""
+        if on_dispatch is not None:
+            return self._run_observed(flat_args, on_dispatch)
         env: list[Any] = [None] * self.num_slots
         for slot, value in self.const_slots:
             env[slot] = value
@@ -153,6 +159,21 @@ class Executable:
             env[slot] = value
         for fn, ins, outs_slots, frees in self._plain:
             res = fn(*[env[i] for i in ins])
+            for o, r in zip(outs_slots, res):
+                env[o] = r
+            for f in frees:
+                env[f] = None
+        return [fn(env) for fn in self.output_fns]
+
+    def _run_observed(self, flat_args, on_dispatch):
+        env: list[Any] = [None] * self.num_slots
+        for slot, value in self.const_slots:
+            env[slot] = value
+        for slot, value in zip(self.input_slots, flat_args):
+            env[slot] = value
+        for k, (fn, ins, outs_slots, frees) in enumerate(self._plain):
+            res = fn(*[env[i] for i in ins])
+            on_dispatch(k, tuple(res))
             for o, r in zip(outs_slots, res):
                 env[o] = r
             for f in frees:
@@ -208,7 +229,9 @@ class _Builder:
         outs = [self.new_slot() for _ in range(n_out)]
         for o, a in zip(outs, out_avals):
             self.slot_aval[o] = a
-        self.tasks.append(Task(fn, tuple(ins), tuple(outs), label))
+        devices = frozenset(d.id for a in out_avals if getattr(a, "sharding", None) is not None
+                            for d in a.sharding.device_set)
+        self.tasks.append(Task(fn, tuple(ins), tuple(outs), label, devices=devices))
         return outs
 
     def const(self, value) -> int:
