@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -17,9 +19,12 @@ from autopp._trace import (
     trace_microbatch_forward,
     trace_step,
 )
-from autopp.planner._plan import Plan, StagePlan
-from autopp.profiler._partition import StageSplit, split_at, split_stages
+from autopp.planner._local import LocalPlan, plan_local
+from autopp.planner._plan import Plan, PlannerStats, StagePlan
+from autopp.profiler._cluster import Cluster
+from autopp.profiler._partition import StageSplit, batch_dependent_vars, split_at, split_stages
 from autopp.profiler._costs import aval_bytes
+from autopp.profiler._profile import Profile, profile
 from autopp.runtime._executor import Executable, build_executable
 from autopp.planner._schedule import SCHEDULE_NAMES, Schedule, get_schedule, validate
 
@@ -40,11 +45,18 @@ def _check_count(name: str, value, allow_none=True) -> None:
 
 
 class Parallelized(Generic[_P, _R]):
-    """A training step run as an MPMD pipeline. Call it like the step it wraps."""
+    """A training step run as an MPMD pipeline. Call it like the step it wraps.
+
+    With none of ``num_stages``, ``num_microbatches``, ``schedule`` and ``plan`` given, the first call for
+    each argument shape profiles the step on the local device (``autopp.profiler.profile(..., measure=True)``)
+    and plans the pipeline for ``devices`` (:func:`autopp.planner._local.plan_local`); ``num_stages`` is then
+    None (the choice can differ between argument shapes): :meth:`plan_for` says what was chosen.
+    """
 
     def __init__(self, step_fn: Callable[_P, _R], *, num_stages=None, num_microbatches=None, schedule=None,
                  devices=None, batch_argnums=None, loss_reduction=None, plan=None):
         self._plan = None
+        self._auto = plan is None and num_stages is None and num_microbatches is None and schedule is None
         if plan is not None:
             self._plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
             given = [k for k, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
@@ -86,7 +98,9 @@ class Parallelized(Generic[_P, _R]):
                 f"{len(devices)} were given ({devices}); use num_stages <= {len(devices)} or pass more devices."
             )
         n_st = num_stages if num_stages is not None else len(devices)
-        if self._plan is not None:
+        if self._auto:
+            n_st = None
+        elif self._plan is not None:
             by_id = {d.id: d for d in devices}
             missing = sorted({i for st in self._plan.stages for i in st.devices} - set(by_id))
             if missing:
@@ -100,8 +114,8 @@ class Parallelized(Generic[_P, _R]):
                 f"autopp.parallelize: {len(devices)} devices cannot be split evenly into {n_st} stages; pass "
                 f"devices=jax.devices()[:{n_st * (len(devices) // n_st)}] or a num_stages that divides {len(devices)}."
             )
-        if schedule is None:
-            schedule = "1f1b"
+        if schedule is None and not self._auto:
+            schedule = "1f1b"  # num_stages or num_microbatches given: the planner is not used
         if isinstance(schedule, str):
             if schedule not in SCHEDULE_NAMES:
                 raise ValueError(
@@ -113,7 +127,7 @@ class Parallelized(Generic[_P, _R]):
                     f"autopp.parallelize: schedule {schedule!r} is not supported by the runtime yet; use one of "
                     f"{', '.join(RUNNABLE_SCHEDULES)}."
                 )
-        elif not isinstance(schedule, Schedule):
+        elif schedule is not None and not isinstance(schedule, Schedule):
             raise TypeError(
                 f"autopp.parallelize: schedule must be a name ({', '.join(SCHEDULE_NAMES)}) or a Schedule, got "
                 f"{type(schedule).__name__}."
@@ -129,11 +143,15 @@ class Parallelized(Generic[_P, _R]):
         functools.update_wrapper(self, step_fn)
 
     # -- building --------------------------------------------------------------------------------
+    @staticmethod
+    def _batch_size(traced: TracedStep) -> int:
+        sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
+        return math.gcd(*sizes) if sizes else 1
+
     def _microbatches_for(self, traced: TracedStep) -> int:
         if self._num_microbatches is not None:
             return self._num_microbatches
-        sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
-        batch = math.gcd(*sizes) if sizes else 1
+        batch = self._batch_size(traced)
         return max(d for d in range(1, 2 * self.num_stages + 1) if batch % d == 0)
 
     def _schedule_for(self, num_microbatches: int) -> tuple[str, Schedule]:
@@ -165,13 +183,23 @@ class Parallelized(Generic[_P, _R]):
                 f"{self._plan.model_fingerprint}, this step {traced.fingerprint}): the computation, shapes or "
                 "dtypes differ. Make a new plan with step.plan_for(...) for these arguments."
             )
-        num_mb = self._microbatches_for(traced)
-        name, sched = self._schedule_for(num_mb)
+        if self._auto:
+            local, prof, planning_s = self._plan_locally(args, traced)
+            num_mb, name = local.num_microbatches, local.schedule
+            sched = get_schedule(name, local.num_stages, num_mb)
+        else:
+            num_mb = self._microbatches_for(traced)
+            name, sched = self._schedule_for(num_mb)
         if self._plan is not None:
             name = self._plan.schedule
         check_batch_divisible(traced, num_mb)
         forward = trace_microbatch_forward(self._step_fn, args, traced, num_mb)
-        if self._plan is not None:
+        if self._auto:
+            split = split_at(forward, traced.microbatched_grad_inputs,
+                             _stage_start_equations(prof, traced, forward, local))
+            per = local.devices_per_stage
+            stage_devices = [self.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]
+        elif self._plan is not None:
             split = split_at(forward, traced.microbatched_grad_inputs, [st.equations[0] for st in self._plan.stages])
             stage_devices = self._plan_devices
         else:
@@ -181,8 +209,44 @@ class Parallelized(Generic[_P, _R]):
         exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                loss_reduction=self.loss_reduction, schedule=sched)
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
+        if self._auto:
+            plan = dataclasses.replace(
+                plan, microbatch_size=local.microbatch_size, predicted=local.predicted,
+                stages=tuple(dataclasses.replace(st, layers=local.stage_layers[st.index], recompute="none")
+                             for st in plan.stages),
+                planner=PlannerStats(wall_time_s=planning_s, solver_status=local.solver_status,
+                                     optimality_gap=local.optimality_gap, candidates=local.candidates,
+                                     best_uniform_step_time_s=local.best_uniform_step_time_s))
+        elif self._plan is not None:  # what the replayed plan says beyond the split (layers, prediction, ...)
+            old = self._plan
+            plan = dataclasses.replace(
+                plan, microbatch_size=old.microbatch_size, virtual_stages=old.virtual_stages, cluster=old.cluster,
+                predicted=old.predicted, planner=old.planner,
+                stages=tuple(dataclasses.replace(st, layers=o.layers, recompute=o.recompute)
+                             for st, o in zip(plan.stages, old.stages)))
         self._cache[key] = (traced, split, exe, plan)
         return self._cache[key]
+
+    def _plan_locally(self, args: tuple, traced: TracedStep) -> tuple[LocalPlan, Profile, float]:
+        """Profile the step on the local device and plan it for ``self.devices``; also the seconds it took."""
+        t0 = time.perf_counter()
+        try:
+            cluster = Cluster.local(self.devices)
+        except ValueError as e:
+            raise ValueError(f"autopp.parallelize: cannot plan for these devices: {e} Or skip the planner: pass "
+                             "num_stages=, num_microbatches= and schedule=.") from None
+        prof = profile(self._step_fn, *args, measure=True, cluster=cluster, batch_argnums=self._batch_argnums)
+        if prof.fingerprint != traced.fingerprint:
+            raise _internal(f"the profile traced another computation (fingerprint {prof.fingerprint}, the step "
+                            f"{traced.fingerprint})")
+        batch = self._batch_size(traced)
+        try:
+            local = plan_local(prof, len(self.devices), batch)
+        except ValueError as e:
+            raise ValueError(f"autopp.parallelize: cannot plan this step for {len(self.devices)} device(s): "
+                             f"{str(e).removeprefix('plan_local: ')} Or fix the layout yourself with num_stages=, "
+                             "num_microbatches= and schedule=.") from None
+        return local, prof, time.perf_counter() - t0
 
     def _make_plan(self, traced, forward, split, stage_devices, num_mb, name, sched) -> Plan:
         spec = traced.spec
@@ -230,6 +294,56 @@ class Parallelized(Generic[_P, _R]):
         return self._build(args)[2]
 
 
+def _internal(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"autopp internal error: {what}. Please report it; meanwhile pass num_stages=, num_microbatches= and "
+        "schedule= to autopp.parallelize, which skips the planner.")
+
+
+def _stage_start_equations(prof: Profile, traced: TracedStep, forward, local: LocalPlan) -> list[int]:
+    """The planner's stage boundaries (profile layers) as equations of the per-microbatch forward ``forward``.
+
+    The profile's layers index equations of the full-batch forward (``traced.spec.forward``); the pipeline
+    runs the forward re-traced at microbatch size. The two traces must have the same equations (only shapes
+    differ), so an index means the same operation in both; a stage begins at its first layer's first
+    batch-dependent equation.
+    """
+    full, small = traced.spec.forward.jaxpr.eqns, forward.jaxpr.eqns
+    mask = traced.microbatched_grad_inputs
+    if len(full) != len(small) or any(a.primitive is not b.primitive for a, b in zip(full, small)):
+        first = next((i for i, (a, b) in enumerate(zip(full, small)) if a.primitive is not b.primitive),
+                     min(len(full), len(small)))
+        raise _internal(
+            f"the loss's forward traced at the full batch ({len(full)} equations) and at microbatch size "
+            f"({len(small)} equations) differ from equation {first} on, so the planner's layer boundaries cannot "
+            "be placed in the pipeline's forward")
+    ranges = []
+    for lay in prof.layers:
+        r = prof.graph.nodes[lay.index].get("eqn_range")
+        if r is None:
+            raise _internal(f"profile layer {lay.index} ({lay.name}) carries no equation range")
+        ranges.append(tuple(r))
+    dep = batch_dependent_vars(forward.jaxpr, mask)
+    batch_eqns = [i for i, e in enumerate(small) if any(v in dep for v in e.outvars)]
+    full_dep = batch_dependent_vars(traced.spec.forward.jaxpr, mask)
+    if batch_eqns != [i for i, e in enumerate(full) if any(v in full_dep for v in e.outvars)]:
+        raise _internal("the loss's forward traced at the full batch and at microbatch size depend on the batch at "
+                        "different equations, so the planner's layer boundaries cannot be placed in the pipeline's "
+                        "forward")
+    starts = []
+    for s, (first, _) in enumerate(local.stage_layers):
+        a, b = ranges[first]
+        if s == 0:
+            starts.append(batch_eqns[0])
+            continue
+        eq = next((i for i in batch_eqns if a <= i < b), None)
+        if eq is None or (starts and eq <= starts[-1]):
+            raise _internal(f"stage {s} begins at profile layer {first} ({prof.layers[first].name}, equations "
+                            f"{a}-{b - 1}), which has no batch-dependent equation after the previous stage's start")
+        starts.append(eq)
+    return starts
+
+
 @overload
 def parallelize(step_fn: Callable[_P, _R], /) -> Parallelized[_P, _R]: ...
 
@@ -253,16 +367,25 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
     forward computation is split automatically into ``num_stages`` stages (balanced by FLOPs, cut where
-    the fewest activation bytes cross); each stage runs on ``len(devices) // num_stages`` devices;
-    the batch (argument ``batch_argnums``, default the last positional one) is split into
-    ``num_microbatches`` along axis 0 of every leaf, and microbatch losses and gradients are combined
-    with ``loss_reduction`` (default ``"mean"``). Everything after the gradient runs on the stages that own
-    the parameters. ``plan`` (a :class:`Plan` or a JSON path from ``plan.to_json``) replays a saved plan
-    exactly: its stages, devices, microbatches and schedule; it is refused for another step or devices.
+    the fewest activation bytes cross; by measured layer times when planned, see below); each stage runs on
+    ``len(devices) // num_stages`` devices; the batch (argument ``batch_argnums``, default the last
+    positional one) is split into ``num_microbatches`` along axis 0 of every leaf, and microbatch losses and
+    gradients are combined with ``loss_reduction`` (default ``"mean"``). Everything after the gradient runs
+    on the stages that own the parameters. ``plan`` (a :class:`Plan` or a JSON path from ``plan.to_json``)
+    replays a saved plan exactly: its stages, devices, microbatches and schedule; it is refused for another
+    step or devices.
 
-    Defaults (until the planner chooses them): ``num_stages`` = number of devices, ``num_microbatches`` =
-    the largest divisor of the batch size that is at most ``2 * num_stages``, ``schedule="1f1b"``,
-    ``devices=jax.devices()``.
+    With none of ``num_stages``, ``num_microbatches``, ``schedule`` and ``plan`` given, they are planned
+    for ``devices`` on the first call (or :meth:`Parallelized.plan_for`) for each argument shape: the step is
+    profiled with its layers timed on the local device (:func:`autopp.profiler.profile` with
+    ``measure=True``, cached under ``$XDG_CACHE_HOME/autopp``), and
+    :func:`autopp.planner._local.plan_local` picks the stage count (a divisor of the device count, each stage
+    data-parallel over the rest), the microbatch count, the schedule (GPipe or 1F1B) and the stage split with
+    the smallest predicted step time; the plan records the split in profile layers, the prediction and the
+    planner's statistics. A ValueError says why when no layout is legal or fits the devices' memory.
+    Giving only some of the three skips the planner; the others default to ``num_stages`` = number of devices,
+    ``num_microbatches`` = the largest divisor of the batch size that is at most ``2 * num_stages``,
+    ``schedule="1f1b"``. ``devices`` defaults to ``jax.devices()``.
 
     Usable bare (``@autopp.parallelize``) or with keywords (``@autopp.parallelize(num_stages=4)``).
     """
