@@ -76,13 +76,22 @@ def _sds(aval_like, sharding) -> jax.ShapeDtypeStruct:
                                 weak_type=getattr(aval_like, "weak_type", False))
 
 
-def _place(sharding):
-    def place(x):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return (x,)
-        return (jax.device_put(x, sharding),)
+def _place(shardings):
+    """One task placing many step inputs: only those not already where they belong move, in one transfer call
+    (after the first step, parameters and optimizer state are the previous step's outputs, already at home)."""
+    shardings = list(shardings)
 
-    place.out_avals = lambda avals: [_sds(avals[0], sharding)]
+    def place(*xs):
+        move = [i for i, (x, sh) in enumerate(zip(xs, shardings))
+                if not (isinstance(x, jax.Array) and x.sharding == sh)]
+        if not move:
+            return xs
+        out = list(xs)
+        for i, y in zip(move, jax.device_put([xs[i] for i in move], [shardings[i] for i in move])):
+            out[i] = y
+        return out
+
+    place.out_avals = lambda avals: [_sds(a, sh) for a, sh in zip(avals, shardings)]
     return place
 
 
@@ -378,19 +387,16 @@ class _Builder:
         for slot, v in zip(self.input_slot, jaxpr.invars):
             self.slot_aval[slot] = _sds(v.aval, None)
         self.placed_input = {}
-        for k, v in enumerate(jaxpr.invars):
-            homes = pl.input_homes.get(k)
-            if self.traced.batch_mask[k] or not homes:
-                continue
-            if len(homes) == 1:
-                (loc,) = homes
-                (s,) = self.emit(_place(self.meshes.replicated[loc]), [self.input_slot[k]], 1,
-                                 f"place {self.traced.leaf_paths[k]} on stage {loc}")
-                self.avail[(v, loc)] = s
-            else:
-                (s,) = self.emit(_place(self.meshes.multi(homes)), [self.input_slot[k]], 1,
-                                 f"place {self.traced.leaf_paths[k]} on stages {sorted(homes)}")
-            self.placed_input[k] = s
+        homed = [k for k in range(len(jaxpr.invars)) if not self.traced.batch_mask[k] and pl.input_homes.get(k)]
+        shardings = [self.meshes.replicated[next(iter(pl.input_homes[k]))] if len(pl.input_homes[k]) == 1
+                     else self.meshes.multi(pl.input_homes[k]) for k in homed]
+        if homed:
+            placed = self.emit(_place(shardings), [self.input_slot[k] for k in homed], len(homed),
+                               f"place {len(homed)} inputs at home")
+            for k, s in zip(homed, placed):
+                if len(pl.input_homes[k]) == 1:
+                    self.avail[(jaxpr.invars[k], next(iter(pl.input_homes[k])))] = s
+                self.placed_input[k] = s
 
         # Which outer variables are used where: consumers outside a program need its outputs.
         users_of = collections.defaultdict(set)
@@ -747,11 +753,9 @@ class _Builder:
                  for v, b in zip(jaxpr.invars, self.traced.batch_mask)]
         fn = jax.jit(whole, in_shardings=tuple(in_sh), out_shardings=(rep,) * len(jaxpr.outvars))
         self.input_slot = [self.new_slot() for _ in jaxpr.invars]
-        placed = []
-        for slot, v, sh, k in zip(self.input_slot, jaxpr.invars, in_sh, range(len(in_sh))):
+        for slot, v in zip(self.input_slot, jaxpr.invars):
             self.slot_aval[slot] = _sds(v.aval, None)
-            (p,) = self.emit(_place(sh), [slot], 1, f"place {self.traced.leaf_paths[k]} on stage 0")
-            placed.append(p)
+        placed = self.emit(_place(in_sh), self.input_slot, len(in_sh), f"place {len(in_sh)} inputs on stage 0")
         outs = self.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update")
         self.output_slots = set(outs)
         outputs = [lambda env, slot=slot: env[slot] for slot in outs]
