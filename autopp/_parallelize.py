@@ -72,6 +72,16 @@ class Parallelized(Generic[_P, _R]):
                     f"{self._plan.loss_reduction!r}; drop loss_reduction= or make the plan again."
                 )
             loss_reduction = self._plan.loss_reduction
+            sharded = [st.index for st in self._plan.stages
+                       if st.mesh_shape.get("tensor", 1) > 1 or st.mesh_shape.get("fsdp", 1) > 1]
+            if sharded:
+                raise ValueError(
+                    f"autopp.parallelize: the plan's stage(s) {sharded} use tensor or FSDP parallelism, which this "
+                    "runtime does not run yet (stages are data-parallel inside); make a plan with data-parallel "
+                    "stages (plan_model of a Profile, or step.plan_for(...)).")
+            if any(st.equations is None and st.layers is None for st in self._plan.stages):
+                raise ValueError("autopp.parallelize: the plan's stages give neither equations nor layers, so it "
+                                 "cannot be replayed; make it with step.plan_for(...) or plan_model(profile, ...).")
             num_stages = self._plan.num_stages
             num_microbatches = self._plan.num_microbatches
             schedule = Schedule.from_text(self._plan.schedule_text, num_stages=num_stages,
@@ -196,11 +206,17 @@ class Parallelized(Generic[_P, _R]):
         forward = trace_microbatch_forward(self._step_fn, args, traced, num_mb)
         if self._auto:
             split = split_at(forward, traced.microbatched_grad_inputs,
-                             _stage_start_equations(prof, traced, forward, local))
+                             _stage_start_equations(prof, traced, forward, local.stage_layers))
             per = local.devices_per_stage
             stage_devices = [self.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]
         elif self._plan is not None:
-            split = split_at(forward, traced.microbatched_grad_inputs, [st.equations[0] for st in self._plan.stages])
+            if all(st.equations is not None for st in self._plan.stages):
+                starts = [st.equations[0] for st in self._plan.stages]
+            else:  # a plan made from a profile (plan_model): its stages are given in profile layers
+                prof = profile(self._step_fn, *args, cluster=Cluster.local(self.devices),
+                               batch_argnums=self._batch_argnums)
+                starts = _stage_start_equations(prof, traced, forward, [st.layers for st in self._plan.stages])
+            split = split_at(forward, traced.microbatched_grad_inputs, starts)
             stage_devices = self._plan_devices
         else:
             split = split_stages(forward, traced.microbatched_grad_inputs, self.num_stages)
@@ -300,7 +316,8 @@ def _internal(what: str) -> RuntimeError:
         "schedule= to autopp.parallelize, which skips the planner.")
 
 
-def _stage_start_equations(prof: Profile, traced: TracedStep, forward, local: LocalPlan) -> list[int]:
+def _stage_start_equations(prof: Profile, traced: TracedStep, forward,
+                           stage_layers: Sequence[tuple[int, int]]) -> list[int]:
     """The planner's stage boundaries (profile layers) as equations of the per-microbatch forward ``forward``.
 
     The profile's layers index equations of the full-batch forward (``traced.spec.forward``); the pipeline
@@ -331,7 +348,7 @@ def _stage_start_equations(prof: Profile, traced: TracedStep, forward, local: Lo
                         "different equations, so the planner's layer boundaries cannot be placed in the pipeline's "
                         "forward")
     starts = []
-    for s, (first, _) in enumerate(local.stage_layers):
+    for s, (first, _) in enumerate(stage_layers):
         a, b = ranges[first]
         if s == 0:
             starts.append(batch_eqns[0])

@@ -33,6 +33,7 @@ from autopp.planner._simulate import (
 )
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._devices import DEVICE_KINDS
+from autopp.profiler._profile import Profile
 
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes searched by default (Megatron-LM's published runs use 1 to 8 for large models)."""
@@ -81,7 +82,7 @@ def _even_split(blocks: int, stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: int,
+def plan_model(model: GPTConfig | GPT | Profile, cluster: Cluster | str, *, global_batch: int,
                schedules: tuple[str, ...] = SCHEDULES, recompute: tuple[str, ...] = RECOMPUTE_MODES,
                microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES, pipeline_degrees: tuple[int, ...] | None = None,
                max_virtual_stages: int = 4,
@@ -92,17 +93,25 @@ def plan_model(model: GPTConfig | GPT, cluster: Cluster | str, *, global_batch: 
     ``schedules``, ``recompute``, ``microbatch_sizes`` and ``pipeline_degrees`` (e.g. ``(1,)`` for the best plan
     without pipelining) restrict the search; ``refine_top`` layouts get a CP-SAT
     stage assignment (each within ``time_limit_s``), and the best ``mixed_top`` of those one
-    where stages may also differ in tensor degree. Raises ValueError when no layout fits the devices' memory,
+    where stages may also differ in tensor degree.
+
+    ``model`` may also be a traced step: the :class:`~autopp.profiler.Profile` of any training step
+    (``autopp.profiler.profile(step, *args, cluster=cluster)``, times for the cluster's device; with
+    ``measure=True`` on the local devices). Its layers are not known to be Megatron blocks, so its plan is
+    pipeline x data parallelism with a CP-SAT split of the profiled layers (:func:`autopp.planner._local.plan_local`:
+    stage count, microbatches, GPipe/1F1B); ``parallelize(step, plan=...)`` replays it on matching devices. Raises ValueError when no layout fits the devices' memory,
     saying how much the least demanding one needs and what would make it fit.
     """
     t0 = time.perf_counter()
     if isinstance(model, GPT):
         model = model.config
+    if isinstance(model, Profile):
+        return _plan_profile(model, cluster, global_batch, t0)
     if not isinstance(model, GPTConfig):
         raise TypeError(
-            f"plan_model: model must be an autopp.models.GPTConfig (or GPT), got {type(model).__name__}; for your "
-            "own training step, autopp.parallelize(step) plans it on the devices it is given (or describe the "
-            "model as a GPTConfig to plan for a cluster you do not have).")
+            f"plan_model: model must be an autopp.models.GPTConfig (or GPT) or the Profile of a traced step, got "
+            f"{type(model).__name__}; for your own training step pass "
+            "autopp.profiler.profile(step, *example_args, cluster=cluster).")
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     elif not isinstance(cluster, Cluster):
@@ -330,4 +339,37 @@ def _to_plan(model: GPTConfig, cluster: Cluster, best: _Candidate, layout: _Layo
     return Plan(model_fingerprint=model_fingerprint(model), stages=tuple(stages), num_microbatches=layout.M,
                 schedule=key.schedule, schedule_text=sched.to_text(), loss_reduction="mean",
                 microbatch_size=key.mbs, virtual_stages=key.v, cluster=cluster.to_dict(), predicted=best.estimate,
+                planner=stats)
+
+
+def _plan_profile(prof: Profile, cluster: Cluster | str, global_batch: int, t0: float) -> Plan:
+    """:func:`plan_model` for a traced step's profile (pipeline x data parallelism, see :mod:`planner._local`)."""
+    from autopp.planner._local import plan_local
+
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    if cluster.device != prof.cluster.device:
+        raise ValueError(f"plan_model: the profile's times are for {prof.cluster.device.name} devices but the cluster is "
+                         f"{cluster}; profile the step for this cluster: autopp.profiler.profile(step, *args, "
+                         f"cluster={cluster.shorthand!r}).")
+    global_batch = _positive_int("global_batch", global_batch, 512)
+    local = plan_local(dataclasses.replace(prof, cluster=cluster), cluster.num_devices, global_batch)
+    d = local.devices_per_stage
+    stages = []
+    for s, (first, last) in enumerate(local.stage_layers):
+        layers = prof.layers[first:last + 1]
+        stages.append(StagePlan(
+            index=s, devices=tuple(range(s * d, (s + 1) * d)), mesh_shape={"data": d, "fsdp": 1, "tensor": 1},
+            equations=None, num_equations=None,
+            flops=float(sum(l.flops for l in layers)) / local.num_microbatches,
+            param_bytes=int(sum(l.param_bytes for l in layers)),
+            cut_bytes_after=0 if s == local.num_stages - 1 else int(layers[-1].output_bytes / local.num_microbatches),
+            layers=(first, last), recompute="none"))
+    sched = get_schedule(local.schedule, local.num_stages, local.num_microbatches)
+    stats = PlannerStats(wall_time_s=time.perf_counter() - t0, solver_status=local.solver_status,
+                         optimality_gap=local.optimality_gap, candidates=local.candidates,
+                         best_uniform_step_time_s=local.best_uniform_step_time_s)
+    return Plan(model_fingerprint=prof.fingerprint, stages=tuple(stages), num_microbatches=local.num_microbatches,
+                schedule=local.schedule, schedule_text=sched.to_text(), loss_reduction="mean",
+                microbatch_size=local.microbatch_size, cluster=cluster.to_dict(), predicted=local.predicted,
                 planner=stats)

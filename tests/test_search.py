@@ -3,6 +3,7 @@ same cost model, JSON round trip, infeasibility explained."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -190,3 +191,35 @@ def test_stages_of_different_sizes_get_disjoint_devices_with_tensor_groups_insid
         for k in range(0, len(s.devices), tp):  # consecutive devices form a tensor group: one node each
             assert len({d // 4 for d in s.devices[k:k + tp]}) == 1
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_for_a_traced_step_replays_and_matches_plain_jit(tmp_path):
+    """plan_model of a step's Profile: pipeline x data parallelism over the profiled layers, replayable."""
+    import jax
+
+    import autopp
+    from autopp.profiler import profile
+    from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
+
+    model, tx = tiny_gpt(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    state = (params, tx.init(params))
+    batch = model.batch(jax.random.key(1), 8)
+    step = make_step(model, tx)
+    cluster = Cluster.local(jax.devices()[:4])
+    prof = profile(step, *state, batch, cluster=cluster)
+    # a cluster whose links are slow makes data parallelism expensive, so the plan pipelines
+    slow = cluster.with_device_overrides(intra_node_bandwidth=1e6)
+    plan = plan_model(dataclasses.replace(prof, cluster=slow), slow, global_batch=8)
+    assert plan.model_fingerprint == prof.fingerprint and plan.num_stages > 1
+    assert all(s.equations is None and s.layers is not None for s in plan.stages)
+    plan.to_json(tmp_path / "plan.json")
+    replay = autopp.parallelize(step, plan=str(tmp_path / "plan.json"), devices=jax.devices()[:4])
+    got, _ = run_steps(replay, state, batch)
+    reference, _ = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(got, reference)
+    ran = replay.plan_for(*state, batch)
+    assert [s.layers for s in ran.stages] == [s.layers for s in plan.stages]
+    assert [s.devices for s in ran.stages] == [s.devices for s in plan.stages]
+    with pytest.raises(ValueError, match=r"profile's times are for cpu devices but the cluster is"):
+        plan_model(prof, "1x8xH100", global_batch=8)
