@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
@@ -32,7 +33,21 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 LOSS_REDUCTIONS = ("mean", "sum")
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b")
+RECOMPUTE_MODES = ("none", "full", "selective")
+_ACTION_TOKEN = re.compile(r"\b\d+[FBIW]\d+\b")
+
+
+def _looks_like_text(schedule: str) -> bool:
+    return bool(_ACTION_TOKEN.search(schedule))
+
+
+def _parse_schedule_text(text: str) -> Schedule:
+    try:
+        sched = Schedule.from_text(text)
+    except ValueError as e:
+        raise ValueError(f"autopp.parallelize: the schedule text does not parse: {e}") from None
+    validate(sched)
+    return sched
 
 
 def _check_count(name: str, value, allow_none=True) -> None:
@@ -54,17 +69,21 @@ class Parallelized(Generic[_P, _R]):
     """
 
     def __init__(self, step_fn: Callable[_P, _R], *, num_stages=None, num_microbatches=None, schedule=None,
-                 devices=None, batch_argnums=None, loss_reduction=None, plan=None):
+                 devices=None, batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None,
+                 recompute=None):
         self._plan = None
+        if isinstance(schedule, str) and _looks_like_text(schedule):
+            schedule = _parse_schedule_text(schedule)
         self._auto = plan is None and num_stages is None and num_microbatches is None and schedule is None
         if plan is not None:
             self._plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
             given = [k for k, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                                    ("schedule", schedule)) if v is not None]
+                                    ("schedule", schedule), ("virtual_stages", virtual_stages),
+                                    ("recompute", recompute)) if v is not None]
             if given:
                 raise ValueError(
                     f"autopp.parallelize: pass either plan= or {', '.join(given)}, not both: a plan fixes the stages, "
-                    "microbatches and schedule. Drop the keyword(s) or the plan."
+                    "microbatches, schedule and recomputation. Drop the keyword(s) or the plan."
                 )
             if loss_reduction is not None and loss_reduction != self._plan.loss_reduction:
                 raise ValueError(
@@ -82,10 +101,11 @@ class Parallelized(Generic[_P, _R]):
             if any(st.equations is None and st.layers is None for st in self._plan.stages):
                 raise ValueError("autopp.parallelize: the plan's stages give neither equations nor layers, so it "
                                  "cannot be replayed; make it with step.plan_for(...) or plan_model(profile, ...).")
-            num_stages = self._plan.num_stages
             num_microbatches = self._plan.num_microbatches
-            schedule = Schedule.from_text(self._plan.schedule_text, num_stages=num_stages,
+            schedule = Schedule.from_text(self._plan.schedule_text, num_stages=self._plan.num_stages,
                                           num_microbatches=num_microbatches)
+            num_stages = schedule.num_ranks
+            recompute = tuple(st.recompute for st in self._plan.stages)
         if loss_reduction is None:
             loss_reduction = "mean"
         _check_count("num_stages", num_stages)
@@ -127,23 +147,48 @@ class Parallelized(Generic[_P, _R]):
         if schedule is None and not self._auto:
             schedule = "1f1b"  # num_stages or num_microbatches given: the planner is not used
         if isinstance(schedule, str):
-            if schedule not in SCHEDULE_NAMES:
+            name = schedule.strip().lower().replace("_", "-")
+            if name not in SCHEDULE_NAMES:
                 raise ValueError(
                     f"autopp.parallelize: unknown schedule {schedule!r}; valid names are {', '.join(SCHEDULE_NAMES)} "
-                    "(or pass a Schedule object)."
+                    "(or pass a Schedule object, or its text: one row of actions such as '0F0 0B0' per device group)."
                 )
-            if schedule not in RUNNABLE_SCHEDULES:
+            schedule = name
+        elif isinstance(schedule, Schedule):
+            validate(schedule)
+            if num_stages is not None and schedule.num_ranks != num_stages:
                 raise ValueError(
-                    f"autopp.parallelize: schedule {schedule!r} is not supported by the runtime yet; use one of "
-                    f"{', '.join(RUNNABLE_SCHEDULES)}."
-                )
-        elif schedule is not None and not isinstance(schedule, Schedule):
+                    f"autopp.parallelize: the schedule has {schedule.num_ranks} row(s) (device groups) but "
+                    f"num_stages={num_stages}; drop num_stages= or give a schedule with {num_stages} rows.")
+            if self._plan is None:
+                n_st = schedule.num_ranks
+                if len(devices) % n_st:
+                    raise ValueError(
+                        f"autopp.parallelize: {len(devices)} devices cannot be split evenly into the schedule's "
+                        f"{n_st} device groups; pass devices=jax.devices()[:{n_st * (len(devices) // n_st)}].")
+        elif schedule is not None:
             raise TypeError(
-                f"autopp.parallelize: schedule must be a name ({', '.join(SCHEDULE_NAMES)}) or a Schedule, got "
-                f"{type(schedule).__name__}."
+                f"autopp.parallelize: schedule must be a name ({', '.join(SCHEDULE_NAMES)}), a Schedule or its text, "
+                f"got {type(schedule).__name__}."
             )
+        if virtual_stages is not None:
+            _check_count("virtual_stages", virtual_stages)
+            if virtual_stages > 1 and schedule != "interleaved-1f1b":
+                raise ValueError(
+                    f"autopp.parallelize: virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got "
+                    f"{schedule!r}); drop virtual_stages= or use that schedule.")
+        elif schedule == "interleaved-1f1b":
+            virtual_stages = 2
+        if recompute is not None and not isinstance(recompute, str):
+            recompute = tuple(recompute)
+        if recompute is not None and not all(r in RECOMPUTE_MODES for r in
+                                             ((recompute,) if isinstance(recompute, str) else recompute)):
+            raise ValueError(f"autopp.parallelize: recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}"
+                             " or a tuple of them, one per stage (model chunk).")
         self._step_fn = step_fn
         self.num_stages = n_st
+        self._virtual_stages = virtual_stages or 1
+        self._recompute = recompute
         self._num_microbatches = num_microbatches
         self._schedule = schedule
         self.devices = devices
@@ -161,23 +206,40 @@ class Parallelized(Generic[_P, _R]):
     def _microbatches_for(self, traced: TracedStep) -> int:
         if self._num_microbatches is not None:
             return self._num_microbatches
+        if isinstance(self._schedule, Schedule):
+            return self._schedule.num_microbatches
         batch = self._batch_size(traced)
-        return max(d for d in range(1, 2 * self.num_stages + 1) if batch % d == 0)
+        step = self.num_stages if self._schedule == "interleaved-1f1b" else 1  # a multiple of the groups
+        fits = [d for d in range(step, 2 * self.num_stages + 1, step) if batch % d == 0]
+        if not fits:
+            raise ValueError(
+                f"autopp.parallelize: interleaved-1f1b needs a microbatch count that is a multiple of the "
+                f"{self.num_stages} device groups and divides the batch of {batch}; pass num_microbatches= or "
+                "another batch size.")
+        return max(fits)
 
     def _schedule_for(self, num_microbatches: int) -> tuple[str, Schedule]:
         if isinstance(self._schedule, Schedule):
             sched = self._schedule
-            if sched.num_stages != self.num_stages or sched.num_microbatches != num_microbatches:
+            if sched.num_microbatches != num_microbatches:
                 raise ValueError(
-                    f"autopp.parallelize: the schedule has {sched.num_stages} stage(s) and {sched.num_microbatches} "
-                    f"microbatch(es) but the step uses num_stages={self.num_stages}, "
-                    f"num_microbatches={num_microbatches}; make them agree."
+                    f"autopp.parallelize: the schedule has {sched.num_microbatches} microbatch(es) but the step "
+                    f"uses num_microbatches={num_microbatches}; make them agree."
                 )
-            if sched.num_ranks != self.num_stages:
-                raise ValueError("autopp.parallelize: schedules with several stages per rank are not supported yet.")
-            validate(sched)
             return "custom", sched
-        return self._schedule, get_schedule(self._schedule, self.num_stages, num_microbatches)
+        v = self._virtual_stages
+        return self._schedule, get_schedule(self._schedule, self.num_stages * v, num_microbatches, virtual_stages=v)
+
+    def _stage_recompute(self, num_chunks: int) -> tuple[str, ...]:
+        r = self._recompute
+        if r is None:
+            return ("none",) * num_chunks
+        if isinstance(r, str):
+            return (r,) * num_chunks
+        if len(r) != num_chunks:
+            raise ValueError(f"autopp.parallelize: recompute has {len(r)} entries for {num_chunks} stages (model "
+                             "chunks); give one per stage or a single mode.")
+        return r
 
     def _build(self, args: tuple) -> tuple[TracedStep, StageSplit, Executable, Plan]:
         flat, tree = jax.tree_util.tree_flatten(args)
@@ -219,12 +281,18 @@ class Parallelized(Generic[_P, _R]):
             split = split_at(forward, traced.microbatched_grad_inputs, starts)
             stage_devices = self._plan_devices
         else:
-            split = split_stages(forward, traced.microbatched_grad_inputs, self.num_stages)
-            per = len(self.devices) // self.num_stages
-            stage_devices = [self.devices[s * per:(s + 1) * per] for s in range(self.num_stages)]
+            split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages)
+            per = len(self.devices) // sched.num_ranks
+            rank_of = sched.stage_to_rank()
+            stage_devices = [self.devices[rank_of[c] * per:(rank_of[c] + 1) * per] for c in range(sched.num_stages)]
         exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
-                               loss_reduction=self.loss_reduction, schedule=sched)
+                               loss_reduction=self.loss_reduction, schedule=sched,
+                               recompute=self._stage_recompute(sched.num_stages))
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
+        plan = dataclasses.replace(
+            plan, virtual_stages=sched.num_stages // sched.num_ranks,
+            stages=tuple(dataclasses.replace(st, recompute=r)
+                         for st, r in zip(plan.stages, self._stage_recompute(sched.num_stages))))
         if self._auto:
             plan = dataclasses.replace(
                 plan, microbatch_size=local.microbatch_size, predicted=local.predicted,
@@ -238,8 +306,7 @@ class Parallelized(Generic[_P, _R]):
             plan = dataclasses.replace(
                 plan, microbatch_size=old.microbatch_size, virtual_stages=old.virtual_stages, cluster=old.cluster,
                 predicted=old.predicted, planner=old.planner,
-                stages=tuple(dataclasses.replace(st, layers=o.layers, recompute=o.recompute)
-                             for st, o in zip(plan.stages, old.stages)))
+                stages=tuple(dataclasses.replace(st, layers=o.layers) for st, o in zip(plan.stages, old.stages)))
         self._cache[key] = (traced, split, exe, plan)
         return self._cache[key]
 
@@ -375,11 +442,13 @@ def parallelize(
     batch_argnums: int | Sequence[int] | None = None,
     loss_reduction: str | None = None,
     plan: Plan | str | None = None,
+    virtual_stages: int | None = None,
+    recompute: str | Sequence[str] | None = None,
 ) -> Callable[[Callable[_P, _R]], Parallelized[_P, _R]]: ...
 
 
 def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, schedule=None, devices=None,
-                batch_argnums=None, loss_reduction=None, plan=None):
+                batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None, recompute=None):
     """Run a training step as an MPMD pipeline over ``devices``.
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
@@ -404,10 +473,18 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     ``num_microbatches`` = the largest divisor of the batch size that is at most ``2 * num_stages``,
     ``schedule="1f1b"``. ``devices`` defaults to ``jax.devices()``.
 
+    ``schedule`` is a name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with ``virtual_stages=v`` model
+    chunks per device group (default 2), ``"zb-h1"``), a :class:`autopp.runtime.Schedule`, or its text (one row of
+    actions such as ``0F0 1F0 1B0 0B0`` per device group; ``I``/``W`` split a backward into input and weight
+    gradients). ``num_stages`` counts device groups; with several model chunks per group the model is split into
+    ``num_stages * virtual_stages`` stages (chunk ``c`` on the group whose schedule row runs it). ``recompute``
+    (``"none"``, ``"full"``, ``"selective"``, or one per stage) recomputes activations in the backward.
+
     Usable bare (``@autopp.parallelize``) or with keywords (``@autopp.parallelize(num_stages=4)``).
     """
     kwargs = dict(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule, devices=devices,
-                  batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan)
+                  batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan,
+                  virtual_stages=virtual_stages, recompute=recompute)
     if step_fn is None:
         return lambda f: Parallelized(f, **kwargs)
     if not callable(step_fn):

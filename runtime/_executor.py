@@ -65,8 +65,8 @@ class StageMeshes:
 
     def multi(self, locs: frozenset[int]) -> NamedSharding:
         """Replicated over the devices of several stages (one value kept on all of them)."""
-        if locs not in self._multi:
-            devs = [d for loc in sorted(locs) for d in self.devices[loc]]
+        if locs not in self._multi:  # stages may share devices (several model chunks per device group)
+            devs = list(dict.fromkeys(d for loc in sorted(locs) for d in self.devices[loc]))
             self._multi[locs] = NamedSharding(Mesh(np.array(devs), ("stages",)), P())
         return self._multi[locs]
 
@@ -108,7 +108,11 @@ def _extract(loc_sharding, loc_devices):
 
 def _assemble(sharding, shape):
     def assemble(*parts):
-        bufs = [s.data for p in parts for s in p.addressable_shards]
+        by_device = {}
+        for p in parts:  # parts on stages that share devices hold the same value there
+            for s in p.addressable_shards:
+                by_device.setdefault(s.device, s.data)
+        bufs = [by_device[d] for d in sharding.mesh.devices.flat]
         return (jax.make_array_from_single_device_arrays(shape, sharding, bufs),)
 
     assemble.out_avals = lambda avals: [_sds(avals[0], sharding)]

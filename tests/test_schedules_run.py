@@ -1,0 +1,98 @@
+"""Every schedule the runtime runs, on the zoo GPT, equals plain jax.jit: interleaved 1F1B with several model
+chunks per device group, zero-bubble, schedules written as text, recomputation per stage."""
+
+import jax
+import pytest
+
+import autopp
+from autopp.runtime import Schedule
+from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
+
+
+@pytest.fixture(scope="module")
+def case():
+    model, tx = tiny_gpt(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    state = (params, tx.init(params))
+    batch = model.batch(jax.random.key(1), 8)
+    step = make_step(model, tx)
+    reference, _ = run_steps(jax.jit(step), state, batch)
+    return step, state, batch, reference
+
+
+@pytest.mark.parametrize("groups, virtual_stages, num_microbatches, devices", [
+    (2, 2, 2, 2), (2, 2, 4, 4), (2, 3, 4, 2), (4, 2, 4, 4),
+])
+def test_interleaved_1f1b_equals_plain_jit(case, groups, virtual_stages, num_microbatches, devices):
+    step, state, batch, reference = case
+    pipelined = autopp.parallelize(step, num_stages=groups, virtual_stages=virtual_stages, schedule="interleaved-1f1b",
+                                   num_microbatches=num_microbatches, devices=jax.devices()[:devices])
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    plan = pipelined.plan_for(*state, batch)
+    assert plan.num_stages == groups * virtual_stages and plan.virtual_stages == virtual_stages
+    per = devices // groups
+    for chunk in plan.stages:  # chunk c runs on device group c % groups
+        g = chunk.index % groups
+        assert chunk.devices == tuple(d.id for d in jax.devices()[g * per:(g + 1) * per])
+    # the parameters of a chunk live on its group's devices
+    placed = {d.id for leaf in jax.tree.leaves(got[0]) for d in leaf.sharding.device_set}
+    assert placed <= {d.id for d in jax.devices()[:devices]}
+
+
+def test_schedule_given_as_text_runs_and_round_trips(case):
+    step, state, batch, reference = case
+    text = "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1\n2F0 3F0 3B0 2B0 2F1 3F1 3B1 2B1"
+    # two device groups, each running two consecutive chunks; the chunks' data flows 0 -> 1 -> 2 -> 3
+    sched = Schedule.from_text(text)
+    assert Schedule.from_text(sched.to_text()) == sched
+    pipelined = autopp.parallelize(step, schedule=text, devices=jax.devices()[:2])
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    plan = pipelined.plan_for(*state, batch)
+    assert plan.schedule_text == sched.to_text() and [s.devices for s in plan.stages] == [(0,), (0,), (1,), (1,)]
+
+
+RECOMPUTE_KW = dict(num_stages=4, num_microbatches=4, schedule="gpipe", devices=jax.devices()[:4])
+
+
+def _kept_bytes(pipelined, state, batch):
+    """What each of the first three stages' forward hands to its backward: outputs and residuals."""
+    return {t.label: sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(t.fn.out_info))
+            for t in pipelined.executable_for(*state, batch).tasks if t.label in ("0F0", "1F0", "2F0")}
+
+
+@pytest.fixture(scope="module")
+def kept_without_recompute(case):
+    step, state, batch, _ = case
+    return _kept_bytes(autopp.parallelize(step, **RECOMPUTE_KW), state, batch)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", ("full", "none", "selective", "none")])
+def test_recomputation_equals_plain_jit_and_keeps_less(case, kept_without_recompute, recompute):
+    step, state, batch, reference = case
+    pipelined = autopp.parallelize(step, recompute=recompute, **RECOMPUTE_KW)
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    modes = (recompute,) * 4 if isinstance(recompute, str) else recompute
+    assert tuple(s.recompute for s in pipelined.plan_for(*state, batch).stages) == modes
+    less = _kept_bytes(pipelined, state, batch)
+    for s, mode in enumerate(modes[:3]):
+        if mode == "none":
+            assert less[f"{s}F0"] == kept_without_recompute[f"{s}F0"]
+        else:
+            assert less[f"{s}F0"] < kept_without_recompute[f"{s}F0"]
+
+
+def test_bad_schedule_arguments():
+    step = make_step(tiny_gpt(), make_optimizer())
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs schedule='interleaved-1f1b'"):
+        autopp.parallelize(step, num_stages=2, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"the schedule has 2 row\(s\) \(device groups\) but num_stages=4"):
+        autopp.parallelize(step, num_stages=4, schedule="0F0 0B0\n1F0 1B0")
+    with pytest.raises(ValueError, match=r"recompute='most' must be one of none, full, selective"):
+        autopp.parallelize(step, num_stages=2, recompute="most")
+    with pytest.raises(ValueError, match=r"unknown schedule 'pipedream'"):
+        autopp.parallelize(step, num_stages=2, schedule="pipedream")
+    with pytest.raises(ValueError, match=r"1B0.*before"):  # backward before its forward: the grid is printed
+        autopp.parallelize(step, schedule="0F0 0B0\n1B0 1F0")
