@@ -226,13 +226,23 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     :class:`Cluster` or a string such as ``"64x8xA100-80GB"``. ``schedule`` is one of :data:`SCHEDULES`
     (``virtual_stages`` > 1 only with ``"interleaved-1f1b"``), ``recompute`` one of :data:`RECOMPUTE_MODES`.
     ``fsdp`` (a divisor of ``dp``) shards parameters, gradients and optimizer state ZeRO-3 style over that many of
-    the data-parallel replicas. The first call for a (model, microbatch size, device) profiles the model (about a second); later calls use
+    the data-parallel replicas.
+
+    ``model`` may also be a traced step: the :class:`~autopp.profiler.Profile` of any training step (times for the
+    cluster's device). Its layers are not known to be Megatron blocks, so only pipeline x data layouts are
+    modelled (``tp=1``, ``fsdp=1``, ``recompute="none"``, GPipe or 1F1B), with the layers split into ``pp``
+    stages of equal layer counts and the cost model of :mod:`autopp.planner._local`. The first call for a (model, microbatch size, device) profiles the model (about a second); later calls use
     the cached profile.
     """
     if isinstance(model, GPT):
         model = model.config
+    if isinstance(model, Profile):
+        return _simulate_profile(model, cluster, global_batch=global_batch, tp=tp, pp=pp, dp=dp,
+                                 microbatch_size=microbatch_size, schedule=schedule, recompute=recompute,
+                                 virtual_stages=virtual_stages, fsdp=fsdp)
     if not isinstance(model, GPTConfig):
-        raise TypeError(f"simulate: model must be an autopp.models.GPTConfig (or GPT), got {type(model).__name__}; "
+        raise TypeError(f"simulate: model must be an autopp.models.GPTConfig (or GPT) or the Profile of a traced "
+                        f"step, got {type(model).__name__}; "
                         "pass e.g. GPTConfig(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200, "
                         "dtype='bfloat16').")
     if isinstance(cluster, str):
@@ -287,6 +297,42 @@ def simulate(model: GPTConfig, cluster: Cluster | str, *, global_batch: int, tp:
     return _estimate(model, cluster, costs, global_batch=global_batch, tp=tp, dp=dp, fsdp=fsdp, microbatch_size=mbs,
                      schedule=schedule, virtual_stages=v, stage_blocks=[per_stage] * pp,
                      stage_recompute=[recompute] * pp)
+
+
+def _simulate_profile(prof: Profile, cluster, *, global_batch, tp, pp, dp, microbatch_size, schedule, recompute,
+                      virtual_stages, fsdp) -> Estimate:
+    from autopp.planner._local import LayerCosts, Layout, evaluate, uniform_split
+
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    elif not isinstance(cluster, Cluster):
+        raise TypeError(f"simulate: cluster must be a Cluster or a string like '4x8xA100-80GB', got {cluster!r}.")
+    if cluster.device != prof.cluster.device:
+        raise ValueError(f"simulate: the profile's times are for {prof.cluster.device.name} devices but the cluster is "
+                         f"{cluster}; profile the step for it: autopp.profiler.profile(step, *args, "
+                         f"cluster={cluster.shorthand!r}).")
+    for name, value, only in (("tp", tp, 1), ("fsdp", fsdp, 1), ("virtual_stages", virtual_stages, 1),
+                              ("recompute", recompute, "none")):
+        if value != only:
+            raise ValueError(f"simulate: {name}={value!r} is not modelled for a traced step (its layers are not known "
+                             f"to be Megatron blocks); use {name}={only!r}, or describe the model as a GPTConfig.")
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"simulate: schedule {schedule!r} is not modelled for a traced step; use 'gpipe' or '1f1b'.")
+    global_batch = _positive_int("global_batch", global_batch, 512)
+    pp, dp, mbs = _positive_int("pp", pp), _positive_int("dp", dp), _positive_int("microbatch_size", microbatch_size)
+    if pp * dp != cluster.num_devices:
+        raise ValueError(f"simulate: pp*dp = {pp}*{dp} = {pp * dp} but the cluster ({cluster}) has "
+                         f"{cluster.num_devices} devices; choose degrees whose product is {cluster.num_devices}.")
+    if global_batch % (mbs * dp):
+        raise ValueError(f"simulate: global_batch={global_batch} is not divisible by microbatch_size*dp = {mbs}*{dp} "
+                         f"= {mbs * dp}; use a global batch that is a multiple of {mbs * dp}.")
+    costs = LayerCosts.from_profile(prof)
+    if pp > costs.num_layers:
+        raise ValueError(f"simulate: pp={pp} exceeds the profile's {costs.num_layers} layers; use pp <= "
+                         f"{costs.num_layers}.")
+    layout = Layout(num_stages=pp, devices_per_stage=dp, num_microbatches=global_batch // (mbs * dp),
+                    schedule=schedule, batch_size=global_batch)
+    return evaluate(costs, cluster, layout, uniform_split(costs, pp)).estimate
 
 
 def _estimate(model: GPTConfig, cluster: Cluster, costs: _LayerCosts, *, global_batch: int, tp: int, dp: int,

@@ -223,3 +223,27 @@ def test_plan_for_a_traced_step_replays_and_matches_plain_jit(tmp_path):
     assert [s.devices for s in ran.stages] == [s.devices for s in plan.stages]
     with pytest.raises(ValueError, match=r"profile's times are for cpu devices but the cluster is"):
         plan_model(prof, "1x8xH100", global_batch=8)
+
+
+def test_simulate_a_traced_step_agrees_with_its_plan():
+    """simulate(Profile) of the layout plan_model(Profile) chose predicts the same step (equal split chosen) or a
+    slower one (the planner's split beats the equal split)."""
+    import jax
+
+    from autopp.profiler import profile
+    from tests._helpers import make_optimizer, make_step, tiny_mlp
+
+    model, tx = tiny_mlp(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    prof = profile(make_step(model, tx), params, tx.init(params), model.batch(jax.random.key(1), 64),
+                   cluster="1x8xA100-80GB")
+    plan = plan_model(prof, "1x8xA100-80GB", global_batch=64)
+    d = plan.stages[0].mesh_shape["data"]
+    est = simulate(prof, "1x8xA100-80GB", global_batch=64, tp=1, pp=plan.num_stages, dp=d,
+                   microbatch_size=plan.microbatch_size, schedule=plan.schedule, recompute="none")
+    if plan.planner.solver_status == "UNIFORM":
+        assert est.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    else:
+        assert est.step_time_s >= plan.predicted.step_time_s * (1 - 1e-9)
+    with pytest.raises(ValueError, match=r"tp=2 is not modelled for a traced step"):
+        simulate(prof, "1x8xA100-80GB", global_batch=64, tp=2, pp=1, dp=4, microbatch_size=1, recompute="none")
