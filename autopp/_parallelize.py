@@ -118,8 +118,25 @@ class Parallelized(Generic[_P, _R]):
         if devices is None:
             devices = jax.devices()
         devices = list(devices)
+        self._groups = None
+        if devices and all(isinstance(g, (list, tuple)) for g in devices):  # one list per device group
+            groups = [list(g) for g in devices]
+            if any(not g for g in groups):
+                raise ValueError(f"autopp.parallelize: devices has an empty device group: {devices}; give every "
+                                 "group at least one device.")
+            if num_stages is not None and num_stages != len(groups):
+                raise ValueError(f"autopp.parallelize: num_stages={num_stages} but devices has {len(groups)} groups; "
+                                 "drop num_stages= (the groups are the stages) or regroup the devices.")
+            if plan is not None:
+                raise ValueError("autopp.parallelize: a plan fixes each stage's devices; pass devices as a flat list "
+                                 "(the devices the plan may use).")
+            self._groups = groups
+            num_stages = len(groups)
+            self._auto = False
+            devices = [d for g in groups for d in g]
         if not devices or not all(isinstance(d, jax.Device) for d in devices):
-            raise TypeError(f"autopp.parallelize: devices must be a non-empty sequence of jax.Device, got {devices!r}.")
+            raise TypeError(f"autopp.parallelize: devices must be a non-empty sequence of jax.Device (or of lists of "
+                            f"them, one per stage), got {devices!r}.")
         if len(set(devices)) != len(devices):
             raise ValueError(f"autopp.parallelize: devices lists a device twice: {devices}.")
         if num_stages is not None and num_stages > len(devices):
@@ -139,7 +156,7 @@ class Parallelized(Generic[_P, _R]):
                     f"devices given ({sorted(by_id)}); pass devices that include them, or make a plan for these."
                 )
             self._plan_devices = [[by_id[i] for i in st.devices] for st in self._plan.stages]
-        elif len(devices) % n_st:
+        elif self._groups is None and len(devices) % n_st:
             raise ValueError(
                 f"autopp.parallelize: {len(devices)} devices cannot be split evenly into {n_st} stages; pass "
                 f"devices=jax.devices()[:{n_st * (len(devices) // n_st)}] or a num_stages that divides {len(devices)}."
@@ -162,7 +179,7 @@ class Parallelized(Generic[_P, _R]):
                     f"num_stages={num_stages}; drop num_stages= or give a schedule with {num_stages} rows.")
             if self._plan is None:
                 n_st = schedule.num_ranks
-                if len(devices) % n_st:
+                if self._groups is None and len(devices) % n_st:
                     raise ValueError(
                         f"autopp.parallelize: {len(devices)} devices cannot be split evenly into the schedule's "
                         f"{n_st} device groups; pass devices=jax.devices()[:{n_st * (len(devices) // n_st)}].")
@@ -283,8 +300,9 @@ class Parallelized(Generic[_P, _R]):
         else:
             split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages)
             per = len(self.devices) // sched.num_ranks
+            groups = self._groups or [self.devices[r * per:(r + 1) * per] for r in range(sched.num_ranks)]
             rank_of = sched.stage_to_rank()
-            stage_devices = [self.devices[rank_of[c] * per:(rank_of[c] + 1) * per] for c in range(sched.num_stages)]
+            stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
         exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                loss_reduction=self.loss_reduction, schedule=sched,
                                recompute=self._stage_recompute(sched.num_stages))
@@ -438,7 +456,7 @@ def parallelize(
     num_stages: int | None = None,
     num_microbatches: int | None = None,
     schedule: str | Schedule | None = None,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | Sequence[Sequence[jax.Device]] | None = None,
     batch_argnums: int | Sequence[int] | None = None,
     loss_reduction: str | None = None,
     plan: Plan | str | None = None,

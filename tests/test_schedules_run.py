@@ -96,3 +96,22 @@ def test_bad_schedule_arguments():
         autopp.parallelize(step, num_stages=2, schedule="pipedream")
     with pytest.raises(ValueError, match=r"1B0.*before"):  # backward before its forward: the grid is printed
         autopp.parallelize(step, schedule="0F0 0B0\n1B0 1F0")
+
+
+def test_stages_of_different_sizes_equal_plain_jit(case):
+    """Device groups of 1 + 2 + 4 + 1 devices: each stage data-parallel over its own group."""
+    step, state, batch, reference = case
+    d = jax.devices()
+    groups = [d[:1], d[1:3], d[3:7], d[7:8]]
+    pipelined = autopp.parallelize(step, devices=groups, num_microbatches=2)
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    plan = pipelined.plan_for(*state, batch)
+    assert [len(s.devices) for s in plan.stages] == [1, 2, 4, 1]
+    assert [s.mesh_shape for s in plan.stages] == [{"data": 1}, {"data": 2}, {"data": 4}, {"data": 1}]
+    exe = pipelined.executable_for(*state, batch)
+    # activations travel between groups of different sizes: the receiver's layout
+    sends = [t for t in exe.tasks if t.label.startswith("send 1->2")]
+    assert sends and all(t.devices == frozenset(x.id for x in groups[2]) for t in sends)
+    with pytest.raises(ValueError, match=r"num_stages=2 but devices has 4 groups"):
+        autopp.parallelize(step, devices=groups, num_stages=2)
