@@ -390,6 +390,27 @@ class Parallelized(Generic[_P, _R]):
         """The plan this step runs for arguments like ``args`` (arrays or ShapeDtypeStructs); runs nothing."""
         return self._build(args)[3]
 
+    def trace(self, *args, trace_json: str | None = None, gantt_png: str | None = None):
+        """Run one step like ``step(*args)`` while recording when each task ran on which devices; returns
+        ``(outputs, timeline)`` (an :class:`autopp.runtime.Timeline`: events, wall time, host issue time, critical
+        path, bubble fraction). ``trace_json`` writes a Chrome/Perfetto trace, ``gantt_png`` a Gantt chart with
+        the plan's predicted timeline beside the measured one when the plan has stage times."""
+        from autopp.runtime._timeline import run_with_timeline
+
+        _, _, exe, plan = self._build(args)
+        outputs, timeline = run_with_timeline(exe, jax.tree_util.tree_leaves(args))
+        if trace_json is not None:
+            timeline.to_chrome_trace(trace_json)
+        if gantt_png is not None:
+            timeline.plot(gantt_png, plan)
+        return jax.tree_util.tree_unflatten(exe.out_tree, outputs), timeline
+
+    def memory_report(self, *args) -> dict[int, int]:
+        """Peak bytes per device id during a step with arguments like ``args``, by the runtime's accounting of
+        the buffers it holds plus each program's XLA temporaries (``memory_analysis()``); compare with
+        ``plan_for(*args).predicted.peak_memory_bytes_per_gpu``."""
+        return self._build(args)[2].memory_report()
+
     def executable_for(self, *args) -> Executable:
         """The built instruction list (for inspection and benchmarks)."""
         return self._build(args)[2]

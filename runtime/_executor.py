@@ -159,6 +159,8 @@ class Executable:
         self.out_tree = out_tree
         self.description = description
         self._plain = [(t.fn, t.ins, t.outs, t.frees) for t in tasks]
+        self.slot_bytes: dict[int, dict[int, int]] = {}
+        """Bytes per device id of each slot's buffer (set by the builder; the step inputs' slots excluded)."""
 
     def run(self, flat_args: Sequence[Any], on_dispatch: Callable[[int, tuple], None] | None = None):
         """Run one step. ``on_dispatch(task index, outputs)``, if given, is called after each task is issued
@@ -177,6 +179,34 @@ class Executable:
             for f in frees:
                 env[f] = None
         return [fn(env) for fn in self.output_fns]
+
+    def memory_report(self) -> dict[int, int]:
+        """Peak bytes per device id over one step, by the runtime's own accounting: every buffer the instruction
+        list holds (placed inputs, constants, activations, residuals, gradient accumulators, results) from the
+        task that makes it to the task after which it is dropped, plus each program's XLA temporaries
+        (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the caller holds them); their placed copies are."""
+        live: dict[int, int] = collections.defaultdict(int)
+        peak: dict[int, int] = collections.defaultdict(int)
+
+        def add(slot, sign):
+            for dev, n in self.slot_bytes.get(slot, {}).items():
+                live[dev] += sign * n
+
+        for slot, _ in self.const_slots:
+            add(slot, 1)
+        for task in self.tasks:
+            for o in task.outs:
+                add(o, 1)
+            temp = 0
+            analysis = getattr(task.fn, "memory_analysis", None)
+            if analysis is not None:
+                stats = analysis()
+                temp = stats.temp_size_in_bytes if stats is not None else 0
+            for dev in task.devices or live:
+                peak[dev] = max(peak[dev], live[dev] + temp // max(1, len(task.devices)))
+            for f in task.frees:
+                add(f, -1)
+        return dict(sorted(peak.items()))
 
     def _run_observed(self, flat_args, on_dispatch):
         env: list[Any] = [None] * self.num_slots
@@ -459,8 +489,14 @@ class _Builder:
                 self.output_slots.add(slot)
         self.insert_frees()
         self.compile()
-        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, outputs,
-                          self.traced.out_tree, self.describe())
+        return self.executable(outputs)
+
+    def executable(self, outputs) -> Executable:
+        exe = Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, outputs,
+                         self.traced.out_tree, self.describe())
+        inputs = set(self.input_slot)
+        exe.slot_bytes = {s: _bytes_per_device(a) for s, a in self.slot_aval.items() if s not in inputs}
+        return exe
 
     # -- the pipeline ---------------------------------------------------------------------------
     def build_pipeline(self):
@@ -765,8 +801,7 @@ class _Builder:
         outputs = [lambda env, slot=slot: env[slot] for slot in outs]
         self.insert_frees()
         self.compile()
-        return Executable(self.tasks, self.num_slots, self.input_slot, self.const_slots, outputs,
-                          self.traced.out_tree, self.describe())
+        return self.executable(outputs)
 
     def seed_slot(self, s, aval, value) -> int:
         """A constant cotangent (the loss seed, or zeros) on stage ``s``, shared by all microbatches."""
@@ -792,6 +827,15 @@ class _Builder:
 
     def describe(self) -> list[str]:
         return [t.label for t in self.tasks]
+
+
+def _bytes_per_device(aval) -> dict[int, int]:
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None:
+        return {}
+    shard = sharding.shard_shape(aval.shape)
+    n = int(np.prod(shard, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return {d.id: n for d in sharding.device_set}
 
 
 def _sum_program(n, sharding):
