@@ -37,6 +37,27 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 _ACTION_TOKEN = re.compile(r"\b\d+[FBIW]\d+\b")
 
 
+def _check_layout(layout):
+    if layout is None:
+        return None
+    many = layout if isinstance(layout, (list, tuple)) else [layout]
+    for lay in many:
+        if not isinstance(lay, dict):
+            raise TypeError(f"autopp.parallelize: layout must be a dict such as {{'fsdp': 2}} or a list of them (one "
+                            f"per device group), got {lay!r}.")
+        unknown = sorted(set(lay) - {"data", "fsdp", "tensor"})
+        if unknown:
+            raise ValueError(f"autopp.parallelize: layout {lay} has unknown axes {unknown}; the axes are data, fsdp, "
+                             "tensor.")
+        for k, v in lay.items():
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"autopp.parallelize: layout {lay}: {k} must be a positive int, got {v!r}.")
+        if lay.get("tensor", 1) > 1:
+            raise ValueError(f"autopp.parallelize: layout {lay}: tensor parallelism inside a stage is not supported "
+                             "by the runtime yet; use data and fsdp axes.")
+    return [dict(x) for x in layout] if isinstance(layout, (list, tuple)) else dict(layout)
+
+
 def _looks_like_text(schedule: str) -> bool:
     return bool(_ACTION_TOKEN.search(schedule))
 
@@ -70,7 +91,7 @@ class Parallelized(Generic[_P, _R]):
 
     def __init__(self, step_fn: Callable[_P, _R], *, num_stages=None, num_microbatches=None, schedule=None,
                  devices=None, batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None,
-                 recompute=None):
+                 recompute=None, layout=None):
         self._plan = None
         if isinstance(schedule, str) and _looks_like_text(schedule):
             schedule = _parse_schedule_text(schedule)
@@ -79,7 +100,7 @@ class Parallelized(Generic[_P, _R]):
             self._plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
             given = [k for k, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                                     ("schedule", schedule), ("virtual_stages", virtual_stages),
-                                    ("recompute", recompute)) if v is not None]
+                                    ("recompute", recompute), ("layout", layout)) if v is not None]
             if given:
                 raise ValueError(
                     f"autopp.parallelize: pass either plan= or {', '.join(given)}, not both: a plan fixes the stages, "
@@ -91,13 +112,13 @@ class Parallelized(Generic[_P, _R]):
                     f"{self._plan.loss_reduction!r}; drop loss_reduction= or make the plan again."
                 )
             loss_reduction = self._plan.loss_reduction
-            sharded = [st.index for st in self._plan.stages
-                       if st.mesh_shape.get("tensor", 1) > 1 or st.mesh_shape.get("fsdp", 1) > 1]
+            sharded = [st.index for st in self._plan.stages if st.mesh_shape.get("tensor", 1) > 1]
             if sharded:
                 raise ValueError(
-                    f"autopp.parallelize: the plan's stage(s) {sharded} use tensor or FSDP parallelism, which this "
-                    "runtime does not run yet (stages are data-parallel inside); make a plan with data-parallel "
-                    "stages (plan_model of a Profile, or step.plan_for(...)).")
+                    f"autopp.parallelize: the plan's stage(s) {sharded} use tensor parallelism, which this runtime "
+                    "does not run yet (stages are data-parallel and FSDP inside); make a plan without it "
+                    "(plan_model of a Profile, or step.plan_for(...)).")
+            layout = [dict(st.mesh_shape) for st in self._plan.stages]
             if any(st.equations is None and st.layers is None for st in self._plan.stages):
                 raise ValueError("autopp.parallelize: the plan's stages give neither equations nor layers, so it "
                                  "cannot be replayed; make it with step.plan_for(...) or plan_model(profile, ...).")
@@ -206,6 +227,7 @@ class Parallelized(Generic[_P, _R]):
         self.num_stages = n_st
         self._virtual_stages = virtual_stages or 1
         self._recompute = recompute
+        self._layout = _check_layout(layout)
         self._num_microbatches = num_microbatches
         self._schedule = schedule
         self.devices = devices
@@ -246,6 +268,29 @@ class Parallelized(Generic[_P, _R]):
             return "custom", sched
         v = self._virtual_stages
         return self._schedule, get_schedule(self._schedule, self.num_stages * v, num_microbatches, virtual_stages=v)
+
+    def _stage_layouts(self, sched: Schedule, stage_devices) -> list[dict[str, int]]:
+        """Mesh axis sizes of each stage (model chunk): the layout given for its device group."""
+        lay = self._layout
+        if self._plan is not None:
+            per = lay
+        elif lay is None or isinstance(lay, dict):
+            per = [lay or {} for _ in stage_devices]
+        else:
+            if len(lay) != sched.num_ranks:
+                raise ValueError(f"autopp.parallelize: layout has {len(lay)} entries for {sched.num_ranks} device "
+                                 "groups; give one dict per group or one for all.")
+            rank_of = sched.stage_to_rank()
+            per = [lay[rank_of[c]] for c in range(sched.num_stages)]
+        out = []
+        for c, (given, devs) in enumerate(zip(per, stage_devices)):
+            f = given.get("fsdp", 1)
+            d = given.get("data", len(devs) // f)
+            if len(devs) % f or d * f != len(devs):
+                raise ValueError(f"autopp.parallelize: layout {given} does not fit stage {c}'s {len(devs)} device(s): "
+                                 f"data x fsdp must equal {len(devs)}; e.g. layout={{'fsdp': {len(devs)}}}.")
+            out.append({"data": d, "fsdp": f, "tensor": 1})
+        return out
 
     def _stage_recompute(self, num_chunks: int) -> tuple[str, ...]:
         r = self._recompute
@@ -303,14 +348,16 @@ class Parallelized(Generic[_P, _R]):
             groups = self._groups or [self.devices[r * per:(r + 1) * per] for r in range(sched.num_ranks)]
             rank_of = sched.stage_to_rank()
             stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
+        layouts = self._stage_layouts(sched, stage_devices)
         exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                loss_reduction=self.loss_reduction, schedule=sched,
-                               recompute=self._stage_recompute(sched.num_stages))
+                               recompute=self._stage_recompute(sched.num_stages), layouts=layouts)
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
         plan = dataclasses.replace(
             plan, virtual_stages=sched.num_stages // sched.num_ranks,
-            stages=tuple(dataclasses.replace(st, recompute=r)
-                         for st, r in zip(plan.stages, self._stage_recompute(sched.num_stages))))
+            stages=tuple(dataclasses.replace(st, recompute=r, mesh_shape={k: v for k, v in lay.items()
+                                                                          if k == "data" or v > 1})
+                         for st, r, lay in zip(plan.stages, self._stage_recompute(sched.num_stages), layouts)))
         if self._auto:
             plan = dataclasses.replace(
                 plan, microbatch_size=local.microbatch_size, predicted=local.predicted,
@@ -483,11 +530,13 @@ def parallelize(
     plan: Plan | str | None = None,
     virtual_stages: int | None = None,
     recompute: str | Sequence[str] | None = None,
+    layout: dict[str, int] | Sequence[dict[str, int]] | None = None,
 ) -> Callable[[Callable[_P, _R]], Parallelized[_P, _R]]: ...
 
 
 def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, schedule=None, devices=None,
-                batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None, recompute=None):
+                batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None, recompute=None,
+                layout=None):
     """Run a training step as an MPMD pipeline over ``devices``.
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
@@ -523,7 +572,7 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     """
     kwargs = dict(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule, devices=devices,
                   batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan,
-                  virtual_stages=virtual_stages, recompute=recompute)
+                  virtual_stages=virtual_stages, recompute=recompute, layout=layout)
     if step_fn is None:
         return lambda f: Parallelized(f, **kwargs)
     if not callable(step_fn):

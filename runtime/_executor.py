@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import place_outer
 from autopp.planner._schedule import Schedule, dispatch_order
+from autopp.profiler._costs import aval_bytes
 from autopp.runtime._stage import RECOMPUTE_POLICIES, StagePrograms, stage_graphs
 
 Literal = jex_core.Literal
@@ -47,21 +48,49 @@ def _vars(atoms):
     return [a for a in atoms if not isinstance(a, Literal)]
 
 
-class StageMeshes:
-    """The devices of each stage and the shardings the runtime uses on them."""
+MESH_AXES = ("data", "fsdp", "tensor")
 
-    def __init__(self, stage_devices: Sequence[Sequence[jax.Device]]):
+
+class StageMeshes:
+    """The devices of each stage, its mesh (axes ``data``, ``fsdp``, ``tensor``) and the shardings the runtime
+    uses on them: the batch over ``data`` x ``fsdp``; parameters, their gradients and optimizer state sharded
+    over ``fsdp`` (ZeRO-3: XLA gathers a weight where a program needs it whole and reduce-scatters its gradient)."""
+
+    def __init__(self, stage_devices: Sequence[Sequence[jax.Device]],
+                 layouts: Sequence[dict[str, int]] | None = None):
         self.devices = [tuple(d) for d in stage_devices]
-        self.meshes = [Mesh(np.array(d), ("data",)) for d in self.devices]
+        self.layouts = []
+        for s, devs in enumerate(self.devices):
+            lay = dict(layouts[s]) if layouts is not None and layouts[s] else {}
+            lay.setdefault("fsdp", 1)
+            lay.setdefault("tensor", 1)
+            lay.setdefault("data", len(devs) // (lay["fsdp"] * lay["tensor"]))
+            self.layouts.append(lay)
+        self.meshes = [Mesh(np.array(d).reshape([lay[a] for a in MESH_AXES]), MESH_AXES)
+                       for d, lay in zip(self.devices, self.layouts)]
         self.replicated = [NamedSharding(m, P()) for m in self.meshes]
         self._multi: dict[frozenset[int], NamedSharding] = {}
 
     def batch_sharding(self, loc: int, shape) -> NamedSharding:
-        """Leading dim over the stage's data axis when it divides evenly, else replicated."""
-        n = len(self.devices[loc])
-        if n > 1 and len(shape) >= 1 and shape[0] % n == 0:
-            return NamedSharding(self.meshes[loc], P("data"))
+        """Leading dim over the stage's data and FSDP axes when it divides evenly (else over as many as divide),
+        else replicated."""
+        lay = self.layouts[loc]
+        if len(shape) >= 1:
+            for axes in (("data", "fsdp"), ("data",), ("fsdp",)):
+                n = int(np.prod([lay[a] for a in axes]))
+                if n > 1 and shape[0] % n == 0:
+                    return NamedSharding(self.meshes[loc], P(axes if len(axes) > 1 else axes[0]))
         return self.replicated[loc]
+
+    def state_sharding(self, loc: int, shape) -> NamedSharding:
+        """Parameters, gradients and optimizer state on stage ``loc``: the largest dimension that the FSDP axis
+        divides is sharded over it; replicated without FSDP (or when no dimension divides)."""
+        f = self.layouts[loc]["fsdp"]
+        dims = [i for i, n in enumerate(shape) if f > 1 and n % f == 0]
+        if not dims:
+            return self.replicated[loc]
+        dim = max(dims, key=lambda i: (shape[i], -i))
+        return NamedSharding(self.meshes[loc], P(*([None] * dim + ["fsdp"])))
 
     def multi(self, locs: frozenset[int]) -> NamedSharding:
         """Replicated over the devices of several stages (one value kept on all of them)."""
@@ -387,10 +416,12 @@ class _Builder:
         ins = [v for v in ins if v not in self.outer_consts]
         sub = _compat.new_jaxpr(const_ins, ins, outs, eqns, self.jaxpr.effects, label)
         consts = [self.outer_consts[v] for v in const_ins]
-        rep = self.meshes.replicated[loc]
-        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
-                     in_shardings=(rep,) * len(ins), out_shardings=(rep,) * len(outs))
         in_slots = [self.need(v, loc) for v in ins]
+        # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,
+        # so that the next step finds them at home.
+        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
+                     in_shardings=tuple(self.slot_aval[s].sharding for s in in_slots),
+                     out_shardings=tuple(self.meshes.state_sharding(loc, v.aval.shape) for v in outs))
         out_slots = self.emit(fn, in_slots, len(outs), label)
         for v, s in zip(outs, out_slots):
             self.avail[(v, loc)] = s
@@ -422,8 +453,8 @@ class _Builder:
             self.slot_aval[slot] = _sds(v.aval, None)
         self.placed_input = {}
         homed = [k for k in range(len(jaxpr.invars)) if not self.traced.batch_mask[k] and pl.input_homes.get(k)]
-        shardings = [self.meshes.replicated[next(iter(pl.input_homes[k]))] if len(pl.input_homes[k]) == 1
-                     else self.meshes.multi(pl.input_homes[k]) for k in homed]
+        shardings = [self.meshes.state_sharding(next(iter(pl.input_homes[k])), jaxpr.invars[k].aval.shape)
+                     if len(pl.input_homes[k]) == 1 else self.meshes.multi(pl.input_homes[k]) for k in homed]
         if homed:
             placed = self.emit(_place(shardings), [self.input_slot[k] for k in homed], len(homed),
                                f"place {len(homed)} inputs at home")
@@ -517,10 +548,11 @@ class _Builder:
             in_sh = []
             for v in g.inputs:
                 mb = v not in self.invar_pos or self.mb_invar[self.invar_pos[v]]
-                in_sh.append(meshes.batch_sharding(s, v.aval.shape) if mb else rep)
+                in_sh.append(meshes.batch_sharding(s, v.aval.shape) if mb else meshes.state_sharding(s, v.aval.shape))
             out_sh = [meshes.batch_sharding(s, v.aval.shape) if v not in fwd.outvars else rep for v in g.outputs]
             seeds = {i: seed for i, v in enumerate(g.outputs) if v is loss_var}
-            grad_sh = [rep for v, p in zip(g.inputs, is_param) if p and g.diff_inputs[g.inputs.index(v)]]
+            grad_sh = [meshes.state_sharding(s, v.aval.shape) for v, p in zip(g.inputs, is_param)
+                       if p and g.diff_inputs[g.inputs.index(v)]]
             act_ct_sh = [meshes.batch_sharding(s, v.aval.shape)
                          for v, p, d in zip(g.inputs, is_param, g.diff_inputs) if d and not p]
             progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
@@ -545,14 +577,18 @@ class _Builder:
                     mb_positions.append(pos)
                 elif isinstance(outer_v, Literal):
                     static_in[(s, pos)] = self.const(jax.device_put(jnp.asarray(outer_v.val, outer_v.aval.dtype),
-                                                                    meshes.replicated[s]))
+                                                                    meshes.state_sharding(s, outer_v.aval.shape)))
                 elif self.diff_mask[k] and self.owner[k] != s:
                     o = self.owner[k]
-                    (slot,) = self.emit(_put([meshes.replicated[s]]), [self.need(outer_v, o)], 1,
-                                        f"put shared parameter {self._invar_name(k)} stage {o} -> {s}")
+                    (slot,) = self.emit(_put([meshes.state_sharding(s, outer_v.aval.shape)]), [self.need(outer_v, o)],
+                                        1, f"put shared parameter {self._invar_name(k)} stage {o} -> {s}")
                     static_in[(s, pos)] = slot
                 else:
-                    static_in[(s, pos)] = self.need(outer_v, s)
+                    slot = self.need(outer_v, s)
+                    want = meshes.state_sharding(s, outer_v.aval.shape)
+                    if self.slot_aval[slot].sharding != want:  # e.g. computed before the gradient, replicated
+                        (slot,) = self.emit(_put([want]), [slot], 1, f"lay out {self._invar_name(k)} on stage {s}")
+                    static_in[(s, pos)] = slot
             if mb_positions:
                 full = [self.need(grad.invars[self.invar_pos[g.inputs[p]]], s) for p in mb_positions]
                 mb_inputs[s] = (mb_positions, full)
@@ -577,9 +613,8 @@ class _Builder:
             if pr.param_idx:
                 g = self.graphs[s]
                 avals = [g.inputs[i].aval for i in pr.param_idx]
-                rep = meshes.replicated[s]
                 fn = jax.jit(lambda avals=avals: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
-                             out_shardings=(rep,) * len(avals))
+                             out_shardings=tuple(meshes.state_sharding(s, a.shape) for a in avals))
                 acc[s] = self.emit(fn, [], len(avals), f"zero gradients stage {s}")
             else:
                 acc[s] = []
@@ -735,16 +770,17 @@ class _Builder:
                 if pos not in progs[s].param_idx:
                     continue
                 slot = acc[s][progs[s].param_idx.index(pos)]
+                home = meshes.state_sharding(o, fwd.invars[k].aval.shape)
                 if s != o:
-                    (slot,) = self.emit(_put([meshes.replicated[o]]), [slot], 1, f"send shared grad {s}->{o}")
+                    (slot,) = self.emit(_put([home]), [slot], 1, f"send shared grad {s}->{o}")
                 contrib.append(slot)
+            home = meshes.state_sharding(o, fwd.invars[k].aval.shape)
             if not contrib:
                 aval = fwd.invars[k].aval
-                fn = jax.jit(lambda aval=aval: (jnp.zeros(aval.shape, aval.dtype),),
-                             out_shardings=(meshes.replicated[o],))
+                fn = jax.jit(lambda aval=aval: (jnp.zeros(aval.shape, aval.dtype),), out_shardings=(home,))
                 contrib = self.emit(fn, [], 1, f"zero grad {self._invar_name(k)}")
             if len(contrib) > 1:
-                contrib = self.emit(_sum_program(len(contrib), meshes.replicated[o]), contrib, 1,
+                contrib = self.emit(_sum_program(len(contrib), home), contrib, 1,
                                     f"sum shared grad {self._invar_name(k)}")
             self.avail[(outer, o)] = contrib[0]
 
@@ -789,9 +825,10 @@ class _Builder:
             return tuple(eval_jaxpr_with(jaxpr, self.traced.jaxpr.consts, flat,
                                          lambda i, _, invals: accumulate(*invals) if i == grad_index else None))
 
-        in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b else rep
+        in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b else self.meshes.state_sharding(0, v.aval.shape)
                  for v, b in zip(jaxpr.invars, self.traced.batch_mask)]
-        fn = jax.jit(whole, in_shardings=tuple(in_sh), out_shardings=(rep,) * len(jaxpr.outvars))
+        fn = jax.jit(whole, in_shardings=tuple(in_sh),
+                     out_shardings=tuple(self.meshes.state_sharding(0, v.aval.shape) for v in jaxpr.outvars))
         self.input_slot = [self.new_slot() for _ in jaxpr.invars]
         for slot, v in zip(self.input_slot, jaxpr.invars):
             self.slot_aval[slot] = _sds(v.aval, None)
@@ -833,8 +870,7 @@ def _bytes_per_device(aval) -> dict[int, int]:
     sharding = getattr(aval, "sharding", None)
     if sharding is None:
         return {}
-    shard = sharding.shard_shape(aval.shape)
-    n = int(np.prod(shard, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    n = aval_bytes(jax.ShapeDtypeStruct(sharding.shard_shape(aval.shape), aval.dtype))
     return {d.id: n for d in sharding.device_set}
 
 
@@ -843,10 +879,12 @@ def _sum_program(n, sharding):
 
 
 def build_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
-                     schedule, recompute: Sequence[str] | None = None) -> Executable:
+                     schedule, recompute: Sequence[str] | None = None,
+                     layouts: Sequence[dict[str, int]] | None = None) -> Executable:
     """Build the step's instruction list. ``forward`` is the loss's forward jaxpr at microbatch size;
-    ``recompute`` gives each stage's recomputation mode (default none)."""
-    meshes = StageMeshes(stage_devices)
+    ``recompute`` gives each stage's recomputation mode (default none); ``layouts`` each stage's mesh axis sizes
+    (``data``, ``fsdp``; default all data)."""
+    meshes = StageMeshes(stage_devices, layouts)
     recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
     if len(recompute) != split.num_stages or not set(recompute) <= {"none", "full", "selective"}:
         raise ValueError(f"recompute={recompute!r}: give one of 'none', 'full', 'selective' per stage "
