@@ -52,9 +52,6 @@ def _check_layout(layout):
         for k, v in lay.items():
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"autopp.parallelize: layout {lay}: {k} must be a positive int, got {v!r}.")
-        if lay.get("tensor", 1) > 1:
-            raise ValueError(f"autopp.parallelize: layout {lay}: tensor parallelism inside a stage is not supported "
-                             "by the runtime yet; use data and fsdp axes.")
     return [dict(x) for x in layout] if isinstance(layout, (list, tuple)) else dict(layout)
 
 
@@ -112,12 +109,6 @@ class Parallelized(Generic[_P, _R]):
                     f"{self._plan.loss_reduction!r}; drop loss_reduction= or make the plan again."
                 )
             loss_reduction = self._plan.loss_reduction
-            sharded = [st.index for st in self._plan.stages if st.mesh_shape.get("tensor", 1) > 1]
-            if sharded:
-                raise ValueError(
-                    f"autopp.parallelize: the plan's stage(s) {sharded} use tensor parallelism, which this runtime "
-                    "does not run yet (stages are data-parallel and FSDP inside); make a plan without it "
-                    "(plan_model of a Profile, or step.plan_for(...)).")
             layout = [dict(st.mesh_shape) for st in self._plan.stages]
             if any(st.equations is None and st.layers is None for st in self._plan.stages):
                 raise ValueError("autopp.parallelize: the plan's stages give neither equations nor layers, so it "
@@ -284,12 +275,12 @@ class Parallelized(Generic[_P, _R]):
             per = [lay[rank_of[c]] for c in range(sched.num_stages)]
         out = []
         for c, (given, devs) in enumerate(zip(per, stage_devices)):
-            f = given.get("fsdp", 1)
-            d = given.get("data", len(devs) // f)
-            if len(devs) % f or d * f != len(devs):
+            f, tp = given.get("fsdp", 1), given.get("tensor", 1)
+            d = given.get("data", len(devs) // (f * tp))
+            if d * f * tp != len(devs):
                 raise ValueError(f"autopp.parallelize: layout {given} does not fit stage {c}'s {len(devs)} device(s): "
-                                 f"data x fsdp must equal {len(devs)}; e.g. layout={{'fsdp': {len(devs)}}}.")
-            out.append({"data": d, "fsdp": f, "tensor": 1})
+                                 f"data x fsdp x tensor must equal {len(devs)}; e.g. layout={{'fsdp': {len(devs)}}}.")
+            out.append({"data": d, "fsdp": f, "tensor": tp})
         return out
 
     def _stage_recompute(self, num_chunks: int) -> tuple[str, ...]:

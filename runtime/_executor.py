@@ -28,6 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from autopp.runtime._placement import place_outer
 from autopp.planner._schedule import Schedule, dispatch_order
 from autopp.profiler._costs import aval_bytes
+from autopp.profiler._optstate import optimizer_state_owners
+from autopp.runtime._tensor import tensor_specs
 from autopp.runtime._stage import RECOMPUTE_POLICIES, StagePrograms, stage_graphs
 
 Literal = jex_core.Literal
@@ -82,15 +84,18 @@ class StageMeshes:
                     return NamedSharding(self.meshes[loc], P(axes if len(axes) > 1 else axes[0]))
         return self.replicated[loc]
 
-    def state_sharding(self, loc: int, shape) -> NamedSharding:
-        """Parameters, gradients and optimizer state on stage ``loc``: the largest dimension that the FSDP axis
-        divides is sharded over it; replicated without FSDP (or when no dimension divides)."""
+    def state_sharding(self, loc: int, shape, tensor_spec=None) -> NamedSharding:
+        """Parameters, gradients and optimizer state on stage ``loc``: ``tensor_spec`` (Megatron's column/row split
+        of the parameter, see :mod:`autopp.runtime._tensor`), and the largest other dimension that the FSDP axis
+        divides sharded over it; replicated without either."""
+        spec = list(tensor_spec) if tensor_spec is not None else [None] * len(shape)
         f = self.layouts[loc]["fsdp"]
-        dims = [i for i, n in enumerate(shape) if f > 1 and n % f == 0]
-        if not dims:
-            return self.replicated[loc]
-        dim = max(dims, key=lambda i: (shape[i], -i))
-        return NamedSharding(self.meshes[loc], P(*([None] * dim + ["fsdp"])))
+        dims = [i for i, n in enumerate(shape) if f > 1 and n % f == 0 and spec[i] is None]
+        if dims:
+            spec[max(dims, key=lambda i: (shape[i], -i))] = "fsdp"
+        while spec and spec[-1] is None:
+            spec.pop()
+        return NamedSharding(self.meshes[loc], P(*spec)) if spec else self.replicated[loc]
 
     def multi(self, locs: frozenset[int]) -> NamedSharding:
         """Replicated over the devices of several stages (one value kept on all of them)."""
@@ -364,6 +369,45 @@ class _Builder:
                 if v in invar_pos:
                     self.users[invar_pos[v]].append(g.index)
         self.owner = {k: (self.users[k][0] if self.users[k] else 0) for k in range(len(fwd.invars))}
+        self.tensor_spec: dict[tuple[int, int], tuple] = {}
+        for g in self.graphs:
+            tp = self.meshes.layouts[g.index]["tensor"]
+            if tp > 1:
+                params = [v for v in g.inputs if v in invar_pos and self.diff_mask[invar_pos[v]]]
+                for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
+                    self.tensor_spec[(g.index, invar_pos[v])] = spec_
+        self.label_outer()
+
+    def layout_of(self, loc: int, k: int | None, shape) -> NamedSharding:
+        """Where a value of ``shape`` serving forward input ``k`` (a parameter: itself, its gradient, its optimizer
+        state; None for anything else) lives on stage ``loc``."""
+        spec = None
+        if k is not None and tuple(self.fwd.invars[k].aval.shape) == tuple(shape):
+            spec = self.tensor_spec.get((loc, k))
+        return self.meshes.state_sharding(loc, shape, spec)
+
+    def label_outer(self) -> None:
+        """Which parameter each outer variable serves: the gradient equation's parameter inputs and gradients,
+        the optimizer state of each parameter, and what the update computes from them (same shape)."""
+        grad, spec, jaxpr = self.grad, self.spec, self.jaxpr
+        label = {}
+        for k in spec.diff_indices:
+            a = grad.invars[k]
+            if not isinstance(a, Literal):
+                label[a] = k
+        outs = {1 + spec.num_aux + j: k for j, k in enumerate(spec.diff_indices)}
+        for pos, k in outs.items():
+            label[grad.outvars[pos]] = k
+        for i, k in optimizer_state_owners(jaxpr, self.traced.grad_index, outs, self.traced.batch_mask).items():
+            label.setdefault(jaxpr.invars[i], k)
+        for i, e in enumerate(jaxpr.eqns):
+            if i == self.traced.grad_index:
+                continue
+            for v in e.outvars:
+                src = [label[a] for a in _vars(e.invars) if a in label and a.aval.shape == v.aval.shape]
+                if src and v not in label:
+                    label[v] = src[0]
+        self.label = label
 
     def _invar_name(self, k) -> str:
         a = self.grad.invars[k]
@@ -421,7 +465,7 @@ class _Builder:
         # so that the next step finds them at home.
         fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
                      in_shardings=tuple(self.slot_aval[s].sharding for s in in_slots),
-                     out_shardings=tuple(self.meshes.state_sharding(loc, v.aval.shape) for v in outs))
+                     out_shardings=tuple(self.layout_of(loc, self.label.get(v), v.aval.shape) for v in outs))
         out_slots = self.emit(fn, in_slots, len(outs), label)
         for v, s in zip(outs, out_slots):
             self.avail[(v, loc)] = s
@@ -453,7 +497,8 @@ class _Builder:
             self.slot_aval[slot] = _sds(v.aval, None)
         self.placed_input = {}
         homed = [k for k in range(len(jaxpr.invars)) if not self.traced.batch_mask[k] and pl.input_homes.get(k)]
-        shardings = [self.meshes.state_sharding(next(iter(pl.input_homes[k])), jaxpr.invars[k].aval.shape)
+        shardings = [self.layout_of(next(iter(pl.input_homes[k])), self.label.get(jaxpr.invars[k]),
+                                    jaxpr.invars[k].aval.shape)
                      if len(pl.input_homes[k]) == 1 else self.meshes.multi(pl.input_homes[k]) for k in homed]
         if homed:
             placed = self.emit(_place(shardings), [self.input_slot[k] for k in homed], len(homed),
@@ -548,10 +593,11 @@ class _Builder:
             in_sh = []
             for v in g.inputs:
                 mb = v not in self.invar_pos or self.mb_invar[self.invar_pos[v]]
-                in_sh.append(meshes.batch_sharding(s, v.aval.shape) if mb else meshes.state_sharding(s, v.aval.shape))
+                in_sh.append(meshes.batch_sharding(s, v.aval.shape) if mb
+                             else self.layout_of(s, self.invar_pos.get(v), v.aval.shape))
             out_sh = [meshes.batch_sharding(s, v.aval.shape) if v not in fwd.outvars else rep for v in g.outputs]
             seeds = {i: seed for i, v in enumerate(g.outputs) if v is loss_var}
-            grad_sh = [meshes.state_sharding(s, v.aval.shape) for v, p in zip(g.inputs, is_param)
+            grad_sh = [self.layout_of(s, self.invar_pos[v], v.aval.shape) for v, p in zip(g.inputs, is_param)
                        if p and g.diff_inputs[g.inputs.index(v)]]
             act_ct_sh = [meshes.batch_sharding(s, v.aval.shape)
                          for v, p, d in zip(g.inputs, is_param, g.diff_inputs) if d and not p]
@@ -577,15 +623,15 @@ class _Builder:
                     mb_positions.append(pos)
                 elif isinstance(outer_v, Literal):
                     static_in[(s, pos)] = self.const(jax.device_put(jnp.asarray(outer_v.val, outer_v.aval.dtype),
-                                                                    meshes.state_sharding(s, outer_v.aval.shape)))
+                                                                    self.layout_of(s, k, outer_v.aval.shape)))
                 elif self.diff_mask[k] and self.owner[k] != s:
                     o = self.owner[k]
-                    (slot,) = self.emit(_put([meshes.state_sharding(s, outer_v.aval.shape)]), [self.need(outer_v, o)],
+                    (slot,) = self.emit(_put([self.layout_of(s, k, outer_v.aval.shape)]), [self.need(outer_v, o)],
                                         1, f"put shared parameter {self._invar_name(k)} stage {o} -> {s}")
                     static_in[(s, pos)] = slot
                 else:
                     slot = self.need(outer_v, s)
-                    want = meshes.state_sharding(s, outer_v.aval.shape)
+                    want = self.layout_of(s, k, outer_v.aval.shape)
                     if self.slot_aval[slot].sharding != want:  # e.g. computed before the gradient, replicated
                         (slot,) = self.emit(_put([want]), [slot], 1, f"lay out {self._invar_name(k)} on stage {s}")
                     static_in[(s, pos)] = slot
@@ -613,8 +659,9 @@ class _Builder:
             if pr.param_idx:
                 g = self.graphs[s]
                 avals = [g.inputs[i].aval for i in pr.param_idx]
+                ks = [self.invar_pos[g.inputs[i]] for i in pr.param_idx]
                 fn = jax.jit(lambda avals=avals: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
-                             out_shardings=tuple(meshes.state_sharding(s, a.shape) for a in avals))
+                             out_shardings=tuple(self.layout_of(s, k, a.shape) for k, a in zip(ks, avals)))
                 acc[s] = self.emit(fn, [], len(avals), f"zero gradients stage {s}")
             else:
                 acc[s] = []
@@ -770,11 +817,11 @@ class _Builder:
                 if pos not in progs[s].param_idx:
                     continue
                 slot = acc[s][progs[s].param_idx.index(pos)]
-                home = meshes.state_sharding(o, fwd.invars[k].aval.shape)
+                home = self.layout_of(o, k, fwd.invars[k].aval.shape)
                 if s != o:
                     (slot,) = self.emit(_put([home]), [slot], 1, f"send shared grad {s}->{o}")
                 contrib.append(slot)
-            home = meshes.state_sharding(o, fwd.invars[k].aval.shape)
+            home = self.layout_of(o, k, fwd.invars[k].aval.shape)
             if not contrib:
                 aval = fwd.invars[k].aval
                 fn = jax.jit(lambda aval=aval: (jnp.zeros(aval.shape, aval.dtype),), out_shardings=(home,))
@@ -825,10 +872,13 @@ class _Builder:
             return tuple(eval_jaxpr_with(jaxpr, self.traced.jaxpr.consts, flat,
                                          lambda i, _, invals: accumulate(*invals) if i == grad_index else None))
 
-        in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b else self.meshes.state_sharding(0, v.aval.shape)
+        in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b
+                 else self.layout_of(0, self.label.get(v), v.aval.shape)
                  for v, b in zip(jaxpr.invars, self.traced.batch_mask)]
         fn = jax.jit(whole, in_shardings=tuple(in_sh),
-                     out_shardings=tuple(self.meshes.state_sharding(0, v.aval.shape) for v in jaxpr.outvars))
+                     out_shardings=tuple(self.layout_of(0, self.label.get(v), v.aval.shape)
+                                         if not isinstance(v, Literal) else self.meshes.replicated[0]
+                                         for v in jaxpr.outvars))
         self.input_slot = [self.new_slot() for _ in jaxpr.invars]
         for slot, v in zip(self.input_slot, jaxpr.invars):
             self.slot_aval[slot] = _sds(v.aval, None)

@@ -69,10 +69,17 @@ def test_fsdp_plan_replays(case, tmp_path):
     assert [s.mesh_shape for s in replay.plan_for(*state, batch).stages] == [{"data": 1, "fsdp": 2}] * 2
 
 
+def _state_and_batch():
+    model, tx = tiny_gpt(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    return params, tx.init(params), model.batch(jax.random.key(1), 8)
+
+
 def test_bad_layouts():
     step = make_step(tiny_gpt(), make_optimizer())
-    with pytest.raises(ValueError, match=r"tensor parallelism inside a stage is not supported"):
-        autopp.parallelize(step, num_stages=2, layout={"tensor": 2})
+    with pytest.raises(ValueError, match=r"data x fsdp x tensor must equal 2"):
+        autopp.parallelize(step, num_stages=2, layout={"tensor": 4}, devices=jax.devices()[:4])(
+            *_state_and_batch())
     with pytest.raises(ValueError, match=r"unknown axes \['model'\]"):
         autopp.parallelize(step, num_stages=2, layout={"model": 2})
     with pytest.raises(TypeError, match=r"layout must be a dict"):

@@ -1,0 +1,165 @@
+"""Megatron-style tensor parallelism read off a stage's forward jaxpr.
+
+Walking the equations in order, the rule tracks which activation dimension is split over the ``tensor`` axis:
+
+* a matmul (``dot_general``) of an unsplit activation with a 2-D parameter is *column-parallel*: the parameter's
+  output dimension is split, and so is the result's last dimension;
+* a matmul whose activation is split on the contracted dimension is *row-parallel*: the parameter's input
+  dimension is split and the result is whole (XLA inserts the all-reduce);
+* elementwise operations keep the split (a 1-D parameter added along a split dimension, a bias, is split the
+  same way); ``reshape`` carries it to the outer factor of a split dimension (hidden -> heads x head_dim) and
+  back; ``transpose`` permutes it; ``split``/``slice`` along it keep it when every piece divides; a batched
+  ``dot_general`` of two activations split on the same batch dimension (attention per head) keeps it on
+  that batch dimension; reductions over other dimensions keep it;
+* any other operation with one result shaped like a split input keeps the split (a nested ``jit`` of a
+  ``jnp.where``, a ``custom_jvp`` activation); anything else ends it (its results are whole).
+
+Only the parameters' specs are returned: XLA's SPMD partitioner derives every other layout, and any choice is
+numerically the same computation, so the rule only decides where communication happens (for a GPT block:
+``qkv_w``/``fc_w`` column-parallel, ``out_w``/``proj_w`` row-parallel, as Megatron-LM does).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.extend import core as jex_core
+
+Literal = jex_core.Literal
+
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "neg", "exp", "log", "tanh", "logistic", "sqrt",
+    "rsqrt", "erf", "abs", "sign", "select_n", "convert_element_type", "square", "exp2", "log1p", "expm1", "sin",
+    "cos", "stop_gradient", "copy", "copy_p", "erf_inv", "clamp", "nextafter", "atan2", "rem",
+}
+_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod"}
+
+
+def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
+    """``{param var: spec}`` (a tuple with ``"tensor"`` at the split dimension, None elsewhere) for the
+    parameters (a set of the jaxpr's invars) the rule splits over ``tp`` devices."""
+    params = set(params)
+    split: dict = {}  # activation var -> dim split over tensor
+    specs: dict = {}
+    alias: dict = {}  # a parameter cast to another dtype -> the parameter
+    spread: dict = {}  # a parameter broadcast to an activation's rank -> (the parameter, its dims' positions)
+
+    def dim_of(a):
+        return None if isinstance(a, Literal) else split.get(a)
+
+    def decide(p, dim):
+        if p in params and p not in specs and p.aval.shape[dim] % tp == 0:
+            spec = [None] * len(p.aval.shape)
+            spec[dim] = "tensor"
+            specs[p] = tuple(spec)
+        return specs.get(p)
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        outs = eqn.outvars
+        ins = [alias.get(a, a) if not isinstance(a, Literal) else a for a in eqn.invars]
+        if name == "convert_element_type" and not isinstance(ins[0], Literal) and ins[0] in params:
+            alias[outs[0]] = ins[0]
+            continue
+        if name == "broadcast_in_dim" and not isinstance(ins[0], Literal) and ins[0] in params:
+            spread[outs[0]] = (ins[0], tuple(eqn.params["broadcast_dimensions"]))
+            continue
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = ins
+            for act, w, ac, wc, ab in ((lhs, rhs, lc, rc, lb), (rhs, lhs, rc, lc, rb)):
+                if isinstance(w, Literal) or w not in params or len(w.aval.shape) != 2 or ab:
+                    continue
+                d = dim_of(act)
+                free_w = [i for i in range(2) if i not in wc][0]
+                if d is not None and d in ac:  # row-parallel
+                    decide(w, wc[list(ac).index(d)])
+                elif d is None and decide(w, free_w) is not None:  # column-parallel
+                    out_dims = len(outs[0].aval.shape)
+                    # result dims: batch, lhs free, rhs free: the weight's free dim is last when it is the rhs
+                    split[outs[0]] = out_dims - 1 if w is rhs else len(lb) + 0
+                break
+            else:
+                dl, dr = dim_of(lhs), dim_of(rhs)
+                if dl is not None and dl in lb and dr is not None and dr in rb and \
+                        list(lb).index(dl) == list(rb).index(dr):
+                    split[outs[0]] = list(lb).index(dl)  # batch dims lead the result
+            continue
+        if name in _ELEMENTWISE:
+            shape = outs[0].aval.shape
+            dims = set()
+            for a in ins:
+                d = dim_of(a)
+                if d is not None:
+                    dims.add(d - len(a.aval.shape) + len(shape))
+            if len(dims) == 1:
+                (d,) = dims
+                split[outs[0]] = d
+                for a in ins:  # a parameter broadcast along the split dimension (a bias)
+                    if isinstance(a, Literal):
+                        continue
+                    if a in spread:
+                        param, positions = spread[a]
+                        at = d - len(shape) + len(a.aval.shape)
+                        if at in positions and param.aval.shape[positions.index(at)] == shape[d]:
+                            decide(param, positions.index(at))
+                    elif a in params:
+                        k = d - len(shape) + len(a.aval.shape)
+                        if 0 <= k < len(a.aval.shape) and a.aval.shape[k] == shape[d]:
+                            decide(a, k)
+            continue
+        if name == "broadcast_in_dim":
+            d = dim_of(ins[0])
+            if d is not None:
+                split[outs[0]] = eqn.params["broadcast_dimensions"][d]
+            continue
+        if name == "transpose":
+            d = dim_of(ins[0])
+            if d is not None:
+                split[outs[0]] = list(eqn.params["permutation"]).index(d)
+            continue
+        if name == "reshape":
+            d = dim_of(ins[0])
+            if d is not None:
+                new = _reshape_dim(ins[0].aval.shape, outs[0].aval.shape, d, tp)
+                if new is not None:
+                    split[outs[0]] = new
+            continue
+        if name in ("split", "slice"):
+            d = dim_of(ins[0])
+            if d is not None:
+                for o in outs:
+                    if o.aval.shape[d] % tp == 0 and (name == "split" or o.aval.shape[d] == ins[0].aval.shape[d]):
+                        split[o] = d
+            continue
+        if name in _REDUCE:
+            d = dim_of(ins[0])
+            axes = eqn.params.get("axes", ())
+            if d is not None and d not in axes:
+                split[outs[0]] = d - sum(1 for a in axes if a < d)
+            continue
+        # Anything else with one result shaped like a split input (a nested jit of a jnp.where, a custom_jvp
+        # activation) keeps the split: the layout is only a choice of where XLA communicates.
+        if len(outs) == 1:
+            same = {dim_of(a) for a in ins if not isinstance(a, Literal) and a.aval.shape == outs[0].aval.shape}
+            same.discard(None)
+            if len(same) == 1:
+                split[outs[0]] = same.pop()
+    return specs
+
+
+def _reshape_dim(old: tuple, new: tuple, d: int, tp: int) -> int | None:
+    """Where split dim ``d`` of ``old`` lands in ``new``: the same prefix size, and the split factor's multiple."""
+    before = math.prod(old[:d])
+    size = old[d]
+    acc = 1
+    for i, n in enumerate(new):
+        if acc == before:
+            # dims i.. of new cover old[d] (a split into factors, or a merge starting at d)
+            if n % tp == 0 and (size % n == 0 or n % size == 0):
+                return i
+            return None
+        acc *= n
+        if acc > before:
+            return None
+    return None
