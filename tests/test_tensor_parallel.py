@@ -63,3 +63,21 @@ def test_tensor_parallel_stages_equal_plain_jit(case, num_stages, layout, num_de
             spec = tuple(a for a in leaf.sharding.spec)
             tensor_dims = tuple(i for i, a in enumerate(spec) if a == "tensor")
             assert tensor_dims == tuple(i for i, a in enumerate(want) if a == "tensor"), (path, leaf.sharding)
+
+
+@pytest.mark.parametrize("schedule, kw", [
+    ("zb-h1", {}),
+    ("1f1b", {"recompute": ("none", "full", "selective", "none")}),
+])
+def test_mixed_stage_sizes_and_layouts(case, schedule, kw):
+    """1 + 2 + 4 + 1 devices: a plain stage, a tensor-parallel one, tensor x FSDP, a plain one."""
+    step, state, batch, reference = case
+    d = jax.devices()
+    groups = [d[:1], d[1:3], d[3:7], d[7:8]]
+    layout = [{}, {"tensor": 2}, {"tensor": 2, "fsdp": 2}, {}]
+    pipelined = autopp.parallelize(step, devices=groups, layout=layout, num_microbatches=2, schedule=schedule, **kw)
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    plan = pipelined.plan_for(*state, batch)
+    assert [s.mesh_shape for s in plan.stages] == [{"data": 1}, {"data": 1, "tensor": 2},
+                                                   {"data": 1, "fsdp": 2, "tensor": 2}, {"data": 1}]
