@@ -91,7 +91,6 @@ def test_bubble_fraction_from_the_timeline(benchmark, schedule, virtual_stages):
                 f_times.append(e.end_s - e.start_s)
             elif e.kind in ("B", "I", "W"):
                 b_times.append((e.end_s - e.start_s) * (1 if e.kind == "B" else 2))
-    sched = pipelined.executable_for(*state, batch)  # noqa: F841 (built)
     plan = pipelined.plan_for(*state, batch)
     from autopp.runtime import Schedule
 

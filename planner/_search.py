@@ -84,7 +84,8 @@ def _even_split(blocks: int, stages: int) -> tuple[int, ...]:
 
 def plan_model(model: GPTConfig | GPT | Profile, cluster: Cluster | str, *, global_batch: int,
                schedules: tuple[str, ...] = SCHEDULES, recompute: tuple[str, ...] = RECOMPUTE_MODES,
-               microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES, pipeline_degrees: tuple[int, ...] | None = None,
+               microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES,
+               pipeline_degrees: tuple[int, ...] | None = None,
                max_virtual_stages: int = 4,
                refine_top: int = 12, mixed_top: int = 3, time_limit_s: float = 5.0) -> Plan:
     """The fastest plan the cost model of :func:`~autopp.planner.simulate` finds for training ``model`` with
@@ -98,9 +99,12 @@ def plan_model(model: GPTConfig | GPT | Profile, cluster: Cluster | str, *, glob
     ``model`` may also be a traced step: the :class:`~autopp.profiler.Profile` of any training step
     (``autopp.profiler.profile(step, *args, cluster=cluster)``, times for the cluster's device; with
     ``measure=True`` on the local devices). Its layers are not known to be Megatron blocks, so its plan is
-    pipeline x data parallelism with a CP-SAT split of the profiled layers (:func:`autopp.planner._local.plan_local`:
-    stage count, microbatches, GPipe/1F1B); ``parallelize(step, plan=...)`` replays it on matching devices. Raises ValueError when no layout fits the devices' memory,
-    saying how much the least demanding one needs and what would make it fit.
+    pipeline x data parallelism with a CP-SAT split of the profiled layers
+    (:func:`autopp.planner._local.plan_local`: stage count, microbatches, GPipe/1F1B);
+    ``parallelize(step, plan=...)`` replays it on matching devices.
+
+    Raises ValueError when no layout fits the devices' memory, saying how much the least demanding one needs
+    and what would make it fit.
     """
     t0 = time.perf_counter()
     if isinstance(model, GPT):
@@ -349,8 +353,8 @@ def _plan_profile(prof: Profile, cluster: Cluster | str, global_batch: int, t0: 
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     if cluster.device != prof.cluster.device:
-        raise ValueError(f"plan_model: the profile's times are for {prof.cluster.device.name} devices but the cluster is "
-                         f"{cluster}; profile the step for this cluster: autopp.profiler.profile(step, *args, "
+        raise ValueError(f"plan_model: the profile's times are for {prof.cluster.device.name} devices but the "
+                         f"cluster is {cluster}; profile the step for this cluster: autopp.profiler.profile(step, *args, "
                          f"cluster={cluster.shorthand!r}).")
     global_batch = _positive_int("global_batch", global_batch, 512)
     local = plan_local(dataclasses.replace(prof, cluster=cluster), cluster.num_devices, global_batch)

@@ -359,7 +359,7 @@ class _Layout:
         self.tp, self.dp, self.fsdp, self.mbs, self.schedule = tp, dp, fsdp, microbatch_size, schedule
         self.v, self.pp = virtual_stages, num_stages
         pp, v, mbs = num_stages, virtual_stages, microbatch_size
-        self.M = M = global_batch // (mbs * dp)
+        self.M = global_batch // (mbs * dp)
         tm: KernelTimeModel = costs.profile.time_model
         self.tm = tm
         dpn = cluster.devices_per_node

@@ -218,7 +218,8 @@ class Executable:
         """Peak bytes per device id over one step, by the runtime's own accounting: every buffer the instruction
         list holds (placed inputs, constants, activations, residuals, gradient accumulators, results) from the
         task that makes it to the task after which it is dropped, plus each program's XLA temporaries
-        (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the caller holds them); their placed copies are."""
+        (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the
+        caller holds them); their placed copies are."""
         live: dict[int, int] = collections.defaultdict(int)
         peak: dict[int, int] = collections.defaultdict(int)
 
@@ -804,7 +805,7 @@ class _Builder:
 
     def finish_pipeline(self, reduced: dict[int, int], acc: dict[int, list[int]]) -> None:
         """Publish the loss, aux and gradients (summing shared parameters' contributions on their owner)."""
-        spec, grad, fwd, meshes, progs = self.spec, self.grad, self.fwd, self.meshes, self.progs
+        spec, grad, fwd, progs = self.spec, self.grad, self.fwd, self.progs
         for k, slot in reduced.items():
             self.avail[(grad.outvars[k], self.out_stage[k])] = slot
         # Gradients: each on its owner, contributions of other stages (shared parameters) added.
@@ -840,7 +841,6 @@ class _Builder:
         M, spec, jaxpr, fwd = self.M, self.spec, self.jaxpr, self.forward
         mean = self.config.loss_reduction == "mean"
         mb_mask, diff_idx = self.mb_invar, spec.diff_indices
-        rep = self.meshes.replicated[0]
 
         def accumulate(*invals):
             stacked = [x.reshape((M, x.shape[0] // M) + x.shape[1:]) for x, mb in zip(invals, mb_mask) if mb]

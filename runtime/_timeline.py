@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from autopp.planner._plan import _id_ranges
+
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)(\+(\d+)([FBIW])(\d+))?$")
 
 
@@ -142,26 +144,16 @@ def _predicted_events(plan) -> list[TaskEvent]:
     sched = Schedule.from_text(plan.schedule_text, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches)
     times = simulate_times(sched, [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages])
     rank_of = {a: r for r, _, a in sched.actions()}
-    lane = {r: "devices " + _ranges(plan.stages[sched.rank_stages()[r][0]].devices) for r in range(sched.num_ranks)}
+    lane = {r: "devices " + _id_ranges(sorted(plan.stages[sched.rank_stages()[r][0]].devices))
+            for r in range(sched.num_ranks)}
     return [TaskEvent(label=str(a), lane=lane[rank_of[a]], start_s=s, end_s=e, issued_s=0.0)
             for a, (s, e) in sorted(times.items(), key=lambda x: x[1])]
-
-
-def _ranges(ids) -> str:
-    ids = sorted(ids)
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     """Run one step of a built executable, recording its timeline; returns (outputs, timeline)."""
     tasks = executable.tasks
-    lane_of = ["devices " + _ranges(t.devices) if t.devices else "host" for t in tasks]
+    lane_of = ["devices " + _id_ranges(sorted(t.devices)) if t.devices else "host" for t in tasks]
     lanes = list(dict.fromkeys(lane_of))
     queues = {lane: queue.SimpleQueue() for lane in lanes}
     issued = [0.0] * len(tasks)

@@ -28,6 +28,18 @@ def make_step(model, tx):
     return make_train_step(model.loss, tx)
 
 
+def gpt_case(batch_size=8):
+    """The tiny GPT's training step, its state (parameters, optimizer state) and a batch."""
+    model, tx = tiny_gpt(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    return make_step(model, tx), (params, tx.init(params)), model.batch(jax.random.key(1), batch_size)
+
+
+def with_jit_reference(step, state, batch):
+    """``(step, state, batch, result of 3 steps of plain jax.jit)``: what the pipelined step must equal."""
+    return step, state, batch, run_steps(jax.jit(step), state, batch)[0]
+
+
 def run_steps(step, state, batch, n=3):
     losses = []
     for _ in range(n):

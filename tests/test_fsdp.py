@@ -6,18 +6,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopp
-from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
+from tests._helpers import (
+    assert_trees_close, gpt_case, make_optimizer, make_step, run_steps, tiny_gpt, with_jit_reference,
+)
 
 
 @pytest.fixture(scope="module")
 def case():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), 8)
-    step = make_step(model, tx)
-    reference, _ = run_steps(jax.jit(step), state, batch)
-    return step, state, batch, reference
+    return with_jit_reference(*gpt_case())
 
 
 def _expected_spec(shape, fsdp):
@@ -69,17 +65,11 @@ def test_fsdp_plan_replays(case, tmp_path):
     assert [s.mesh_shape for s in replay.plan_for(*state, batch).stages] == [{"data": 1, "fsdp": 2}] * 2
 
 
-def _state_and_batch():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    return params, tx.init(params), model.batch(jax.random.key(1), 8)
-
-
 def test_bad_layouts():
     step = make_step(tiny_gpt(), make_optimizer())
     with pytest.raises(ValueError, match=r"data x fsdp x tensor must equal 2"):
-        autopp.parallelize(step, num_stages=2, layout={"tensor": 4}, devices=jax.devices()[:4])(
-            *_state_and_batch())
+        _, state, batch = gpt_case()
+        autopp.parallelize(step, num_stages=2, layout={"tensor": 4}, devices=jax.devices()[:4])(*state, batch)
     with pytest.raises(ValueError, match=r"unknown axes \['model'\]"):
         autopp.parallelize(step, num_stages=2, layout={"model": 2})
     with pytest.raises(TypeError, match=r"layout must be a dict"):

@@ -5,16 +5,12 @@ import numpy as np
 import pytest
 
 import autopp
-from tests._helpers import make_optimizer, make_step, tiny_gpt
+from tests._helpers import gpt_case
 
 
 @pytest.fixture(scope="module")
 def case():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), 8)
-    return make_step(model, tx), state, batch
+    return gpt_case()
 
 
 def _nbytes(tree):

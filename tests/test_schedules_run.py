@@ -6,18 +6,14 @@ import pytest
 
 import autopp
 from autopp.runtime import Schedule
-from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
+from tests._helpers import (
+    assert_trees_close, gpt_case, make_optimizer, make_step, run_steps, tiny_gpt, with_jit_reference,
+)
 
 
 @pytest.fixture(scope="module")
 def case():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), 8)
-    step = make_step(model, tx)
-    reference, _ = run_steps(jax.jit(step), state, batch)
-    return step, state, batch, reference
+    return with_jit_reference(*gpt_case())
 
 
 @pytest.mark.parametrize("groups, virtual_stages, num_microbatches, devices", [

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopp
 from autopp.runtime._tensor import tensor_specs
-from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
+from tests._helpers import assert_trees_close, gpt_case, run_steps, tiny_gpt, with_jit_reference
 
 # Megatron-LM's split of a GPT block: fused qkv and the MLP's first matmul by columns (their biases with them),
 # the attention output and the MLP's second matmul by rows; LayerNorms and the other biases whole.
@@ -18,13 +18,7 @@ MEGATRON = {"qkv_w": P(None, "tensor"), "qkv_b": P("tensor"), "out_w": P("tensor
 
 @pytest.fixture(scope="module")
 def case():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), 8)
-    step = make_step(model, tx)
-    reference, _ = run_steps(jax.jit(step), state, batch)
-    return step, state, batch, reference
+    return with_jit_reference(*gpt_case())
 
 
 def test_the_rule_finds_megatrons_split_in_a_block():

@@ -8,16 +8,13 @@ import pytest
 
 import autopp
 from autopp.runtime import run_with_timeline
-from tests._helpers import make_optimizer, make_step, tiny_gpt
+from tests._helpers import gpt_case
 
 
 @pytest.fixture(scope="module")
 def traced_step():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), 8)
-    step = autopp.parallelize(make_step(model, tx), num_stages=4, num_microbatches=4, schedule="gpipe",
+    train_step, state, batch = gpt_case()
+    step = autopp.parallelize(train_step, num_stages=4, num_microbatches=4, schedule="gpipe",
                               devices=jax.devices()[:4])
     exe = step.executable_for(*state, batch)
     flat = jax.tree.leaves((*state, batch))

@@ -5,23 +5,19 @@ import pytest
 
 import autopp
 from autopp.runtime import Schedule, zb_h1
-from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt, tiny_mlp
+from tests._helpers import (
+    assert_trees_close, gpt_case, make_optimizer, make_step, run_steps, tiny_mlp, with_jit_reference,
+)
 
 
 @pytest.fixture(scope="module")
-def gpt_case():
-    model, tx = tiny_gpt(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), 8)
-    step = make_step(model, tx)
-    reference, _ = run_steps(jax.jit(step), state, batch)
-    return step, state, batch, reference
+def case():
+    return with_jit_reference(*gpt_case())
 
 
 @pytest.mark.parametrize("num_stages, num_microbatches", [(2, 4), (4, 8), (4, 2)])
-def test_zb_h1_equals_plain_jit(gpt_case, num_stages, num_microbatches):
-    step, state, batch, reference = gpt_case
+def test_zb_h1_equals_plain_jit(case, num_stages, num_microbatches):
+    step, state, batch, reference = case
     pipelined = autopp.parallelize(step, num_stages=num_stages, num_microbatches=num_microbatches,
                                    schedule=zb_h1(num_stages, num_microbatches), devices=jax.devices()[:num_stages])
     got, _ = run_steps(pipelined, state, batch)
@@ -34,9 +30,9 @@ def test_zb_h1_equals_plain_jit(gpt_case, num_stages, num_microbatches):
             num_microbatches if s > 0 else 0)
 
 
-def test_input_and_weight_parts_do_the_backward_work_once(gpt_case):
+def test_input_and_weight_parts_do_the_backward_work_once(case):
     """XLA's own FLOP count: I + W of a stage equal its fused backward B (no part computed twice)."""
-    step, state, batch, _ = gpt_case
+    step, state, batch, _ = case
 
     def flops(schedule, labels):
         pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, schedule=schedule,
