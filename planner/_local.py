@@ -8,7 +8,7 @@
 * ``M`` microbatches, ``M`` a divisor of the batch size ``B`` whose microbatch ``B / M`` splits evenly over
   the ``d`` devices of a stage (otherwise the runtime replicates the microbatch on every device of the stage,
   which the cost model below does not describe);
-* the schedules the runtime runs (1F1B and GPipe).
+* the schedules 1F1B and GPipe.
 
 Cost model (all times from the profile: per-layer forward and backward measured on one local device for the
 full batch):
@@ -16,7 +16,7 @@ full batch):
 * an action (the forward or the backward of one microbatch on one stage) takes the stage's layer times scaled
   by the examples each device processes, ``B / (M d)`` out of ``B``, plus :data:`DISPATCH_S`;
 * a stage split is chosen by :func:`autopp.planner.assign_stages` (CP-SAT: minimise the slowest stage under
-  per-device memory; no recomputation, the runtime has none); among the splits as fast as its answer the one
+  per-device memory; no recomputation: not modelled here); among the splits as fast as its answer the one
   moving the fewest activation bytes (then the lexicographically first) is taken, so that the plan does not
   depend on which of several equal optima the solver happens to return. An equal split of the layers is
   evaluated too and kept when it is predicted faster;
@@ -66,7 +66,8 @@ shared parameters, the optimizer's programs, result assembly): the same fit give
 12 x :data:`DISPATCH_S`."""
 
 RUNNABLE_SCHEDULES = ("1f1b", "gpipe")
-"""Schedules the runtime executes, in tie-breaking order."""
+"""Schedules this cost model describes, in tie-breaking order (the runtime also runs interleaved 1F1B and
+ZB-H1; choosing them, recomputation and FSDP/tensor stages locally is not modelled yet)."""
 
 _TIE = 1e-9
 
