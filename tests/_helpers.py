@@ -28,11 +28,16 @@ def make_step(model, tx):
     return make_train_step(model.loss, tx)
 
 
-def gpt_case(batch_size=8):
-    """The tiny GPT's training step, its state (parameters, optimizer state) and a batch."""
-    model, tx = tiny_gpt(), make_optimizer()
+def model_case(factory, batch_size):
+    """A zoo model's training step (``make_optimizer``), its state (parameters, optimizer state) and a batch."""
+    model, tx = factory(), make_optimizer()
     params = model.init(jax.random.key(0))
     return make_step(model, tx), (params, tx.init(params)), model.batch(jax.random.key(1), batch_size)
+
+
+def gpt_case(batch_size=8):
+    """The tiny GPT's training step, its state and a batch."""
+    return model_case(tiny_gpt, batch_size)
 
 
 def with_jit_reference(step, state, batch):

@@ -14,28 +14,14 @@ from autopp.models import MLP, MLPConfig
 from autopp.planner import _local
 from autopp.planner._local import LayerCosts, evaluate, legal_layouts, plan_layers, stage_memory, uniform_split
 from autopp.profiler._cluster import Cluster
-from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt, tiny_mlp
+from tests._helpers import assert_trees_close, make_optimizer, make_step, model_case, run_steps, tiny_gpt, tiny_mlp
 
 MODELS = {"mlp": (tiny_mlp, 16), "gpt": (tiny_gpt, 8)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def profile_cache_in_tmp(tmp_path_factory):
-    """Measured profiles are cached under $XDG_CACHE_HOME/autopp: keep this module's out of the home directory."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
-        yield
-
-
 @functools.lru_cache(maxsize=None)
-def _setup(name):
-    factory, batch_size = MODELS[name]
-    model = factory()
-    tx = make_optimizer()
-    params = model.init(jax.random.key(0))
-    state = (params, tx.init(params))
-    batch = model.batch(jax.random.key(1), batch_size)
-    step = make_step(model, tx)
+def _setup(name):  # the profile cache lives in the temporary directory tests/conftest.py sets up
+    step, state, batch = model_case(*MODELS[name])
     return step, state, batch, run_steps(jax.jit(step), state, batch)
 
 
