@@ -1,9 +1,10 @@
 """autopp: automatic MPMD pipeline parallelism for JAX training steps.
 
 The public surface: :func:`parallelize`, :func:`grad`, :func:`value_and_grad`, :class:`Plan`,
-:class:`Cluster`.
+:class:`Cluster`, and :mod:`autopp.checkpoint` (save and restore training states).
 """
 
+from autopp import checkpoint
 from autopp._grad import grad, value_and_grad
 from autopp._parallelize import Parallelized, parallelize
 from autopp.planner._plan import Plan, StagePlan
@@ -11,4 +12,4 @@ from autopp.profiler._cluster import Cluster
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Parallelized", "Plan", "StagePlan", "grad", "parallelize", "value_and_grad"]
+__all__ = ["Cluster", "Parallelized", "Plan", "StagePlan", "checkpoint", "grad", "parallelize", "value_and_grad"]

@@ -138,9 +138,34 @@ def normalize_batch_argnums(batch_argnums, num_args: int) -> tuple[int, ...]:
     return tuple(sorted({a % num_args for a in nums}))
 
 
+_ARRAY_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+
+
+def check_array_leaves(args: Sequence[Any]) -> None:
+    """Every leaf of the step's arguments must be an array or a number, as for ``jax.jit``.
+
+    Module pytrees (Equinox) may hold functions or other static values as leaves; the step then takes the
+    array part (``eqx.partition(model, eqx.is_inexact_array)``) and closes over the rest.
+    """
+    flat_with_paths, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
+    bad = [f"  args[{p[0].idx}]{_path_str(p[1:])}: {type(leaf).__name__} {leaf!r:.60}"
+           for p, leaf in flat_with_paths if not isinstance(leaf, _ARRAY_LEAF_TYPES)]
+    if bad:
+        if len(bad) > 8:
+            bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
+        raise TypeError(
+            "autopp.parallelize: every leaf of the step's arguments must be an array or a number (as for "
+            "jax.jit); these are not:\n" + "\n".join(bad) + "\nPass only the arrays and close over the rest: "
+            "for an Equinox module, `params, static = eqx.partition(model, eqx.is_inexact_array)`, give the step "
+            "`params` and rebuild the module inside the loss with `eqx.combine(params, static)`; for a Flax NNX "
+            "module, `graphdef, state = nnx.split(model)` and `nnx.merge(graphdef, state)` in the loss."
+        )
+
+
 def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...]) -> TracedStep:
     """Trace ``step_fn(*args)`` (arrays or ``ShapeDtypeStruct``s) with autopp's gradient marker."""
     args = tuple(args)
+    check_array_leaves(args)
     flat_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
     leaf_paths = tuple(f"args[{p[0].idx}]" + _path_str(p[1:]) for p, _ in flat_with_paths)
     batch_mask = tuple(p[0].idx in batch_argnums for p, _ in flat_with_paths)

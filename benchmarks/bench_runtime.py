@@ -109,7 +109,8 @@ def _stage_times(timeline, num_stages):
 
 
 @pytest.mark.parametrize("bound", ["host", "compute"])
-@pytest.mark.parametrize("schedule, virtual_stages", [("1f1b", None), ("zb-h1", None), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("schedule, virtual_stages", [("1f1b", None), ("zb-h1", None), ("interleaved-1f1b", 2),
+                                                     ("dualpipev", None)])
 def test_bubble_fraction_from_the_timeline(benchmark, schedule, virtual_stages, bound):
     """Measured idle share of the device groups against the schedule's theory at each stage's measured action
     times. ``host``: the tiny GPT on 4 groups (dispatch-bound); ``compute``: the bench_step GPT (hidden 256) on

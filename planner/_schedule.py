@@ -46,6 +46,7 @@ from typing import Collection, Iterator, Optional, Sequence
 __all__ = [
     "KINDS",
     "SCHEDULE_NAMES",
+    "dualpipe_v",
     "Action",
     "Schedule",
     "ScheduleError",
@@ -767,7 +768,84 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule(tuple(rows), S, M)
 
 
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek's "cut-in-half" DualPipe, 2025): two model chunks per rank placed in a V.
+
+    Rank ``r`` hosts stages ``r`` and ``2P-1-r`` (``P = num_ranks``, ``2P`` stages), so the first and last
+    stages share rank 0 and each microbatch goes down the ranks and back up. Per rank the actions follow
+    DualPipeV's eight phases: forwards of chunk 0, paired chunk-0/chunk-1 forwards, zero-bubble backward of
+    chunk 1, the steady F0 B1 F1 B0 phase (overlapped pairs in DualPipe; here run one after the other),
+    cooldown backwards and the deferred weight gradients. Backwards that DualPipeV splits into input and
+    weight gradients are ``I`` + ``W``; the others are whole ``B``. Requires ``num_microbatches >=
+    2 * num_ranks``.
+    """
+    P = _check_count("num_ranks", num_ranks)
+    M = _check_count("num_microbatches", num_microbatches)
+    if M < 2 * P:
+        raise ValueError(
+            f"dualpipev needs num_microbatches >= 2 * num_ranks, got num_microbatches={M}, num_ranks={P}; "
+            f"use at least {2 * P} microbatches."
+        )
+    rows = []
+    for r in range(P):
+        stage = (r, 2 * P - 1 - r)
+        next_mb = {(c, k): 0 for c in (0, 1) for k in "FB"}
+        deferred: deque[Action] = deque()
+        row: list[Action] = []
+
+        def forward(c: int) -> None:
+            row.append(Action(stage[c], "F", next_mb[c, "F"]))
+            next_mb[c, "F"] += 1
+
+        def backward(c: int, split: bool) -> None:
+            m = next_mb[c, "B"]
+            next_mb[c, "B"] += 1
+            if split:
+                row.append(Action(stage[c], "I", m))
+                deferred.append(Action(stage[c], "W", m))
+            else:
+                row.append(Action(stage[c], "B", m))
+
+        def weight() -> None:
+            row.append(deferred.popleft())
+
+        for _ in range(2 * (P - r - 1)):  # 1: forwards of chunk 0
+            forward(0)
+        for _ in range(r + 1):  # 2: chunk 0 and chunk 1 forwards
+            forward(0)
+            forward(1)
+        for _ in range(P - r - 1):  # 3: zero-bubble backward of chunk 1, its weight gradient, a forward
+            backward(1, split=True)
+            weight()
+            forward(1)
+        for _ in range(M - 2 * P + r + 1):  # 4: steady state
+            forward(0)
+            backward(1, split=False)
+            forward(1)
+            backward(0, split=False)
+        for _ in range(P - r - 1):  # 5
+            backward(1, split=False)
+            forward(1)
+            backward(0, split=False)
+        split = False
+        steps = r + 1
+        for i in range(steps):  # 6: the second half of these backwards defers its weight gradients
+            if i == steps // 2 and r % 2 == 1:
+                split = True
+            backward(1, split)
+            if i == steps // 2 and r % 2 == 0:
+                split = True
+            backward(0, split)
+        for _ in range(P - r - 1):  # 7
+            weight()
+            backward(0, split=True)
+        while deferred:  # 8
+            weight()
+        rows.append(tuple(row))
+    return Schedule(tuple(rows), 2 * P, M)
+
+
+SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev")
 
 
 def get_schedule(
@@ -794,6 +872,13 @@ def get_schedule(
                 f"for interleaved-1f1b"
             )
         return interleaved_1f1b(S // V, M, V)
+    if key == "dualpipev":
+        if V not in (1, 2) or S % 2:
+            raise ValueError(
+                f"dualpipev runs 2 stages per rank: num_stages ({S}) must be even and virtual_stages 2 "
+                f"(got {V})"
+            )
+        return dualpipe_v(S // 2, M)
     if V != 1:
         raise ValueError(
             f"virtual_stages={V} is only meaningful for 'interleaved-1f1b', not {key!r}"

@@ -66,10 +66,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+CONFIG_FINGERPRINT = "gpt-config:"
+"""How the fingerprint of a plan made from a model description (not a traced step) begins."""
+
+
 def model_fingerprint(config: GPTConfig) -> str:
     """A plan made offline for a model description is tied to it by this hash of its configuration."""
     text = json.dumps(config.to_dict(), sort_keys=True)
-    return "gpt-config:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return CONFIG_FINGERPRINT + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _even_split(blocks: int, stages: int) -> tuple[int, ...]:

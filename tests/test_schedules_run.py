@@ -36,6 +36,34 @@ def test_interleaved_1f1b_equals_plain_jit(case, groups, virtual_stages, num_mic
     assert placed <= {d.id for d in jax.devices()[:devices]}
 
 
+@pytest.mark.parametrize("groups, num_microbatches, devices", [(2, 4, 2), (3, 8, 3)])
+def test_dualpipev_equals_plain_jit(case, groups, num_microbatches, devices):
+    step, state, batch, reference = case
+    pipelined = autopp.parallelize(step, num_stages=groups, schedule="dualpipev", num_microbatches=num_microbatches,
+                                   devices=jax.devices()[:devices])
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    plan = pipelined.plan_for(*state, batch)
+    assert plan.num_stages == 2 * groups and plan.schedule == "dualpipev"
+    per = devices // groups
+    for chunk in plan.stages:  # the V: group g runs stages g and 2 * groups - 1 - g
+        g = min(chunk.index, 2 * groups - 1 - chunk.index)
+        assert chunk.devices == tuple(d.id for d in jax.devices()[g * per:(g + 1) * per])
+    kinds = {a.kind for _, _, a in Schedule.from_text(plan.schedule_text).actions()}
+    assert kinds == {"F", "B", "I", "W"}  # whole backwards and zero-bubble split ones
+
+
+def test_dualpipev_default_microbatches_and_errors(case):
+    step, state, batch, _ = case
+    pipelined = autopp.parallelize(step, num_stages=2, schedule="dualpipev", devices=jax.devices()[:2])
+    assert pipelined.plan_for(*state, batch).num_microbatches == 4  # the fewest: two per device group
+    with pytest.raises(ValueError, match="virtual_stages=3"):
+        autopp.parallelize(step, num_stages=2, schedule="dualpipev", virtual_stages=3)
+    with pytest.raises(ValueError, match="num_microbatches >= 2 \\* num_ranks"):
+        autopp.parallelize(step, num_stages=4, schedule="dualpipev", num_microbatches=4,
+                           devices=jax.devices()[:4]).plan_for(*state, batch)
+
+
 def test_schedule_given_as_text_runs_and_round_trips(case):
     step, state, batch, reference = case
     text = "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1\n2F0 3F0 3B0 2B0 2F1 3F1 3B1 2B1"

@@ -1,0 +1,105 @@
+"""Programs equal up to their devices compile once and are loaded onto the other devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import autopp
+from autopp import _compat
+from autopp.runtime import _executor
+
+from _helpers import assert_trees_close, model_case, run_steps, tiny_mlp
+
+
+def _layer(x, w):
+    return jnp.tanh(x @ w).sum(axis=0)
+
+
+def test_retarget_single_device_program_runs_on_the_other_device():
+    devs = jax.devices()
+    x, w = np.arange(48.0).reshape(6, 8) / 50, np.eye(8) * 0.5 + 0.01
+    fn = jax.jit(_layer)
+    lowered = [fn.lower(jax.device_put(x, d), jax.device_put(w, d)) for d in devs[:3]]
+    keys = {_compat.device_free_key(lo) for lo in lowered}
+    assert len(keys) == 1 and None not in keys
+    source = lowered[0].compile()
+    for d, lo in zip(devs[1:3], lowered[1:]):
+        moved = _compat.retarget(source, lo)
+        out = moved(jax.device_put(x, d), jax.device_put(w, d))
+        assert out.devices() == {d}
+        np.testing.assert_allclose(np.asarray(out), np.asarray(_layer(x, w)), rtol=1e-6)
+    assert _compat.retarget(source, lowered[0]) is source
+
+
+def test_retarget_sharded_program_keeps_its_layout_on_other_devices():
+    devs = jax.devices()
+    x, w = np.arange(64.0).reshape(8, 8) / 70, np.eye(8) * 0.3 + 0.02
+
+    def lower_on(ds):
+        mesh = Mesh(np.array(ds).reshape(2, 2), ("data", "tensor"))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
+        return jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(xs, ws), (xs, ws), mesh
+
+    lo_a, _, _ = lower_on(devs[0:4])
+    lo_b, args_b, mesh_b = lower_on(devs[4:8])
+    assert _compat.device_free_key(lo_a) == _compat.device_free_key(lo_b)
+    moved = _compat.retarget(lo_a.compile(), lo_b)
+    out = moved(*args_b)
+    assert out.sharding.mesh.devices.tolist() == mesh_b.devices.tolist()
+    assert out.sharding.spec == lo_b.compile().output_shardings.spec
+    np.testing.assert_allclose(np.asarray(out), np.tanh(x @ w), rtol=1e-6)
+
+
+def test_different_programs_have_different_keys():
+    x = jax.device_put(np.ones((4, 4)), jax.devices()[0])
+    a = jax.jit(lambda v: v * 2).lower(x)
+    b = jax.jit(lambda v: v * 3).lower(x)
+    c = jax.jit(lambda v: v * 2).lower(jax.device_put(np.ones((4, 4)), jax.devices()[1:3][0]))
+    assert _compat.device_free_key(a) != _compat.device_free_key(b)
+    assert _compat.device_free_key(a) == _compat.device_free_key(c)
+
+
+def test_uniform_pipeline_compiles_equal_stages_once_and_equals_jit(monkeypatch):
+    compiles = []
+    real = _compat.retarget
+
+    def counting(compiled, lowered):
+        moved = real(compiled, lowered)
+        compiles.append(moved is not compiled)
+        return moved
+
+    monkeypatch.setattr(_compat, "retarget", counting)
+    step, state, batch = model_case(tiny_mlp, 16)
+    expected, _ = run_steps(jax.jit(step), state, batch)
+    pipelined = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="1f1b",
+                                   devices=jax.devices()[:4])
+    actual, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(actual, expected, rtol=1e-5)
+    assert any(compiles), "the identical middle stages of the uniform MLP should share one compile"
+    assert isinstance(pipelined.executable_for(*state, batch), _executor.Executable)
+
+
+def test_shard_copies_only_between_mirrored_layouts():
+    from jax.sharding import SingleDeviceSharding
+
+    devs = jax.devices()
+    mesh_a = Mesh(np.array(devs[0:2]), ("data",))
+    mesh_b = Mesh(np.array(devs[2:4]), ("data",))
+    shape = (4, 6)
+    same = _compat.same_shard_positions
+    assert same(SingleDeviceSharding(devs[0]), SingleDeviceSharding(devs[5]), shape)
+    assert same(NamedSharding(mesh_a, P("data")), NamedSharding(mesh_b, P("data")), shape)
+    assert not same(NamedSharding(mesh_a, P("data")), NamedSharding(mesh_b, P(None, "data")), shape)
+    assert not same(NamedSharding(mesh_a, P("data")), SingleDeviceSharding(devs[2]), shape)
+    x = jax.device_put(np.arange(24.0).reshape(shape), NamedSharding(mesh_a, P("data")))
+    dest = NamedSharding(mesh_b, P("data"))
+    (y,) = _compat.copy_shards([x], [dest])
+    assert y.sharding == dest
+    np.testing.assert_array_equal(np.asarray(y), np.arange(24.0).reshape(shape))
+    for shard in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index])

@@ -1,0 +1,50 @@
+"""A plan made offline from a model description (``plan_model(GPTConfig, cluster)``) replays on the traced step
+of that model when its devices are local."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+import autopp
+from autopp.planner import plan_model
+from autopp.profiler import Cluster
+
+from _helpers import assert_trees_close, gpt_case, run_steps, tiny_gpt, with_jit_reference
+
+
+@pytest.fixture(scope="module")
+def case():
+    return with_jit_reference(*gpt_case())
+
+
+@pytest.fixture(scope="module")
+def offline_plan():
+    plan = plan_model(tiny_gpt().config, Cluster.local(jax.devices()[:4]), global_batch=8, pipeline_degrees=(2,),
+                      time_limit_s=2)
+    return autopp.Plan.from_json(plan.to_json())  # as read back from a file
+
+
+def test_config_plan_replays_and_equals_jit(case, offline_plan):
+    step, state, batch, reference = case
+    assert offline_plan.model_fingerprint.startswith("gpt-config:") and offline_plan.num_stages >= 2
+    pipelined = autopp.parallelize(step, plan=offline_plan)
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    replayed = pipelined.plan_for(*state, batch)
+    assert [s.layers for s in replayed.stages] == [s.layers for s in offline_plan.stages]
+    assert [s.devices for s in replayed.stages] == [s.devices for s in offline_plan.stages]
+    assert replayed.schedule_text == offline_plan.schedule_text
+
+
+def test_config_plan_for_another_model_or_batch_is_refused(case, offline_plan):
+    step, state, batch, _ = case
+    deeper = plan_model(dataclasses.replace(tiny_gpt().config, layers=6), Cluster.local(jax.devices()[:4]),
+                        global_batch=8, pipeline_degrees=(2,), time_limit_s=2)
+    with pytest.raises(ValueError, match="made offline for a model of 8 layers"):
+        autopp.parallelize(step, plan=deeper).plan_for(*state, batch)
+    half = jax.tree.map(lambda x: x[:4], batch)
+    with pytest.raises(ValueError, match="global_batch=4"):
+        autopp.parallelize(step, plan=offline_plan).plan_for(*state, half)
