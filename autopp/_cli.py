@@ -315,6 +315,12 @@ def main(argv=None) -> int:
     show.add_argument("plan", help="path of a plan's JSON (plan.to_json(path))")
     show.add_argument("--grid", action="store_true", help="also print the schedule grid")
     show.set_defaults(func=cmd_show)
+    from autopp import _compare
+
+    _compare.add_parser(sub, _add_model_flags, _positive)
+    from autopp import _launch
+
+    _launch.add_parser(sub, _positive)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -29,8 +29,7 @@ import jax
 from autopp._baselines import BASELINES
 from autopp._metrics import format_bytes, known_peak_flops
 
-MICROBATCH_SIZES = (1, 2, 4, 8)
-"""Microbatch sizes a predicted baseline is tuned over."""
+from autopp.planner._search import DEFAULT_MICROBATCH_SIZES as MICROBATCH_SIZES  # noqa: E402 - what plan_model searches
 
 
 @dataclasses.dataclass(frozen=True)

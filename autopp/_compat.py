@@ -71,6 +71,15 @@ def device_free_key(lowered) -> tuple | None:
     return (devices[0].platform, len(devices), hashlib.sha256(body.encode()).hexdigest(), signature)
 
 
+def is_local(lowered) -> bool:
+    """Whether a lowered program runs on this process's devices only (always, in a single-process run)."""
+    devices = getattr(getattr(lowered, "_lowering", None), "_device_list", None)
+    if devices is None or jax.process_count() == 1:
+        return True
+    me = jax.process_index()
+    return all(d.process_index == me for d in devices)
+
+
 def _map_sharding(sharding, devmap):
     from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 

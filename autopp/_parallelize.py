@@ -13,8 +13,10 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 import numpy as np
 
+from autopp._progress import phase
 from autopp._trace import (
     TracedStep,
+    check_array_leaves,
     check_batch_divisible,
     normalize_batch_argnums,
     trace_microbatch_forward,
@@ -22,6 +24,7 @@ from autopp._trace import (
 )
 from autopp.planner._local import LocalPlan, plan_local
 from autopp.planner._plan import Plan, PlannerStats, StagePlan
+from autopp.planner._search import CONFIG_FINGERPRINT
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._partition import StageSplit, batch_dependent_vars, split_at, split_stages
 from autopp.profiler._costs import aval_bytes
@@ -202,11 +205,15 @@ class Parallelized(Generic[_P, _R]):
             )
         if virtual_stages is not None:
             _check_count("virtual_stages", virtual_stages)
-            if virtual_stages > 1 and schedule != "interleaved-1f1b":
+            if schedule == "dualpipev" and virtual_stages != 2:
+                raise ValueError(
+                    f"autopp.parallelize: dualpipev runs 2 model chunks per device group, not "
+                    f"virtual_stages={virtual_stages}; drop virtual_stages=.")
+            if virtual_stages > 1 and schedule not in ("interleaved-1f1b", "dualpipev"):
                 raise ValueError(
                     f"autopp.parallelize: virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got "
                     f"{schedule!r}); drop virtual_stages= or use that schedule.")
-        elif schedule == "interleaved-1f1b":
+        elif schedule in ("interleaved-1f1b", "dualpipev"):
             virtual_stages = 2
         if recompute is not None and not isinstance(recompute, str):
             recompute = tuple(recompute)
@@ -239,6 +246,13 @@ class Parallelized(Generic[_P, _R]):
         if isinstance(self._schedule, Schedule):
             return self._schedule.num_microbatches
         batch = self._batch_size(traced)
+        if self._schedule == "dualpipev":  # at least two microbatches per device group
+            fits = [d for d in range(2 * self.num_stages, 4 * self.num_stages + 1) if batch % d == 0]
+            if not fits:
+                raise ValueError(
+                    f"autopp.parallelize: dualpipev needs at least {2 * self.num_stages} microbatches (2 per device "
+                    f"group) dividing the batch of {batch}; pass num_microbatches= or another batch size.")
+            return min(fits)
         step = self.num_stages if self._schedule == "interleaved-1f1b" else 1  # a multiple of the groups
         fits = [d for d in range(step, 2 * self.num_stages + 1, step) if batch % d == 0]
         if not fits:
@@ -295,14 +309,18 @@ class Parallelized(Generic[_P, _R]):
         return r
 
     def _build(self, args: tuple) -> tuple[TracedStep, StageSplit, Executable, Plan]:
+        check_array_leaves(args)
         flat, tree = jax.tree_util.tree_flatten(args)
         key = (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in flat))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         batch_argnums = normalize_batch_argnums(self._batch_argnums, len(args))
-        traced = trace_step(self._step_fn, args, batch_argnums)
-        if self._plan is not None and traced.fingerprint != self._plan.model_fingerprint:
+        with phase("tracing the step") as ph:
+            traced = trace_step(self._step_fn, args, batch_argnums)
+            ph.done("traced the step")
+        made_offline = self._plan is not None and self._plan.model_fingerprint.startswith(CONFIG_FINGERPRINT)
+        if self._plan is not None and not made_offline and traced.fingerprint != self._plan.model_fingerprint:
             raise ValueError(
                 f"autopp.parallelize: the plan was made for another step (model fingerprint "
                 f"{self._plan.model_fingerprint}, this step {traced.fingerprint}): the computation, shapes or "
@@ -330,6 +348,8 @@ class Parallelized(Generic[_P, _R]):
             else:  # a plan made from a profile (plan_model): its stages are given in profile layers
                 prof = profile(self._step_fn, *args, cluster=Cluster.local(self.devices),
                                batch_argnums=self._batch_argnums)
+                if made_offline:
+                    _check_offline_plan(self._plan, prof, self._batch_size(traced))
                 starts = _stage_start_equations(prof, traced, forward, [st.layers for st in self._plan.stages])
             split = split_at(forward, traced.microbatched_grad_inputs, starts)
             stage_devices = self._plan_devices
@@ -340,9 +360,12 @@ class Parallelized(Generic[_P, _R]):
             rank_of = sched.stage_to_rank()
             stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
         layouts = self._stage_layouts(sched, stage_devices)
-        exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
-                               loss_reduction=self.loss_reduction, schedule=sched,
-                               recompute=self._stage_recompute(sched.num_stages), layouts=layouts)
+        with phase(f"compiling the {sched.num_stages}-stage pipeline") as ph:
+            exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
+                                   loss_reduction=self.loss_reduction, schedule=sched,
+                                   recompute=self._stage_recompute(sched.num_stages), layouts=layouts)
+            ph.done(f"compiled {len({id(t.fn) for t in exe.tasks if isinstance(t.fn, jax.stages.Compiled)})} "
+                    f"program(s) for {sched.num_stages} stage(s)")
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
         plan = dataclasses.replace(
             plan, virtual_stages=sched.num_stages // sched.num_ranks,
@@ -374,13 +397,18 @@ class Parallelized(Generic[_P, _R]):
         except ValueError as e:
             raise ValueError(f"autopp.parallelize: cannot plan for these devices: {e} Or skip the planner: pass "
                              "num_stages=, num_microbatches= and schedule=.") from None
-        prof = profile(self._step_fn, *args, measure=True, cluster=cluster, batch_argnums=self._batch_argnums)
+        with phase("profiling the step's layers") as ph:
+            prof = profile(self._step_fn, *args, measure=True, cluster=cluster, batch_argnums=self._batch_argnums)
+            ph.done(f"profiled {len(prof.layers)} layers")
         if prof.fingerprint != traced.fingerprint:
             raise _internal(f"the profile traced another computation (fingerprint {prof.fingerprint}, the step "
                             f"{traced.fingerprint})")
         batch = self._batch_size(traced)
         try:
-            local = plan_local(prof, len(self.devices), batch)
+            with phase(f"planning for {len(self.devices)} device(s)") as ph:
+                local = plan_local(prof, len(self.devices), batch)
+                ph.done(f"planned {local.num_stages} stage(s), {local.num_microbatches} microbatch(es), "
+                        f"{local.schedule}")
         except ValueError as e:
             raise ValueError(f"autopp.parallelize: cannot plan this step for {len(self.devices)} device(s): "
                              f"{str(e).removeprefix('plan_local: ')} Or fix the layout yourself with num_stages=, "
@@ -452,6 +480,27 @@ class Parallelized(Generic[_P, _R]):
     def executable_for(self, *args) -> Executable:
         """The built instruction list (for inspection and benchmarks)."""
         return self._build(args)[2]
+
+
+def _check_offline_plan(plan: Plan, prof: Profile, batch_size: int) -> None:
+    """A plan made with ``plan_model(GPTConfig(...), cluster)`` names its stages by model layers (embedding,
+    blocks, head); it replays on a traced step whose profile has exactly those layers and whose batch is the
+    plan's global batch."""
+    last = plan.stages[-1].layers[1] if plan.stages[-1].layers else None
+    if last != len(prof.layers) - 1:
+        raise ValueError(
+            f"autopp.parallelize: the plan was made offline for a model of {None if last is None else last + 1} "
+            f"layers (embedding, blocks, head), but this step's profile has {len(prof.layers)} "
+            f"({', '.join(lay.name for lay in prof.layers[:6])}{', ...' if len(prof.layers) > 6 else ''}); make the "
+            "plan for this model's GPTConfig, or with plan_model(profile(step, ...), cluster).")
+    mesh = plan.stages[0].mesh_shape
+    replicas = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    if plan.microbatch_size is not None and plan.microbatch_size * plan.num_microbatches * replicas != batch_size:
+        planned = plan.microbatch_size * plan.num_microbatches * replicas
+        raise ValueError(
+            f"autopp.parallelize: the plan was made for a global batch of {plan.microbatch_size} x "
+            f"{plan.num_microbatches} microbatches x {replicas} data-parallel replicas = {planned} examples, but "
+            f"this step's batch has {batch_size}; make the plan with global_batch={batch_size}.")
 
 
 def _internal(what: str) -> RuntimeError:

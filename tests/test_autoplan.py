@@ -58,7 +58,7 @@ def _check_plan(plan, num_devices, batch_size, num_layers):
     assert all(st.recompute == "none" for st in plan.stages)
 
 
-@pytest.mark.parametrize("num_devices", [8, 4])
+@pytest.mark.parametrize("num_devices", [pytest.param(8, marks=pytest.mark.slow), 4])  # 8: same paths, 2x longer
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_auto_plan_trains_like_jit(name, num_devices):
     step, state, batch, (want_state, want_losses) = _setup(name)

@@ -269,7 +269,8 @@ def test_interleaved_placement_and_divisibility():
 
 
 def test_get_schedule():
-    assert sched.SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    assert sched.SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev")
+    assert sched.get_schedule("dualpipev", 6, 6) == sched.dualpipe_v(3, 6)
     assert sched.get_schedule("gpipe", 3, 4) == sched.gpipe(3, 4)
     assert sched.get_schedule("1f1b", 3, 4) == sched.one_f_one_b(3, 4)
     assert sched.get_schedule("zb-h1", 3, 4) == sched.zb_h1(3, 4)
@@ -284,7 +285,7 @@ def test_get_schedule():
         ((-1, 4), "num_stages"),
     ]:
         for name in sched.SCHEDULE_NAMES:
-            with pytest.raises(ValueError, match=word):
+            with pytest.raises(ValueError, match=word if name != "dualpipev" else f"{word}|even"):
                 sched.get_schedule(name, *args)
     with pytest.raises(ValueError, match="virtual_stages"):
         sched.get_schedule("interleaved-1f1b", 4, 4, virtual_stages=0)
@@ -297,6 +298,8 @@ def test_get_schedule():
             gen(0, 3)
     with pytest.raises(ValueError, match="num_ranks"):
         sched.interleaved_1f1b(0, 4, 2)
+    with pytest.raises(ValueError, match="num_microbatches >= 2 \\* num_ranks"):
+        sched.dualpipe_v(3, 5)
 
 
 # ---------------------------------------------------------------------------
@@ -428,6 +431,9 @@ def permuted_schedules(draw):
         V = draw(st.integers(2, 3))
         M = P * draw(st.integers(1, 2))
         base = sched.get_schedule(name, P * V, M, virtual_stages=V)
+    elif name == "dualpipev":
+        P = draw(st.integers(1, 3))
+        base = sched.dualpipe_v(P, draw(st.integers(2 * P, 2 * P + 3)))
     else:
         base = sched.get_schedule(name, draw(st.integers(1, 4)), draw(st.integers(1, 5)))
     rows = []
@@ -528,3 +534,15 @@ def test_bubble_fraction_argument_checks():
         sched.bubble_fraction(s, b_time=2.0, w_time=3.0)
     with pytest.raises(ScheduleError):
         sched.bubble_fraction(Schedule.from_text("0F0 0B0\n1F0", 2, 1))
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_dualpipev_is_valid_and_v_shaped(P):
+    for M in range(2 * P, 2 * P + 6):
+        s = sched.dualpipe_v(P, M)
+        sched.validate(s)
+        assert s.num_stages == 2 * P and s.num_ranks == P
+        assert s.stage_to_rank() == {st: min(st, 2 * P - 1 - st) for st in range(2 * P)}
+        for r, row in enumerate(s.rows):  # every action of both chunks, each once
+            assert sum(a.kind == "F" for a in row) == 2 * M
+            assert sum(a.kind in "BI" for a in row) == 2 * M

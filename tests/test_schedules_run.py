@@ -17,7 +17,7 @@ def case():
 
 
 @pytest.mark.parametrize("groups, virtual_stages, num_microbatches, devices", [
-    (2, 2, 2, 2), (2, 2, 4, 4), (2, 3, 4, 2), (4, 2, 4, 4),
+    pytest.param(2, 2, 2, 2, marks=pytest.mark.slow), (2, 2, 4, 4), (2, 3, 4, 2), (4, 2, 4, 4),
 ])
 def test_interleaved_1f1b_equals_plain_jit(case, groups, virtual_stages, num_microbatches, devices):
     step, state, batch, reference = case
@@ -92,7 +92,9 @@ def kept_without_recompute(case):
     return _kept_bytes(autopp.parallelize(step, **RECOMPUTE_KW), state, batch)
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective", ("full", "none", "selective", "none")])
+@pytest.mark.parametrize("recompute", [pytest.param("full", marks=pytest.mark.slow),
+                                       pytest.param("selective", marks=pytest.mark.slow),
+                                       ("full", "none", "selective", "none")])  # the last has every mode
 def test_recomputation_equals_plain_jit_and_keeps_less(case, kept_without_recompute, recompute):
     step, state, batch, reference = case
     pipelined = autopp.parallelize(step, recompute=recompute, **RECOMPUTE_KW)

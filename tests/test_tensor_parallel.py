@@ -61,8 +61,8 @@ def test_tensor_parallel_stages_equal_plain_jit(case, num_stages, layout, num_de
 
 @pytest.mark.parametrize("schedule, kw", [
     ("zb-h1", {}),
-    ("1f1b", {"recompute": ("none", "full", "selective", "none")}),
-])
+    pytest.param("1f1b", {"recompute": ("none", "full", "selective", "none")}, marks=pytest.mark.slow),
+])  # recomputation per stage: also tests/test_schedules_run.py
 def test_mixed_stage_sizes_and_layouts(case, schedule, kw):
     """1 + 2 + 4 + 1 devices: a plain stage, a tensor-parallel one, tensor x FSDP, a plain one."""
     step, state, batch, reference = case

@@ -15,7 +15,7 @@ def case():
     return with_jit_reference(*gpt_case())
 
 
-@pytest.mark.parametrize("num_stages, num_microbatches", [(2, 4), (4, 8), (4, 2)])
+@pytest.mark.parametrize("num_stages, num_microbatches", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow), (4, 2)])
 def test_zb_h1_equals_plain_jit(case, num_stages, num_microbatches):
     step, state, batch, reference = case
     pipelined = autopp.parallelize(step, num_stages=num_stages, num_microbatches=num_microbatches,

@@ -1,0 +1,221 @@
+"""Multi-host runs on JAX's multi-controller runtime (``jax.distributed``).
+
+Every process runs the same program. :func:`initialize` connects the process to the others, enables the
+cross-process ``jax.device_put`` transfers the runtime uses between stages on different processes (and gloo
+collectives on CPU), and starts a watchdog: a process that stops answering makes the others exit with an error
+naming it, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+
+import jax
+
+_HEARTBEAT_PREFIX = "autopp/heartbeat/"
+_DONE_PREFIX = "autopp/done/"
+DEFAULT_FAILURE_TIMEOUT_S = 20.0
+"""A peer silent for this long is declared lost (override: ``failure_timeout_s`` or $AUTOPP_FAILURE_TIMEOUT)."""
+LOST_PROCESS_EXIT_CODE = 17
+
+_state: dict = {}
+
+
+def _env_int(names: tuple[str, ...]) -> int | None:
+    for name in names:
+        text = os.environ.get(name)
+        if text not in (None, ""):
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"autopp.distributed: ${name}={text!r} is not an integer; unset it or "
+                                 "give a whole number.") from None
+    return None
+
+
+def _default_transfer_address(coordinator_address: str | None) -> str:
+    """The address this process serves cross-process transfers on: loopback when the coordinator is local,
+    else this host's address, at a port that is free now (port 0 is not resolved before peers learn it)."""
+    host = (coordinator_address or "").rsplit(":", 1)[0].strip("[]")
+    if host not in ("127.0.0.1", "localhost"):
+        host = socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, local_device_count: int | None = None,
+               transfer_address: str | None = None, failure_timeout_s: float | None = None,
+               initialization_timeout_s: int = 120) -> None:
+    """Join this process to a multi-process run; call it first thing, before any other JAX call.
+
+    Arguments default to the environment: ``$AUTOPP_COORDINATOR`` / ``$JAX_COORDINATOR_ADDRESS``,
+    ``$AUTOPP_NUM_PROCESSES`` / ``$JAX_NUM_PROCESSES``, ``$AUTOPP_PROCESS_ID`` / ``$JAX_PROCESS_ID``, and
+    otherwise JAX's cluster detection (SLURM, Open MPI, ...). ``local_device_count`` (or
+    ``$AUTOPP_LOCAL_DEVICES``) sets the number of CPU devices of this process. ``transfer_address`` (or
+    ``$AUTOPP_TRANSFER_ADDRESS``) is the ``host:port`` this process receives stage-to-stage transfers on (default:
+    loopback when the coordinator is, else this host's address, on a free port; port 0 does not work). A peer that sends no heartbeat
+    for ``failure_timeout_s`` (or ``$AUTOPP_FAILURE_TIMEOUT``; default 20 s) is declared lost: this process
+    prints which one and exits with status 17.
+    """
+    if _state.get("initialized"):
+        raise RuntimeError("autopp.distributed.initialize was already called in this process.")
+    coordinator_address = (coordinator_address or os.environ.get("AUTOPP_COORDINATOR")
+                           or os.environ.get("JAX_COORDINATOR_ADDRESS") or None)
+    if num_processes is None:
+        num_processes = _env_int(("AUTOPP_NUM_PROCESSES", "JAX_NUM_PROCESSES"))
+    if process_id is None:
+        process_id = _env_int(("AUTOPP_PROCESS_ID", "JAX_PROCESS_ID"))
+    if local_device_count is None:
+        local_device_count = _env_int(("AUTOPP_LOCAL_DEVICES",))
+    if failure_timeout_s is None:
+        text = os.environ.get("AUTOPP_FAILURE_TIMEOUT")
+        failure_timeout_s = float(text) if text else DEFAULT_FAILURE_TIMEOUT_S
+    for name, value in (("num_processes", num_processes), ("local_device_count", local_device_count)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"autopp.distributed.initialize: {name}={value!r}; give a positive integer.")
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"autopp.distributed.initialize: process_id={process_id!r} is not in "
+                         f"[0, {num_processes}); give a process id below num_processes.")
+    if coordinator_address is not None and ":" not in coordinator_address:
+        raise ValueError(f"autopp.distributed.initialize: coordinator_address={coordinator_address!r}; give "
+                         "'host:port', e.g. '127.0.0.1:12345'.")
+    if not failure_timeout_s > 0:
+        raise ValueError(f"autopp.distributed.initialize: failure_timeout_s={failure_timeout_s!r}; give a "
+                         "positive number of seconds.")
+
+    if local_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", local_device_count)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cross_host_transfer_socket_address",
+                      transfer_address or os.environ.get("AUTOPP_TRANSFER_ADDRESS")
+                      or _default_transfer_address(coordinator_address))
+    # JAX's own heartbeat is the backstop (it aborts without naming the peer): ours fires first.
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               initialization_timeout=initialization_timeout_s,
+                               heartbeat_timeout_seconds=int(failure_timeout_s) + 15)
+    _state["initialized"] = True
+    if jax.process_count() > 1:
+        _start_watchdog(float(failure_timeout_s))
+
+
+def is_initialized() -> bool:
+    """Whether :func:`initialize` ran in this process."""
+    return bool(_state.get("initialized"))
+
+
+def _client():
+    from jax._src import distributed as jax_distributed  # the coordination service's key-value store
+
+    return jax_distributed.global_state.client
+
+
+def _lost(message: str) -> None:
+    sys.stderr.write(f"autopp.distributed: {message}\n")
+    sys.stderr.flush()
+    os._exit(LOST_PROCESS_EXIT_CODE)  # the main thread may be blocked inside a transfer that never completes
+
+
+def _start_watchdog(timeout_s: float) -> None:
+    """Heartbeats through the coordinator's key-value store; a peer whose heartbeat stops changing for
+    ``timeout_s`` (and that did not finish) is lost. When the coordinator itself is gone, the store stops
+    answering: that is reported as losing process 0."""
+    client = _client()
+    me, n = jax.process_index(), jax.process_count()
+    stop = threading.Event()
+    interval = min(1.0, timeout_s / 5)
+    last_ok = [time.monotonic()]
+
+    def beat() -> None:
+        seen: dict[int, tuple[str, float]] = {}
+        count = 0
+        while not stop.is_set():
+            count += 1
+            try:
+                client.key_value_set(f"{_HEARTBEAT_PREFIX}{me}", str(count), allow_overwrite=True)
+                beats = dict(client.key_value_dir_get(_HEARTBEAT_PREFIX))
+                done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(_DONE_PREFIX)}
+            except Exception:  # noqa: BLE001 - the coordinator is unreachable; the monitor reports it
+                stop.wait(interval)
+                continue
+            now = time.monotonic()
+            last_ok[0] = now
+            for p in range(n):
+                if p == me or p in done or stop.is_set():
+                    continue
+                value = beats.get(f"{_HEARTBEAT_PREFIX}{p}", "")
+                if p not in seen or seen[p][0] != value:
+                    seen[p] = (value, now)
+                elif now - seen[p][1] > timeout_s:
+                    _lost(f"process {p} of {n} is lost (no heartbeat for {timeout_s:g} s); stopping process {me}.")
+            stop.wait(interval)
+
+    def monitor() -> None:
+        while not stop.wait(interval):
+            if time.monotonic() - last_ok[0] > timeout_s and me != 0:
+                _lost(f"process 0 of {n} (the coordinator) is lost (unreachable for {timeout_s:g} s); "
+                      f"stopping process {me}.")
+
+    def finish() -> None:  # registered after JAX's shutdown hook, so it runs before it
+        if stop.is_set():
+            return
+        try:
+            client.key_value_set(f"{_DONE_PREFIX}{me}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001
+            pass
+        # A peer's death can end this process's work early (a transfer from it fails or is cut short): wait,
+        # within the bound, until every peer has finished too or the heartbeat thread has named the lost one.
+        deadline = time.monotonic() + timeout_s + 3 * interval
+        while time.monotonic() < deadline:
+            try:
+                done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(_DONE_PREFIX)}
+            except Exception:  # noqa: BLE001 - the coordinator is gone; the monitor thread reports it
+                done = set()
+            if done >= set(range(n)):
+                break
+            time.sleep(interval)
+        stop.set()
+
+    previous_hook = sys.excepthook
+
+    def excepthook(exc_type, exc, tb) -> None:  # an error in this process may be a lost peer's doing
+        finish()
+        previous_hook(exc_type, exc, tb)
+
+    for target in (beat, monitor):
+        threading.Thread(target=target, name=f"autopp-watchdog-{target.__name__}", daemon=True).start()
+    atexit.register(finish)
+    sys.excepthook = excepthook
+    _state["stop_watchdog"] = finish
+
+
+def shutdown() -> None:
+    """Leave the run: stop the watchdog (peers no longer expect heartbeats) and shut ``jax.distributed`` down."""
+    if not _state.get("initialized"):
+        return
+    finish = _state.pop("stop_watchdog", None)
+    if finish is not None:
+        finish()
+    jax.distributed.shutdown()
+    _state.clear()
+
+
+def gather(x):
+    """``x`` (a step output) as a NumPy array on every process.
+
+    Scalar step outputs (the loss, metrics) already are on every process: ``float(loss)`` works everywhere.
+    This fetches any other output (e.g. a parameter) from the process that holds it; every process must call
+    it with the same output, in the same order, as for any collective.
+    """
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

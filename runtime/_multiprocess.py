@@ -1,0 +1,221 @@
+"""The instruction list of one process in a multi-process run (JAX's multi-controller runtime).
+
+Every process builds the same flat task list; :func:`localize` then keeps, once at build time, what this process
+issues:
+
+* a task whose outputs live on this process's devices (programs, placement, views of inputs);
+* every transfer between processes, issued by *every* process in the same order. A cross-process
+  ``jax.device_put`` is matched with its peer by call order, so processes that neither send nor receive make the
+  call too (with an empty array; nothing moves for them). It also only moves data between shardings of the same
+  layout over the same number of devices, so the sender first reshards locally to a layout the receiver can
+  mirror (the receiver's, on as many of its own devices) or the receiver takes the sender's layout on as many of
+  its devices and reshards locally afterwards.
+
+Step inputs: every process passes the same full host values (the usual multi-controller convention); each
+places only what its own stages need. Step outputs held by another process come back as ``jax.Array``\\ s with
+no addressable shards; scalar outputs (loss, metrics) are sent to every process at the end of the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from autopp.runtime._executor import Task, _put, _sds
+
+
+def _processes(sharding) -> frozenset[int] | None:
+    if sharding is None:
+        return None
+    return frozenset(d.process_index for d in sharding.device_set)
+
+
+def _empty(aval, sharding) -> jax.Array:
+    """A global array with no shard on this process: the stand-in for a value another process holds."""
+    return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [], dtype=aval.dtype)
+
+
+def mirror(src: NamedSharding, dst: NamedSharding) -> tuple[NamedSharding, NamedSharding]:
+    """(sharding the sender sends from, sharding the receiver receives into): the same layout over the same
+    number of devices, the first on the sender's devices, the second on the receiver's."""
+    src_devs, dst_devs = list(src.mesh.devices.flat), list(dst.mesh.devices.flat)
+    if len(src_devs) >= len(dst_devs):
+        mesh = Mesh(np.array(src_devs[:len(dst_devs)]).reshape(dst.mesh.devices.shape), dst.mesh.axis_names)
+        return NamedSharding(mesh, dst.spec), dst
+    mesh = Mesh(np.array(dst_devs[:len(src_devs)]).reshape(src.mesh.devices.shape), src.mesh.axis_names)
+    return src, NamedSharding(mesh, src.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leg:
+    index: int
+    """Input (and output) position in the task."""
+    sender: int
+    receiver: int
+    send: NamedSharding
+    recv: NamedSharding
+    dst: NamedSharding
+    empty: Any
+    """Stand-in for the sent value on processes other than the sender."""
+    view: NamedSharding | None = None
+    """For an input spanning processes: the sharding of its shards on the sender, taken before sending."""
+
+
+def _local_view(x, view: NamedSharding | None):
+    if view is None:
+        return x
+    devs = set(view.device_set)
+    return jax.make_array_from_single_device_arrays(x.shape, view, [s.data for s in x.addressable_shards
+                                                                    if s.device in devs])
+
+
+def _cross_put(legs: list[_Leg], me: int):
+    """One batched cross-process transfer; output ``i`` is what leg(s) of input ``i`` deliver here, else input
+    ``i`` itself."""
+    pre = [k for k, leg in enumerate(legs) if leg.sender == me]
+    post = [k for k, leg in enumerate(legs) if leg.receiver == me and leg.recv != leg.dst]
+    mine = {leg.index: k for k, leg in enumerate(legs) if leg.receiver == me}
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for k, leg in enumerate(legs):
+        pairs.setdefault((leg.sender, leg.receiver), []).append(k)
+    groups = list(pairs.values())
+    in_flight: list = []  # the sender's handles of its last sends: a send whose handle is dropped may not arrive
+
+    def cross(*xs):
+        sent = [leg.empty for leg in legs]
+        if pre:  # sender-local reshard to the mirrored layout (a no-op when it already is)
+            ins = [_local_view(xs[legs[k].index], legs[k].view) for k in pre]
+            for k, y in zip(pre, jax.device_put(ins, [legs[k].send for k in pre])):
+                sent[k] = y
+        got = [None] * len(legs)
+        for group in groups:  # one call per (sender, receiver): calls mixing pairs do not all arrive
+            for k, y in zip(group, jax.device_put([sent[k] for k in group], [legs[k].recv for k in group])):
+                got[k] = y
+        if post:  # receiver-local reshard to where the value is used
+            for k, y in zip(post, jax.device_put([got[k] for k in post], [legs[k].dst for k in post])):
+                got[k] = y
+        in_flight[:] = [got[k] for k in range(len(legs)) if legs[k].sender == me]
+        return [got[mine[i]] if i in mine else x for i, x in enumerate(xs)]
+
+    cross.out_avals = lambda avals: avals
+    return cross
+
+
+def _place_local(shardings):
+    """Place step inputs on this process's devices: a sharding that spans processes gets its local shards only
+    (no collective: every process passes the same host value)."""
+    shardings = list(shardings)
+
+    def place(*xs):
+        out = list(xs)
+        move = []
+        for i, (x, sh) in enumerate(zip(xs, shardings)):
+            if isinstance(x, jax.Array) and x.sharding == sh:
+                continue
+            if sh.is_fully_addressable:
+                move.append(i)
+            else:
+                host = np.asarray(x)
+                out[i] = jax.make_array_from_callback(host.shape, sh, lambda idx, host=host: host[idx])
+        if move:
+            for i, y in zip(move, jax.device_put([xs[i] for i in move], [shardings[i] for i in move])):
+                out[i] = y
+        return out
+
+    place.out_avals = lambda avals: [_sds(a, sh) for a, sh in zip(avals, shardings)]
+    return place
+
+
+def localize(b) -> None:
+    """Reduce builder ``b``'s task list (before frees and compilation) to what this process issues; see the
+    module docstring. Programs of other processes are dropped from compilation."""
+    me, n = jax.process_index(), jax.process_count()
+    everyone = frozenset(range(n))
+    for s, devs in enumerate(b.meshes.devices):
+        procs = sorted({d.process_index for d in devs})
+        if len(procs) > 1:
+            raise ValueError(
+                f"autopp: stage {s} has devices on processes {procs} ({[d.id for d in devs]}); in a multi-process "
+                "run each stage's devices must belong to one process. Give each stage devices of one process "
+                "(e.g. num_stages a multiple of jax.process_count(), or a plan whose stages stay within a process).")
+    local_ids = {d.id for d in jax.local_devices()}
+    first_device = {}
+    for d in jax.devices():
+        first_device.setdefault(d.process_index, d)
+
+    # Scalar outputs (loss, metrics) held by some processes only: sent to the others at the end of the step.
+    for slot in sorted(b.output_slots):
+        aval = b.slot_aval[slot]
+        sharding = getattr(aval, "sharding", None)
+        if aval.shape != () or sharding is None or _processes(sharding) == everyone:
+            continue
+        holders = _processes(sharding)
+        owner = min(holders)
+        own = NamedSharding(Mesh(np.array([d for d in sharding.mesh.devices.flat if d.process_index == owner]),
+                                 ("stages",)), P())
+        legs = []
+        for q in sorted(everyone - holders):
+            dst = NamedSharding(Mesh(np.array([first_device[q]]), ("stages",)), P())
+            send, recv = mirror(own, dst)
+            legs.append(_Leg(0, owner, q, send, recv, dst, _empty(aval, send) if owner != me else None,
+                             view=own if sharding != own else None))
+        b.tasks.append(Task(_cross_put(legs, me), (slot,), (slot,), f"send scalar output to processes "
+                            f"{sorted(everyone - holders)}", devices=frozenset(d.id for d in sharding.device_set)))
+
+    kept: list[Task] = []
+    remap: dict[int, int] = {}
+    for t, task in enumerate(b.tasks):
+        name = getattr(task.fn, "__name__", "")
+        shardings = getattr(task.fn, "shardings", None)
+        if name == "put" and shardings is not None:
+            local, legs = [], []
+            for i, (slot, dst) in enumerate(zip(task.ins, shardings)):
+                src = getattr(b.slot_aval[slot], "sharding", None)
+                sp, dp = _processes(src), _processes(dst)
+                if sp is None or sp == dp:  # from a host value, or within one process
+                    if me in dp:
+                        local.append(i)
+                    continue
+                assert len(sp) == 1 and len(dp) == 1, (task.label, sp, dp)
+                send, recv = mirror(src, dst)
+                sender = next(iter(sp))
+                legs.append(_Leg(i, sender, next(iter(dp)), send, recv, dst,
+                                 _empty(b.slot_aval[slot], send) if sender != me else None))
+            if local:
+                kept.append(Task(_put([shardings[i] for i in local]), tuple(task.ins[i] for i in local),
+                                 tuple(task.outs[i] for i in local), task.label, devices=task.devices,
+                                 processes=frozenset({me})))
+            if legs:
+                pos = [leg.index for leg in legs]
+                legs = [dataclasses.replace(leg, index=k) for k, leg in enumerate(legs)]
+                kept.append(Task(_cross_put(legs, me), tuple(task.ins[i] for i in pos),
+                                 tuple(task.outs[i] for i in pos), f"{task.label} (cross-process)",
+                                 devices=task.devices, processes=everyone))
+        elif name == "place" and shardings is not None:
+            local = [i for i, sh in enumerate(shardings) if any(d.id in local_ids for d in sh.device_set)]
+            if local:
+                kept.append(Task(_place_local([shardings[i] for i in local]), tuple(task.ins[i] for i in local),
+                                 tuple(task.outs[i] for i in local), task.label, devices=task.devices,
+                                 processes=frozenset({me})))
+        elif getattr(task.fn, "__name__", "") == "cross":
+            kept.append(dataclasses.replace(task, processes=everyone))
+        elif task.devices & local_ids:
+            remap[t] = len(kept)
+            kept.append(dataclasses.replace(task, processes=frozenset({me})))
+    b.tasks = kept
+
+    # Only this process's programs are compiled.
+    used = sorted({index for t, index in b.pending if t in remap})
+    renumber = {index: k for k, index in enumerate(used)}
+    b.pending = [(remap[t], renumber[index]) for t, index in b.pending if t in remap]
+    b.lowered = {key: (renumber[index], lo) for key, (index, lo) in b.lowered.items() if index in renumber}
+
+    # Outputs another process holds: stand-ins (global arrays without local shards).
+    produced = {o for task in kept for o in task.outs} | set(b.input_slot) | {s for s, _ in b.const_slots}
+    for slot in sorted(b.output_slots - produced):
+        aval = b.slot_aval[slot]
+        b.const_slots.append((slot, _empty(aval, aval.sharding)))

@@ -1,0 +1,76 @@
+"""One process of the multi-host tests (started by tests/test_multihost.py, via ``autopp launch`` or directly).
+
+``python tests/_multihost_worker.py OUT_DIR PLAN [PLAN ...]``: runs each named plan of :data:`PLANS` on the tiny
+GPT for :data:`STEPS` steps and writes ``OUT_DIR/<plan>.<process>.npz`` (losses as seen here, and the parameters
+this process holds, by leaf path). Plan ``die`` runs one step of a 2-stage plan, then process 1 kills itself and
+the others try another step (which can never finish).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+import autopp.distributed  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import autopp  # noqa: E402
+from _helpers import gpt_case  # noqa: E402
+
+STEPS = 2
+
+
+def stage_groups(devices, sizes):
+    """``devices`` split into consecutive groups of ``sizes`` (one group per stage)."""
+    groups, k = [], 0
+    for n in sizes:
+        groups.append(list(devices[k:k + n]))
+        k += n
+    return groups
+
+
+def plan_kwargs(name: str, devices) -> dict:
+    """The ``parallelize`` arguments of a named plan over ``devices`` (8 of them: the multi-process run's, or a
+    single process's for the reference)."""
+    if name == "even":  # 4 stages of 2 devices, 1F1B
+        return dict(num_stages=4, num_microbatches=4, schedule="1f1b", devices=list(devices))
+    if name == "uneven":  # stages of 2, 1, 1 and 4 devices (2 x 4 processes: three stages on process 0)
+        return dict(num_microbatches=2, schedule="1f1b", devices=stage_groups(devices, (2, 1, 1, 4)))
+    if name == "uneven4":  # stages of 2, 1, 2 and 1 devices (4 x 2 processes: one stage each, some devices idle)
+        return dict(num_microbatches=2, schedule="1f1b",
+                    devices=[list(devices[0:2]), [devices[2]], list(devices[4:6]), [devices[6]]])
+    if name == "die":
+        return dict(num_stages=2, num_microbatches=2, schedule="1f1b", devices=list(devices))
+    raise ValueError(f"unknown plan {name!r}")
+
+
+def run(name: str, out_dir: str) -> None:
+    step_fn, state, batch = gpt_case()
+    step = autopp.parallelize(step_fn, **plan_kwargs(name, jax.devices()))
+    me = jax.process_index()
+    losses = []
+    for i in range(STEPS):
+        *state, loss = step(*state, batch)
+        losses.append(float(loss))  # scalar outputs are on every process
+        if name == "die" and i == 0:
+            print(f"step 0 done, loss {losses[0]:.4f}", flush=True)
+            if me == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    held = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state[0])[0]:
+        if leaf.addressable_shards:
+            held[jax.tree_util.keystr(path)] = np.asarray(leaf.addressable_shards[0].data) if not \
+                leaf.is_fully_addressable else np.asarray(leaf)
+    np.savez(os.path.join(out_dir, f"{name}.{me}.npz"), __losses__=np.array(losses), **held)
+
+
+if __name__ == "__main__":
+    autopp.distributed.initialize()  # before anything starts JAX's backend
+    for plan in sys.argv[2:]:
+        run(plan, sys.argv[1])
+    print("worker done", flush=True)

@@ -1,0 +1,105 @@
+"""Multi-process runs (JAX's multi-controller runtime on local CPU processes, 127.0.0.1, free ports only): the
+same plans give the single-process results; a lost process stops the others with an error naming it."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import autopp
+from autopp._launch import free_port, launch, process_env
+from _helpers import gpt_case
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_multihost_worker.py")
+sys.path.insert(0, HERE)
+import _multihost_worker as worker_plans  # noqa: E402  (only its plan table: importing it initializes nothing)
+
+
+def _reference(name: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Losses and parameters of the single-process run of plan ``name`` on this process's 8 devices."""
+    step_fn, state, batch = gpt_case()
+    step = autopp.parallelize(step_fn, **worker_plans.plan_kwargs(name, jax.devices()[:8]))
+    losses = []
+    for _ in range(worker_plans.STEPS):
+        *state, loss = step(*state, batch)
+        losses.append(float(loss))
+    params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state[0])[0]}
+    return losses, params
+
+
+def _run(num_processes: int, devices_per_process: int, plans: list[str], tmp_path) -> str:
+    out = io.StringIO()
+    code = launch([sys.executable, WORKER, str(tmp_path), *plans], num_processes, devices_per_process, out=out)
+    assert code == 0, out.getvalue()[-5000:]
+    return out.getvalue()
+
+
+def _check(name: str, num_processes: int, tmp_path) -> None:
+    losses, params = _reference(name)
+    seen = set()
+    for p in range(num_processes):
+        got = np.load(tmp_path / f"{name}.{p}.npz")
+        np.testing.assert_allclose(got["__losses__"], losses, rtol=1e-5, err_msg=f"{name}: loss on process {p}")
+        for key in got.files:
+            if key != "__losses__":
+                np.testing.assert_allclose(got[key], params[key], rtol=1e-5, atol=1e-7,
+                                           err_msg=f"{name}: {key} on process {p}")
+                seen.add(key)
+    assert seen == set(params), f"{name}: parameters held by no process: {sorted(set(params) - seen)}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _not_inside_multiprocess():
+    if jax.process_count() != 1:
+        pytest.skip("these tests start their own processes")
+
+
+def test_two_processes_of_four_devices(tmp_path):
+    """2 x 4: 4 stages of 2 devices with 1F1B, and a plan with three stages on process 0 (2, 1, 1 devices) and one
+    of 4 devices on process 1 (transfers between stages of different sizes and layouts)."""
+    _run(2, 4, ["even", "uneven"], tmp_path)
+    _check("even", 2, tmp_path)
+    _check("uneven", 2, tmp_path)
+
+
+@pytest.mark.slow  # ~110 s on 2 cores (4 processes compile their stages, plus two references here)
+def test_four_processes_of_two_devices(tmp_path):
+    """4 x 2: one stage per process, 1F1B; then stages of 2, 1, 2, 1 devices. Beyond the 2-process test: transfers
+    that processes neither sending nor receiving must issue too, and the loss sent to three processes."""
+    _run(4, 2, ["even", "uneven4"], tmp_path)
+    _check("even", 4, tmp_path)
+    _check("uneven4", 4, tmp_path)
+
+
+def test_lost_process_stops_the_others(tmp_path):
+    """Process 1 dies after a step; process 0, blocked in the next step's transfers, exits non-zero within the
+    bound with an error naming process 1."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(2):
+        env = process_env(i, 2, coordinator, 1)
+        env["AUTOPP_FAILURE_TIMEOUT"] = "5"
+        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), "die"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        died = procs[1].wait(timeout=240)
+        t_dead = time.monotonic()
+        assert died == -9, procs[1].stdout.read()[-3000:]
+        code = procs[0].wait(timeout=60)
+        elapsed = time.monotonic() - t_dead
+        text = procs[0].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
+    assert "process 1 of 2 is lost" in text, text[-3000:]
+    assert elapsed <= 60, elapsed
