@@ -309,12 +309,16 @@ class Parallelized(Generic[_P, _R]):
         return r
 
     def _build(self, args: tuple) -> tuple[TracedStep, StageSplit, Executable, Plan]:
-        check_array_leaves(args)
         flat, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in flat))
+        try:
+            key = (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in flat))
+        except Exception:  # noqa: BLE001 - a leaf that is not an array: say which and how to fix it
+            check_array_leaves(args)
+            raise
         hit = self._cache.get(key)
         if hit is not None:
             return hit
+        check_array_leaves(args)
         batch_argnums = normalize_batch_argnums(self._batch_argnums, len(args))
         with phase("tracing the step") as ph:
             traced = trace_step(self._step_fn, args, batch_argnums)

@@ -297,6 +297,7 @@ class _Builder:
         self._keep_alive: list = []  # keeps program ids unique while building
         self._compiling: dict[Any, concurrent.futures.Future] = {}  # device-free program key -> compile
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._program_keys: dict[int, Any] = {}  # id(lowered) -> its device-free key (lowered kept by self.lowered)
 
     # -- slots and tasks ---------------------------------------------------------------------
     def new_slot(self) -> int:
@@ -338,7 +339,7 @@ class _Builder:
     def _compile_early(self, lowered) -> None:
         """Start compiling a program as soon as it is lowered (XLA compiles without the GIL, so this overlaps
         the rest of the build), unless an equal program on other devices already is: that one is reused."""
-        key = _compat.device_free_key(lowered)
+        key = self._program_keys.setdefault(id(lowered), _compat.device_free_key(lowered))
         if key is not None and key in self._compiling:
             return
         if not _compat.is_local(lowered):  # another process's stage (multi-process runs): not compiled here
@@ -359,7 +360,7 @@ class _Builder:
         compiled: list[Any] = []
         try:
             for lo in programs:
-                key = _compat.device_free_key(lo)
+                key = self._program_keys[id(lo)]
                 future = self._compiling.get(key if key is not None else id(lo))
                 if future is None:  # its equal was another process's: compile it here
                     self._compiling[key if key is not None else id(lo)] = future = self._submit(lo)

@@ -70,7 +70,6 @@ def test_two_processes_of_four_devices(tmp_path):
     _check("uneven", 2, tmp_path)
 
 
-@pytest.mark.slow  # ~110 s on 2 cores (4 processes compile their stages, plus two references here)
 def test_four_processes_of_two_devices(tmp_path):
     """4 x 2: one stage per process, 1F1B; then stages of 2, 1, 2, 1 devices. Beyond the 2-process test: transfers
     that processes neither sending nor receiving must issue too, and the loss sent to three processes."""
