@@ -123,6 +123,7 @@ def assign_stages(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = True  # workers take turns on one thread: the same plan every run
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
@@ -235,6 +236,7 @@ def assign_blocks(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = True  # workers take turns on one thread: the same plan every run
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
