@@ -99,7 +99,6 @@ def retarget(compiled, lowered):
     CPU); ``compiled`` itself when the devices are the same. Raises when the executable cannot be moved;
     the caller then compiles."""
     from jax._src import compiler
-    from jax._src.lib import xla_client as xc
 
     source = compiled._executable
     unloaded = source._unloaded_executable
