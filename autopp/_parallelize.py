@@ -368,8 +368,8 @@ class Parallelized(Generic[_P, _R]):
             exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                    loss_reduction=self.loss_reduction, schedule=sched,
                                    recompute=self._stage_recompute(sched.num_stages), layouts=layouts)
-            ph.done(f"compiled {len({id(t.fn) for t in exe.tasks if isinstance(t.fn, jax.stages.Compiled)})} "
-                    f"program(s) for {sched.num_stages} stage(s)")
+            ph.done(f"built {exe.num_programs} program(s) for {sched.num_stages} stage(s); they compile in the "
+                    "background and the first step runs each as soon as it is ready")
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
         plan = dataclasses.replace(
             plan, virtual_stages=sched.num_stages // sched.num_ranks,
@@ -482,8 +482,8 @@ class Parallelized(Generic[_P, _R]):
         return self._build(args)[2].memory_report()
 
     def executable_for(self, *args) -> Executable:
-        """The built instruction list (for inspection and benchmarks)."""
-        return self._build(args)[2]
+        """The built instruction list, every program compiled (for inspection and benchmarks)."""
+        return self._build(args)[2].resolve()
 
 
 def _check_offline_plan(plan: Plan, prof: Profile, batch_size: int) -> None:

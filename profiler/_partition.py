@@ -3,8 +3,10 @@ balanced by cost and cut where few bytes cross."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -125,6 +127,65 @@ def _min_cross_partition(costs, cross, num_stages, cap):
     return cuts[::-1]
 
 
+_HASH_MOD = (1 << 61) - 1
+_HASH_BASE = 1_000_003
+
+
+def _eqn_signature(eqn) -> tuple:
+    """What makes two equations compile alike: the primitive and the types of what goes in and out."""
+    def atom(a):
+        return repr(a.val) if isinstance(a, jex_core.Literal) else str(a.aval)
+
+    return str(eqn.primitive), tuple(atom(a) for a in eqn.invars), tuple(str(v.aval) for v in eqn.outvars)
+
+
+def _repeating_partition(problem: _CutProblem, num_stages: int, cap: float) -> list[int] | None:
+    """Cuts (as :func:`_min_cross_partition`) with every stage's cost <= ``cap`` whose middle stages (all but
+    the first and the last, at least two) run the same sequence of equations, fewest crossing bytes first; None
+    if there are none. Such stages (e.g. one transformer block each, starting at the same point of a block) are
+    equal programs on different devices: they compile once and run alike."""
+    if num_stages < 4:
+        return None
+    costs, cross, n = problem.costs, problem.cross, len(problem.costs)
+    eqns = problem.forward.jaxpr.eqns
+    ids: dict[tuple, int] = {}
+    sig = [ids.setdefault(_eqn_signature(eqns[i]), len(ids) + 1) for i in problem.seq]
+    prefix_hash, power, prefix = [0], [1], [0.0]
+    for k, c in zip(sig, costs):
+        prefix_hash.append((prefix_hash[-1] * _HASH_BASE + k) % _HASH_MOD)
+        power.append(power[-1] * _HASH_BASE % _HASH_MOD)
+        prefix.append(prefix[-1] + c)
+
+    def slice_hash(a, b):
+        return (prefix_hash[b] - prefix_hash[a] * power[b - a]) % _HASH_MOD
+
+    middle = num_stages - 2
+    # The first and the last stage each cost <= cap, so the equal middle stages share at least the rest.
+    least = (prefix[n] - 2 * cap) / middle
+    slack = cap * 1e-12
+    best: tuple | None = None
+    for c1 in range(1, n):
+        if prefix[c1] > cap + slack:
+            break
+        shortest = max(1, bisect.bisect_left(prefix, prefix[c1] + least - slack) - c1)
+        longest = bisect.bisect_right(prefix, prefix[c1] + cap + slack) - 1 - c1
+        for length in range(shortest, longest + 1):
+            end = c1 + middle * length
+            if end >= n:
+                break
+            if prefix[n] - prefix[end] > cap + slack:
+                continue
+            first = slice_hash(c1, c1 + length)
+            if any(slice_hash(c1 + k * length, c1 + (k + 1) * length) != first for k in range(1, middle)):
+                continue
+            cuts = [0] + [c1 + k * length for k in range(middle + 1)] + [n]
+            stage_max = max(prefix[b] - prefix[a] for a, b in itertools.pairwise(cuts))
+            key = (sum(cross[c] for c in cuts[1:-1]), stage_max)
+            if best is None or key < best[0]:
+                best = (key, cuts)
+    return best[1] if best is not None else None
+
+
 @dataclasses.dataclass(frozen=True)
 class _CutProblem:
     """The batch-dependent equations in order (``seq``), their costs, and the bytes crossing each cut."""
@@ -210,7 +271,9 @@ def split_stages(
     """Assign the forward equations to ``num_stages`` contiguous stages.
 
     Stages are balanced by FLOPs (the bottleneck stage is within ``balance_tolerance`` of the best
-    possible), and among such splits the one moving the fewest activation bytes is taken.
+    possible). Among such splits, one whose middle stages repeat the same equations is preferred (a model of
+    repeated layers: those stages compile once, see :func:`_repeating_partition`), then the one moving the
+    fewest activation bytes.
     """
     problem = _cut_problem(forward, batch_invars)
     if len(problem.seq) < num_stages:
@@ -219,7 +282,9 @@ def split_stages(
             f"be split into {num_stages} pipeline stages; use num_stages <= {max(1, len(problem.seq))}."
         )
     bottleneck = _min_bottleneck(problem.costs, num_stages)
-    cuts = _min_cross_partition(problem.costs, problem.cross, num_stages, bottleneck * (1 + balance_tolerance))
+    cap = bottleneck * (1 + balance_tolerance)
+    cuts = _repeating_partition(problem, num_stages, cap) or _min_cross_partition(problem.costs, problem.cross,
+                                                                                  num_stages, cap)
     assert cuts is not None, "the minimal bottleneck must admit a partition"
     return _split_at(problem, cuts)
 

@@ -194,8 +194,31 @@ class PipelineConfig:
     """Recomputation mode of each stage."""
 
 
+class _Deferred:
+    """A program still compiling (a future of :meth:`jax.stages.Lowered.compile`): calling it waits for the
+    executable, moves it onto the lowered program's devices if it was compiled for others, and runs it."""
+
+    __slots__ = ("compiled", "future", "lowered")
+
+    def __init__(self, future: concurrent.futures.Future, lowered):
+        self.future, self.lowered, self.compiled = future, lowered, None
+
+    def get(self):
+        if self.compiled is None:
+            done = self.future.result()
+            try:
+                self.compiled = _compat.retarget(done, self.lowered)
+            except Exception:  # noqa: BLE001 - an executable that cannot move is compiled where it runs
+                self.compiled = self.lowered.compile()
+        return self.compiled
+
+    def __call__(self, *args):
+        return self.get()(*args)
+
+
 class Executable:
-    """A built step: call :meth:`run` with the flat step inputs."""
+    """A built step: call :meth:`run` with the flat step inputs. Its programs may still be compiling when it
+    is built; the first step waits for each as it reaches it, and :meth:`resolve` waits for all."""
 
     def __init__(self, tasks, num_slots, input_slots, const_slots, output_fns, out_tree, description):
         self.tasks = tasks
@@ -206,8 +229,23 @@ class Executable:
         self.out_tree = out_tree
         self.description = description
         self._plain = [(t.fn, t.ins, t.outs, t.frees) for t in tasks]
+        self._deferred = any(isinstance(t.fn, _Deferred) for t in tasks)
+        self.num_programs = len({id(t.fn) for t in tasks if isinstance(t.fn, (_Deferred, jax.stages.Compiled))})
+        """Distinct programs (compiled, loaded onto other devices or still compiling)."""
+        self.num_compiled = self.num_programs
+        """How many of them XLA compiles (set by the builder: programs equal up to their devices compile once)."""
         self.slot_bytes: dict[int, dict[int, int]] = {}
         """Bytes per device id of each slot's buffer (set by the builder; the step inputs' slots excluded)."""
+
+    def resolve(self) -> Executable:
+        """Wait until every program is compiled and point the tasks at the compiled programs (a compilation
+        error is raised here). Returns ``self``."""
+        if self._deferred:
+            self.tasks = [dataclasses.replace(t, fn=t.fn.get()) if isinstance(t.fn, _Deferred) else t
+                          for t in self.tasks]
+            self._plain = [(t.fn, t.ins, t.outs, t.frees) for t in self.tasks]
+            self._deferred = False
+        return self
 
     def run(self, flat_args: Sequence[Any], on_dispatch: Callable[[int, tuple], None] | None = None):
         """Run one step. ``on_dispatch(task index, outputs)``, if given, is called after each task is issued
@@ -225,6 +263,8 @@ class Executable:
                 env[o] = r
             for f in frees:
                 env[f] = None
+        if self._deferred:
+            self.resolve()
         return [fn(env) for fn in self.output_fns]
 
     def memory_report(self) -> dict[int, int]:
@@ -233,6 +273,7 @@ class Executable:
         task that makes it to the task after which it is dropped, plus each program's XLA temporaries
         (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the
         caller holds them); their placed copies are."""
+        self.resolve()
         live: dict[int, int] = collections.defaultdict(int)
         peak: dict[int, int] = collections.defaultdict(int)
 
@@ -269,6 +310,8 @@ class Executable:
                 env[o] = r
             for f in frees:
                 env[f] = None
+        if self._deferred:
+            self.resolve()
         return [fn(env) for fn in self.output_fns]
 
 
@@ -352,30 +395,26 @@ class _Builder:
         return self._pool.submit(lowered.compile)
 
     def compile(self) -> None:
-        """Point each task at its compiled program. Each distinct (program, input types) was compiled once,
-        concurrently, while the build went on; programs equal up to their devices (equal stages on other
-        devices) compile once and the others load that executable onto their own devices
-        (:func:`autopp._compat.retarget`)."""
+        """Point each task at its program. Each distinct (program, input types) compiles once, concurrently,
+        from the moment it was lowered; programs equal up to their devices (equal stages on other devices)
+        compile once and the others load that executable onto their own devices
+        (:func:`autopp._compat.retarget`). Nothing waits here: a task whose program is still compiling waits
+        when the first step reaches it (:class:`_Deferred`), so the first step's early tasks run while the
+        later programs compile."""
         programs = [lo for _, lo in sorted(self.lowered.values(), key=lambda x: x[0])]
-        compiled: list[Any] = []
-        try:
-            for lo in programs:
-                key = self._program_keys[id(lo)]
-                future = self._compiling.get(key if key is not None else id(lo))
-                if future is None:  # its equal was another process's: compile it here
-                    self._compiling[key if key is not None else id(lo)] = future = self._submit(lo)
-                done = future.result()
-                try:
-                    compiled.append(_compat.retarget(done, lo))
-                except Exception:  # noqa: BLE001 - an executable that cannot move is compiled where it runs
-                    compiled.append(lo.compile())
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+        deferred: list[_Deferred] = []
+        for lo in programs:
+            key = self._program_keys[id(lo)]
+            future = self._compiling.get(key if key is not None else id(lo))
+            if future is None:  # its equal was another process's: compile it here
+                self._compiling[key if key is not None else id(lo)] = future = self._submit(lo)
+            deferred.append(_Deferred(future, lo))
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # queued compilations still run; the threads end after them
+            self._pool = None
         self.num_compiled = len(self._compiling)
         for t, index in self.pending:
-            self.tasks[t] = dataclasses.replace(self.tasks[t], fn=compiled[index])
+            self.tasks[t] = dataclasses.replace(self.tasks[t], fn=deferred[index])
         self.pending = []
 
     # -- the forward split ----------------------------------------------------------------------
@@ -505,7 +544,8 @@ class _Builder:
                 if a not in defined and a not in ins:
                     ins.append(a)
             defined.update(e.outvars)
-        outs = [v for e in eqns for v in e.outvars if v in consumers_outside(set(eqn_ids))]
+        outside = consumers_outside(set(eqn_ids))
+        outs = [v for e in eqns for v in e.outvars if v in outside]
         if not outs:
             return
         const_ins = [v for v in ins if v in self.outer_consts]
@@ -615,6 +655,7 @@ class _Builder:
                                     f"assemble output {a}")
                 outputs.append(lambda env, slot=slot: env[slot])
                 self.output_slots.add(slot)
+        self.reuse_accumulators()
         self.localize()
         self.insert_frees()
         self.compile()
@@ -625,6 +666,7 @@ class _Builder:
                          self.traced.out_tree, self.describe())
         inputs = set(self.input_slot)
         exe.slot_bytes = {s: _bytes_per_device(a) for s, a in self.slot_aval.items() if s not in inputs}
+        exe.num_compiled = self.num_compiled
         return exe
 
     # -- the pipeline ---------------------------------------------------------------------------
@@ -657,7 +699,7 @@ class _Builder:
             progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
                                        out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
                                        residual_sharding=functools.partial(meshes.batch_sharding, s),
-                                       recompute=self.config.recompute[s]))
+                                       flag_sharding=rep, recompute=self.config.recompute[s]))
         self.progs = progs
 
         # Per-step inputs of each stage that do not change across microbatches.
@@ -706,18 +748,28 @@ class _Builder:
                 for m in range(M):
                     mb_slots[(s, p, m)] = outs[j * M + m]
 
-        # Gradient accumulators start at zero.
+        # Gradient accumulators: the first accumulating action of a stage ignores their contents (``first``).
         acc: dict[int, list[int]] = {}
+        self.acc_start: dict[int, tuple[int, list[int]]] = {}  # stage -> (its accumulators' task, slots)
         for s, pr in enumerate(progs):
             if pr.param_idx:
                 g = self.graphs[s]
                 avals = [g.inputs[i].aval for i in pr.param_idx]
                 ks = [self.invar_pos[g.inputs[i]] for i in pr.param_idx]
-                fn = jax.jit(lambda avals=avals: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
-                             out_shardings=tuple(self.layout_of(s, k, a.shape) for k, a in zip(ks, avals)))
-                acc[s] = self.emit(fn, [], len(avals), f"zero gradients stage {s}")
+                shardings = [self.layout_of(s, k, a.shape) for k, a in zip(ks, avals)]
+                acc[s] = self.emit(_reused_buffers(avals, shardings), [], len(avals), f"gradient buffers stage {s}")
+                self.acc_start[s] = (len(self.tasks) - 1, acc[s])
             else:
                 acc[s] = []
+        started: set[int] = set()
+
+        def flag(s) -> list[int]:
+            """The ``first`` argument of stage ``s``'s next accumulating action."""
+            if not progs[s].has_flag:
+                return []
+            first = s not in started
+            started.add(s)
+            return [self.seed_slot(s, jax.ShapeDtypeStruct((), jnp.bool_), first)]
 
         act_at: dict[tuple[Any, int, int], int] = {}  # (fwd var, microbatch, stage) -> slot
         ct_parts: dict[tuple[Any, int], list[int]] = collections.defaultdict(list)  # (var, mb) -> slots
@@ -800,7 +852,8 @@ class _Builder:
                 ins = input_slots(s, m)
                 nxt = next_in_row.get(act)
                 if pr.can_fuse and nxt is not None and nxt.kind == "B" and nxt.stage == s and nxt.microbatch == m:
-                    outs = self.emit(pr.fwd_bwd, ins + acc[s], len(pr.graph.outputs) + len(acc[s]) + len(pr.act_idx),
+                    outs = self.emit(pr.fwd_bwd, ins + acc[s] + flag(s),
+                                     len(pr.graph.outputs) + len(acc[s]) + len(pr.act_idx),
                                      f"{s}F{m}+{s}B{m}")
                     n_o = len(pr.graph.outputs)
                     ship_outputs(s, m, outs[:n_o])
@@ -818,7 +871,8 @@ class _Builder:
                 ins, kept = fwd_state.pop((s, m))
                 forwarded = [ins[i] for i in pr.forwarded_inputs]
                 cts = output_cts(s, m)
-                outs = self.emit(pr.bwd, kept + forwarded + cts + acc[s], len(acc[s]) + len(pr.act_idx), f"{s}B{m}")
+                outs = self.emit(pr.bwd, kept + forwarded + cts + acc[s] + flag(s), len(acc[s]) + len(pr.act_idx),
+                                 f"{s}B{m}")
                 acc[s] = outs[:len(acc[s])]
                 ship_input_cts(s, m, outs[len(acc[s]):])
             elif act.kind == "I":
@@ -835,7 +889,7 @@ class _Builder:
                 fwd_state.pop((s, m))
                 w_args, stash = w_state.pop((s, m))
                 if acc[s]:
-                    acc[s] = self.emit(pr.bwd_weight, w_args + stash + acc[s], len(acc[s]), f"{s}W{m}")
+                    acc[s] = self.emit(pr.bwd_weight, w_args + stash + acc[s] + flag(s), len(acc[s]), f"{s}W{m}")
 
         reduced = {}
         # Loss and aux: reduce the per-microbatch values on the stage that produced them.
@@ -854,6 +908,7 @@ class _Builder:
             reduced[k] = sl
 
         self.finish_pipeline(reduced, acc)
+        self.acc_end = acc
 
     def finish_pipeline(self, reduced: dict[int, int], acc: dict[int, list[int]]) -> None:
         """Publish the loss, aux and gradients (summing shared parameters' contributions on their owner)."""
@@ -943,12 +998,48 @@ class _Builder:
         self.compile()
         return self.executable(outputs)
 
+    def reuse_accumulators(self) -> None:
+        """Hand each stage's final gradient accumulators, once the step is done with them, to the next step's
+        start, so that no program makes zeros and no zero fill runs (the first accumulation ignores the
+        buffers' contents). A stage whose gradients the step returns cannot give them back: its accumulators
+        start from a compiled zero program. Between steps the reused buffers stay allocated (the size of the
+        stage's parameters); the step's peak is unchanged, as they are live through it anyway. Nor can a
+        stage whose gradients another process receives (a shared parameter's contribution): a cross-process send
+        may still be reading the buffer when the next step's backward takes it over."""
+        for s, (t, start) in self.acc_start.items():
+            final = self.acc_end[s]
+            task = self.tasks[t]
+            if set(final) & self.output_slots or self._sent_to_other_processes(set(final)):
+                avals = [self.slot_aval[i] for i in start]
+                fn = jax.jit(lambda avals=avals: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
+                             out_shardings=tuple(a.sharding for a in avals))
+                lowered, index = fn.lower(), len(self.lowered)
+                self.lowered[(id(fn), ())] = (index, lowered)
+                self._compile_early(lowered)
+                self._keep_alive.append(fn)
+                self.pending.append((t, index))
+                self.tasks[t] = dataclasses.replace(task, fn=fn, label=f"zero gradients stage {s}")
+                continue
+            self.tasks.append(Task(_give_back(task.fn), tuple(final), (), f"keep gradient buffers stage {s}",
+                                   devices=task.devices))
+
+    def _sent_to_other_processes(self, slots: set[int]) -> bool:
+        for task in self.tasks:
+            shardings = getattr(task.fn, "shardings", None)
+            for slot, dst in zip(task.ins, shardings or ()):
+                src = getattr(self.slot_aval[slot], "sharding", None)
+                if slot in slots and src is not None and ({d.process_index for d in src.device_set}
+                                                          != {d.process_index for d in dst.device_set}):
+                    return True
+        return False
+
     def seed_slot(self, s, aval, value) -> int:
-        """A constant cotangent (the loss seed, or zeros) on stage ``s``, shared by all microbatches."""
+        """A constant on stage ``s`` made once at build time (a cotangent: the loss seed or zeros; the ``first``
+        flag of the accumulating programs), shared by all microbatches."""
         cache = self._seed_cache
         key = (s, aval.shape, str(aval.dtype), value)
         if key not in cache:
-            cache[key] = self.const(jax.device_put(jnp.full(aval.shape, value, aval.dtype), self.meshes.replicated[s]))
+            cache[key] = self.const(jax.device_put(np.full(aval.shape, value, aval.dtype), self.meshes.replicated[s]))
         return cache[key]
 
     def localize(self) -> None:
@@ -982,6 +1073,31 @@ def _bytes_per_device(aval) -> dict[int, int]:
         return {}
     n = aval_bytes(jax.ShapeDtypeStruct(sharding.shard_shape(aval.shape), aval.dtype))
     return {d.id: n for d in sharding.device_set}
+
+
+def _reused_buffers(avals, shardings):
+    """Buffers for ``avals`` at ``shardings``: the ones :func:`_give_back` returned last, else (the first step)
+    zeros put from the host, which costs no compilation."""
+    pool: list[list] = []
+
+    def buffers():
+        if pool:
+            return pool.pop()
+        return jax.device_put([np.zeros(a.shape, a.dtype) for a in avals], list(shardings))
+
+    buffers.out_avals = lambda _: [_sds(a, sh) for a, sh in zip(avals, shardings)]
+    buffers.pool = pool
+    return buffers
+
+
+def _give_back(buffers):
+    """A task that returns its inputs to ``buffers`` (a :func:`_reused_buffers` task) for the next step."""
+
+    def give_back(*xs):
+        buffers.pool[:] = [list(xs)]
+        return ()
+
+    return give_back
 
 
 def _sum_program(n, sharding):

@@ -112,13 +112,16 @@ class StagePrograms:
 
     * ``fwd(*inputs) -> (*outputs, *residuals)``: outputs as in :class:`StageGraph`; residuals are what
       the VJP keeps, minus residuals that are inputs (those are passed to ``bwd`` from the inputs).
-    * ``bwd(*residuals, *forwarded_inputs, *cotangents, *grad_acc) -> (*grad_acc, *input_cotangents)``:
+    * ``bwd(*residuals, *forwarded_inputs, *cotangents, *grad_acc, first) -> (*grad_acc, *input_cotangents)``:
       ``cotangents`` are one per differentiable output (already summed); ``grad_acc`` one per
-      differentiable *parameter* input; ``input_cotangents`` one per differentiable activation input.
-    * ``fwd_bwd(*inputs, *grad_acc) -> (*outputs, *grad_acc, *input_cotangents)``: both at once, for a
+      differentiable *parameter* input (donated); ``input_cotangents`` one per differentiable activation input.
+      ``first`` (a boolean scalar, present when there are accumulators) starts the accumulation: the
+      accumulators' contents are then ignored, not added, so any buffer of the right layout can start a step
+      (the runtime reuses the previous step's accumulators instead of a program that makes zeros).
+    * ``fwd_bwd(*inputs, *grad_acc, first) -> (*outputs, *grad_acc, *input_cotangents)``: both at once, for a
       stage whose differentiable outputs all have constant cotangents (the loss stage).
     * ``bwd_input(*residuals, *forwarded_inputs, *cotangents) -> (*input_cotangents, *stash)`` and
-      ``bwd_weight(*w_args, *stash, *grad_acc) -> (*grad_acc)``: ``bwd`` split for zero-bubble schedules (an
+      ``bwd_weight(*w_args, *stash, *grad_acc, first) -> (*grad_acc)``: ``bwd`` split for zero-bubble schedules (an
       ``I`` and a ``W`` action): the input-gradient part is the slice of the backward that the input
       cotangents need; the weight-gradient part is the rest, reading ``stash`` (values the input part computed
       that it also needs: the output gradients of the stage's layers) and the ``bwd`` arguments listed in
@@ -127,13 +130,15 @@ class StagePrograms:
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
                  in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
-                 recompute: str = "none"):
+                 flag_sharding, recompute: str = "none"):
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
         self.param_idx = [i for i in self.diff_in_idx if is_param[i]]
         self.act_idx = [i for i in self.diff_in_idx if not is_param[i]]
         self.diff_out_idx = [i for i, d in enumerate(g.diff_outputs) if d]
+        self.has_flag = bool(self.param_idx)
+        """Whether the accumulating programs take the ``first`` flag (they do when the stage has parameters)."""
         self.seed_of_output = dict(seed_of_output)
         closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
 
@@ -197,30 +202,37 @@ class StagePrograms:
         seeds = [self.seed_of_output.get(i) for i in diff_out_idx]
         out_avals = [g.outputs[i].aval for i in diff_out_idx]
 
-        def apply_vjp(vjp_leaves, cts, grad_acc):
+        def accumulate(grad_acc, first, by_input):
+            # a select, not a multiply: a reused buffer may hold inf or nan
+            return [jnp.where(first, by_input[i], a + by_input[i]) for a, i in zip(grad_acc, param_idx)]
+
+        def apply_vjp(vjp_leaves, cts, grad_acc, first):
             vjp_fn = jax.tree_util.tree_unflatten(treedef, vjp_leaves)
             (grads,) = vjp_fn(cts)
             by_input = dict(zip(diff_in_idx, grads))
-            new_acc = [a + by_input[i] for a, i in zip(grad_acc, param_idx)]
-            return (*new_acc, *[by_input[i] for i in act_idx])
+            return (*accumulate(grad_acc, first, by_input), *[by_input[i] for i in act_idx])
+
+        has_flag = self.has_flag
+        n_acc = len(param_idx)
 
         def bwd(*args):
             kept_vals = args[:num_kept]
             fwd_vals = dict(zip(forwarded, args[num_kept:num_kept + len(forwarded)]))
             cts = list(args[num_kept + len(forwarded):num_kept + len(forwarded) + n_ct])
-            grad_acc = args[num_kept + len(forwarded) + n_ct:]
+            grad_acc = args[num_kept + len(forwarded) + n_ct:num_kept + len(forwarded) + n_ct + n_acc]
+            first = args[-1] if has_flag else None
             leaves = [kept_vals[i] if kind == "kept" else fwd_vals[i] for kind, i in residual_source]
-            return apply_vjp(leaves, cts, grad_acc)
+            return apply_vjp(leaves, cts, grad_acc, first)
 
         def fwd_bwd(*args):
             inputs = list(args[:len(g.inputs)])
-            grad_acc = args[len(g.inputs):]
+            grad_acc = args[len(g.inputs):len(g.inputs) + n_acc]
+            first = args[-1] if has_flag else None
             outs, vjp_fn = vjp_of(inputs)
             cts = [jnp.full(a.shape, s, a.dtype) for a, s in zip(out_avals, seeds)]
             (grads,) = vjp_fn(cts)
             by_input = dict(zip(diff_in_idx, grads))
-            new_acc = [a + by_input[i] for a, i in zip(grad_acc, param_idx)]
-            return (*outs, *new_acc, *[by_input[i] for i in act_idx])
+            return (*outs, *accumulate(grad_acc, first, by_input), *[by_input[i] for i in act_idx])
 
         self.can_fuse = all(s is not None for s in seeds)
         res_shardings = tuple(residual_sharding(r.aval.shape) for r in kept)
@@ -238,9 +250,11 @@ class StagePrograms:
                                  for i in forwarded]
                               + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
                               + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
-                                 for i in param_idx])
+                                 for i in param_idx]
+                              + ([jax.ShapeDtypeStruct((), jnp.bool_)] if has_flag else []))
         self._split = None
-        self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings,
+        flag_sh = (flag_sharding,) if has_flag else ()
+        self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings + flag_sh,
                                out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
                                donate_argnums=tuple(range(len(g.inputs), len(g.inputs) + len(param_idx))))
 
@@ -248,8 +262,8 @@ class StagePrograms:
         """Build ``bwd_input`` / ``bwd_weight`` (on first use: only zero-bubble schedules need them)."""
         traced = jax.make_jaxpr(self._bwd_fn)(*self._bwd_in_avals)
         jaxpr = traced.jaxpr
-        n_acc = len(self.param_idx)
-        n_args = len(jaxpr.invars) - n_acc
+        n_acc, n_flag = len(self.param_idx), int(self.has_flag)
+        n_args = len(jaxpr.invars) - n_acc - n_flag
         acc_out, ct_out = jaxpr.outvars[:n_acc], jaxpr.outvars[n_acc:]
 
         def needed_by(outvars, exclude=frozenset()):
@@ -276,7 +290,7 @@ class StagePrograms:
         stash = [v for v in used_by_weight if v in made_by_input]
         arg_vars = jaxpr.invars[:n_args]
         self.weight_args = [k for k, v in enumerate(arg_vars) if v in used_by_weight]
-        acc_vars = jaxpr.invars[n_args:]
+        acc_vars = jaxpr.invars[n_args:]  # the accumulators, then the flag
         input_jaxpr = jex_core.ClosedJaxpr(_compat.new_jaxpr(
             jaxpr.constvars, arg_vars, list(ct_out) + stash, [jaxpr.eqns[i] for i in input_ids], jaxpr.effects,
             f"stage {self.graph.index} input gradient"), traced.consts)

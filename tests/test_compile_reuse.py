@@ -5,13 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopp
 from autopp import _compat
 from autopp.runtime import _executor
 
-from _helpers import assert_trees_close, model_case, run_steps, tiny_mlp
+from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp
 
 
 def _layer(x, w):
@@ -63,7 +64,10 @@ def test_different_programs_have_different_keys():
     assert _compat.device_free_key(a) == _compat.device_free_key(c)
 
 
-def test_uniform_pipeline_compiles_equal_stages_once_and_equals_jit(monkeypatch):
+@pytest.mark.parametrize("factory", [tiny_mlp, tiny_gpt])
+def test_equal_middle_stages_compile_once_and_equal_jit(monkeypatch, factory):
+    """The split repeats the middle stages (the GPT's start inside a block, at the same point of each block),
+    so their forward, backward and optimizer programs compile once and load onto the other stage's device."""
     compiles = []
     real = _compat.retarget
 
@@ -73,14 +77,15 @@ def test_uniform_pipeline_compiles_equal_stages_once_and_equals_jit(monkeypatch)
         return moved
 
     monkeypatch.setattr(_compat, "retarget", counting)
-    step, state, batch = model_case(tiny_mlp, 16)
+    step, state, batch = model_case(factory, 16)
     expected, _ = run_steps(jax.jit(step), state, batch)
     pipelined = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="1f1b",
                                    devices=jax.devices()[:4])
     actual, _ = run_steps(pipelined, state, batch)
     assert_trees_close(actual, expected, rtol=1e-5)
-    assert any(compiles), "the identical middle stages of the uniform MLP should share one compile"
-    assert isinstance(pipelined.executable_for(*state, batch), _executor.Executable)
+    assert sum(compiles) >= 3, f"moved {sum(compiles)} programs; stage 2's F, B and post phase equal stage 1's"
+    exe = pipelined.executable_for(*state, batch)
+    assert isinstance(exe, _executor.Executable) and exe.num_programs - sum(compiles) == exe.num_compiled
 
 
 def test_shard_copies_only_between_mirrored_layouts():

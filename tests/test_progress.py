@@ -44,7 +44,7 @@ def test_first_call_shows_phases_on_a_terminal_and_nothing_otherwise(capsys, mon
         shown(params, batch)
         text = out.getvalue()
         assert "traced the step" in text and "compiling the 2-stage pipeline" in text
-        assert "compiled" in text and "program(s) for 2 stage(s)" in text
+        assert "built" in text and "program(s) for 2 stage(s)" in text
         shown(params, batch)  # built already: nothing more to show
         assert out.getvalue() == text
         monkeypatch.setenv(_progress.ENV, "0")

@@ -1,0 +1,78 @@
+"""Gradient accumulators: a step reuses the previous step's buffers (no zero program), and a reused buffer's
+contents never reach the gradients."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import autopp
+
+from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp
+
+
+def _pipelined(step, schedule="1f1b", num_stages=4):
+    return autopp.parallelize(step, num_stages=num_stages, num_microbatches=4, schedule=schedule,
+                              devices=jax.devices()[:num_stages])
+
+
+def _buffer_tasks(exe):
+    return [t for t in exe.tasks if t.label.startswith("gradient buffers stage")]
+
+
+def test_steps_reuse_gradient_buffers_and_compile_no_zero_program():
+    step, state, batch = model_case(tiny_gpt, 8)
+    pipelined = _pipelined(step)
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, run_steps(jax.jit(step), state, batch)[0])
+    exe = pipelined.executable_for(*state, batch)
+    labels = exe.description
+    assert not [label for label in labels if "zero gradients" in label]
+    starts = _buffer_tasks(exe)
+    assert len(starts) == 4 and len([label for label in labels if label.startswith("keep gradient buffers")]) == 4
+    # After a step each stage's pool holds its accumulators: arrays of the planned layout, not deleted.
+    for task in starts:
+        (pooled,) = task.fn.pool
+        assert [x.sharding for x in pooled] == [a.sharding for a in task.fn.out_avals(())]
+        assert not any(x.is_deleted() for x in pooled)
+
+
+def test_garbage_in_a_reused_buffer_does_not_reach_the_gradients():
+    """Fill every pooled accumulator with nan and inf: the first accumulation must overwrite, not add."""
+    for schedule in ("1f1b", "zb-h1"):
+        step, state, batch = model_case(tiny_mlp, 8)
+        pipelined = _pipelined(step, schedule)
+        jax.block_until_ready(pipelined(*state, batch))
+        for task in _buffer_tasks(pipelined.executable_for(*state, batch)):
+            (pooled,) = task.fn.pool
+            poison = [np.full(x.shape, np.nan if k % 2 else np.inf, x.dtype) for k, x in enumerate(pooled)]
+            task.fn.pool[:] = [jax.device_put(poison, [x.sharding for x in pooled])]
+        got = pipelined(*state, batch)
+        expected = jax.jit(step)(*state, batch)
+        assert_trees_close(got, expected)
+
+
+def test_a_step_that_returns_its_gradients_starts_from_zeros_each_step():
+    """Returned gradients belong to the caller: those stages compile a zero program instead of reusing."""
+    model = tiny_mlp()
+
+    @jax.jit
+    def reference(params, batch):
+        return jax.value_and_grad(model.loss)(params, batch)
+
+    def step(params, batch):
+        return autopp.value_and_grad(model.loss)(params, batch)
+
+    params = model.init(jax.random.key(0))
+    batch = model.batch(jax.random.key(1), 8)
+    pipelined = _pipelined(step)
+    for _ in range(3):
+        loss, grads = pipelined(params, batch)
+        want_loss, want_grads = reference(params, batch)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        assert_trees_close(grads, want_grads)
+        params = jax.tree.map(lambda p, g: np.asarray(p) - 0.1 * np.asarray(g), params, want_grads)
+    labels = pipelined.executable_for(params, batch).description
+    assert len([label for label in labels if label.startswith("zero gradients stage")]) == 4
+    assert not [label for label in labels if label.startswith("keep gradient buffers")]
+

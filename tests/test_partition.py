@@ -1,0 +1,103 @@
+"""The forward's split into pipeline stages: balanced within the tolerance, repeated middle stages preferred,
+then the fewest crossing bytes; checked against exhaustive searches of the same cost vectors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import pytest
+
+from autopp._trace import trace_step
+from autopp.models import MLP, MLPConfig
+from autopp.profiler import _partition
+from autopp.profiler._partition import split_stages
+
+from _helpers import make_optimizer, make_step, tiny_gpt, tiny_mlp
+
+
+def _problem(factory):
+    model, tx = factory(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    args = (params, tx.init(params), model.batch(jax.random.key(1), 8))
+    traced = trace_step(make_step(model, tx), args, (2,))
+    forward, batch_mask = traced.spec.forward, traced.microbatched_grad_inputs
+    return forward, batch_mask, _partition._cut_problem(forward, batch_mask)
+
+
+def _exact_bottleneck(costs, num_stages):
+    """Smallest maximum stage cost by dynamic programming over every cut position (not bisection)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(1, n + 1):
+            best[k][j] = min((max(best[k - 1][i], prefix[j] - prefix[i]) for i in range(k - 1, j)), default=math.inf)
+    return best[num_stages][n], prefix
+
+
+def _signature_slices(problem, a, b):
+    eqns = problem.forward.jaxpr.eqns
+    return [_partition._eqn_signature(eqns[i]) for i in problem.seq[a:b]]
+
+
+def test_gpt_middle_stages_repeat_and_the_choice_matches_an_exhaustive_search():
+    forward, batch_mask, problem = _problem(tiny_gpt)
+    n, tolerance = len(problem.costs), 0.05
+    bottleneck, prefix = _exact_bottleneck(problem.costs, 4)
+    cap = bottleneck * (1 + tolerance)
+    split = split_stages(forward, batch_mask, 4, balance_tolerance=tolerance)
+    pos = {eq: k for k, eq in enumerate(problem.seq)}
+    cuts = [pos[i] for i in split.stage_starts] + [n]
+    assert max(split.stage_costs) <= cap
+    assert _signature_slices(problem, cuts[1], cuts[2]) == _signature_slices(problem, cuts[2], cuts[3])
+    # Every split whose two middle stages run the same equations and whose stages all fit under the cap.
+    candidates = []
+    for c1 in range(1, n):
+        for length in range(1, (n - c1) // 2 + 1):
+            c = [0, c1, c1 + length, c1 + 2 * length, n]
+            if c[3] >= n or max(prefix[b] - prefix[a] for a, b in itertools.pairwise(c)) > cap:
+                continue
+            if _signature_slices(problem, c[1], c[2]) == _signature_slices(problem, c[2], c[3]):
+                candidates.append(sum(problem.cross[k] for k in c[1:4]))
+    assert candidates and sum(problem.cross[k] for k in cuts[1:4]) == min(candidates)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_too_few_stages_to_repeat_take_the_fewest_bytes(num_stages):
+    forward, batch_mask, problem = _problem(tiny_gpt)
+    bottleneck, prefix = _exact_bottleneck(problem.costs, num_stages)
+    cap = bottleneck * 1.05
+    assert _partition._repeating_partition(problem, num_stages, cap) is None
+    split = split_stages(forward, batch_mask, num_stages)
+    pos = {eq: k for k, eq in enumerate(problem.seq)}
+    chosen = sum(problem.cross[pos[i]] for i in split.stage_starts[1:])
+    n = len(problem.costs)
+    exhaustive = min(sum(problem.cross[k] for k in c)
+                     for c in itertools.combinations(range(1, n), num_stages - 1)
+                     if max(prefix[b] - prefix[a] for a, b in zip((0, *c), (*c, n))) <= cap)
+    assert chosen == exhaustive
+
+
+def test_no_repetition_within_the_tolerance_falls_back_to_the_fewest_bytes():
+    """The MLP's layers differ in width, so no two middle stages can run the same equations."""
+    forward, batch_mask, problem = _problem(lambda: MLP(MLPConfig(sizes=(16, 24, 40, 56, 72, 88, 8))))
+    bottleneck = _partition._min_bottleneck(problem.costs, 4)
+    assert _partition._repeating_partition(problem, 4, bottleneck * 1.05) is None
+    split = split_stages(forward, batch_mask, 4)
+    pos = {eq: k for k, eq in enumerate(problem.seq)}
+    expected = _partition._min_cross_partition(problem.costs, problem.cross, 4, bottleneck * 1.05)
+    assert [pos[i] for i in split.stage_starts] == expected[:-1]
+
+
+def test_uniform_mlp_repeats_whole_layers():
+    forward, batch_mask, problem = _problem(tiny_mlp)
+    split = split_stages(forward, batch_mask, 4)
+    pos = {eq: k for k, eq in enumerate(problem.seq)}
+    c = [pos[i] for i in split.stage_starts] + [len(problem.costs)]
+    assert c[2] - c[1] == c[3] - c[2] > 0
+    assert _signature_slices(problem, c[1], c[2]) == _signature_slices(problem, c[2], c[3])
