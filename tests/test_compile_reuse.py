@@ -107,3 +107,18 @@ def test_shard_copies_only_between_mirrored_layouts():
     np.testing.assert_array_equal(np.asarray(y), np.arange(24.0).reshape(shape))
     for shard in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index])
+
+
+def test_first_step_runs_programs_as_they_finish_compiling():
+    """The build does not wait for compilation: its tasks hold deferred programs until the first step reaches
+    them; after that step every task holds a compiled program, and results equal plain jit."""
+    step, state, batch = model_case(tiny_mlp, 16)
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=2, schedule="1f1b",
+                                   devices=jax.devices()[:2])
+    _, _, exe, _ = pipelined._build((*state, batch))
+    deferred = [t for t in exe.tasks if isinstance(t.fn, _executor._Deferred)]
+    assert deferred and exe.num_programs == len({id(t.fn) for t in deferred})
+    got = pipelined(*state, batch)
+    assert not [t for t in exe.tasks if isinstance(t.fn, _executor._Deferred)]
+    assert all(isinstance(t.fn, jax.stages.Compiled) for t in exe.tasks if t.label in ("0F0", "1F0+1B0", "0B0"))
+    assert_trees_close(got, jax.jit(step)(*state, batch))
