@@ -353,16 +353,8 @@ class _Builder:
         if hasattr(fn, "out_avals"):
             out_avals = fn.out_avals(in_avals)
         else:
-            key = (id(fn), tuple(in_avals))
-            if key not in self.lowered:
-                lowered = fn.lower(*in_avals)
-                self.lowered[key] = (len(self.lowered), lowered)
-                self._compile_early(lowered)
-                self._keep_alive.append(fn)
-            index, lowered = self.lowered[key]
-            out_avals = jax.tree.leaves(lowered.out_info)
+            out_avals = self.lower_for(len(self.tasks), fn, in_avals)
             assert all(a.sharding is not None for a in out_avals), f"{label}: every output needs a sharding"
-            self.pending.append((len(self.tasks), index))
         assert len(out_avals) == n_out, (label, len(out_avals), n_out)
         outs = [self.new_slot() for _ in range(n_out)]
         for o, a in zip(outs, out_avals):
@@ -371,6 +363,18 @@ class _Builder:
                             for d in a.sharding.device_set)
         self.tasks.append(Task(fn, tuple(ins), tuple(outs), label, devices=devices))
         return outs
+
+    def lower_for(self, t: int, fn, in_avals) -> list:
+        """Lower jitted ``fn`` for task ``t`` (once per input types), start compiling it; its output avals."""
+        key = (id(fn), tuple(in_avals))
+        if key not in self.lowered:
+            lowered = fn.lower(*in_avals)
+            self.lowered[key] = (len(self.lowered), lowered)
+            self._compile_early(lowered)
+            self._keep_alive.append(fn)
+        index, lowered = self.lowered[key]
+        self.pending.append((t, index))
+        return jax.tree.leaves(lowered.out_info)
 
     def const(self, value) -> int:
         s = self.new_slot()
@@ -932,8 +936,7 @@ class _Builder:
             home = self.layout_of(o, k, fwd.invars[k].aval.shape)
             if not contrib:
                 aval = fwd.invars[k].aval
-                fn = jax.jit(lambda aval=aval: (jnp.zeros(aval.shape, aval.dtype),), out_shardings=(home,))
-                contrib = self.emit(fn, [], 1, f"zero grad {self._invar_name(k)}")
+                contrib = self.emit(_zeros_program([aval], [home]), [], 1, f"zero grad {self._invar_name(k)}")
             if len(contrib) > 1:
                 contrib = self.emit(_sum_program(len(contrib), home), contrib, 1,
                                     f"sum shared grad {self._invar_name(k)}")
@@ -1001,23 +1004,20 @@ class _Builder:
     def reuse_accumulators(self) -> None:
         """Hand each stage's final gradient accumulators, once the step is done with them, to the next step's
         start, so that no program makes zeros and no zero fill runs (the first accumulation ignores the
-        buffers' contents). A stage whose gradients the step returns cannot give them back: its accumulators
-        start from a compiled zero program. Between steps the reused buffers stay allocated (the size of the
-        stage's parameters); the step's peak is unchanged, as they are live through it anyway. Nor can a
-        stage whose gradients another process receives (a shared parameter's contribution): a cross-process send
-        may still be reading the buffer when the next step's backward takes it over."""
+        buffers' contents). Between steps the reused buffers stay allocated (the size of the stage's
+        parameters); the step's peak is unchanged, as they are live through it anyway.
+
+        Two kinds of stage start from a compiled zero program instead: one whose gradients the step returns
+        (the caller owns them), and one whose gradients another process receives (a shared parameter's
+        contribution: a cross-process send may still be reading the buffer when the next step's backward
+        takes it over)."""
         for s, (t, start) in self.acc_start.items():
             final = self.acc_end[s]
             task = self.tasks[t]
             if set(final) & self.output_slots or self._sent_to_other_processes(set(final)):
                 avals = [self.slot_aval[i] for i in start]
-                fn = jax.jit(lambda avals=avals: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
-                             out_shardings=tuple(a.sharding for a in avals))
-                lowered, index = fn.lower(), len(self.lowered)
-                self.lowered[(id(fn), ())] = (index, lowered)
-                self._compile_early(lowered)
-                self._keep_alive.append(fn)
-                self.pending.append((t, index))
+                fn = _zeros_program(avals, [a.sharding for a in avals])
+                self.lower_for(t, fn, [])
                 self.tasks[t] = dataclasses.replace(task, fn=fn, label=f"zero gradients stage {s}")
                 continue
             self.tasks.append(Task(_give_back(task.fn), tuple(final), (), f"keep gradient buffers stage {s}",
@@ -1027,9 +1027,9 @@ class _Builder:
         for task in self.tasks:
             shardings = getattr(task.fn, "shardings", None)
             for slot, dst in zip(task.ins, shardings or ()):
-                src = getattr(self.slot_aval[slot], "sharding", None)
-                if slot in slots and src is not None and ({d.process_index for d in src.device_set}
-                                                          != {d.process_index for d in dst.device_set}):
+                src = getattr(self.slot_aval[slot], "sharding", None) if slot in slots else None
+                if src is not None and ({d.process_index for d in src.device_set}
+                                        != {d.process_index for d in dst.device_set}):
                     return True
         return False
 
@@ -1073,6 +1073,10 @@ def _bytes_per_device(aval) -> dict[int, int]:
         return {}
     n = aval_bytes(jax.ShapeDtypeStruct(sharding.shard_shape(aval.shape), aval.dtype))
     return {d.id: n for d in sharding.device_set}
+
+
+def _zeros_program(avals, shardings):
+    return jax.jit(lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in avals), out_shardings=tuple(shardings))
 
 
 def _reused_buffers(avals, shardings):
