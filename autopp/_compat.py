@@ -148,3 +148,60 @@ def copy_shards(xs, shardings) -> list:
     reuse = xc.ArrayCopySemantics.REUSE_INPUT
     return xc.batched_copy_array_to_devices_with_sharding(
         list(xs), [s._internal_device_list for s in shardings], list(shardings), [reuse] * len(xs))
+
+
+# -- source information (name stacks) through re-interpretation --------------------------------------------
+def bind_eqn(eqn, invals):
+    """Bind ``eqn``'s primitive to ``invals`` as ``jax.core.eval_jaxpr`` does, keeping the equation's name
+    stack and traceback, so that a re-traced jaxpr keeps its named scopes (e.g. :data:`FUSED_ATTENTION_SCOPE`)."""
+    from jax._src import source_info_util
+
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def name_stack(eqn) -> str:
+    """The equation's name stack as text (``jvp(autopp_fused_attention)/...``)."""
+    return str(eqn.source_info.name_stack)
+
+
+# -- fused attention -------------------------------------------------------------------------------------------
+FUSED_ATTENTION_SCOPE = "autopp_fused_attention"
+"""Named scope autopp puts around every ``jax.nn.dot_product_attention`` call while it traces a step: the cost
+model prices the equations under it (forward and backward) as one fused (flash) attention kernel, as cuDNN's
+fused attention runs it on GPUs, with no ``s x s`` tensor in memory. The scope is metadata only: the traced
+program computes exactly what the call computes."""
+
+
+class marking_fused_attention:
+    """While active, ``jax.nn.dot_product_attention`` runs under :data:`FUSED_ATTENTION_SCOPE` (``causal``
+    appended for ``is_causal=True``). Re-entrant; restores the function on exit."""
+
+    _depth = 0
+    _original = None
+
+    def __enter__(self):
+        cls = type(self)
+        if cls._depth == 0:
+            original = jax.nn.dot_product_attention
+            cls._original = original
+
+            def dot_product_attention(*args, **kwargs):
+                scope = FUSED_ATTENTION_SCOPE + ("_causal" if kwargs.get("is_causal") else "")
+                with jax.named_scope(scope):
+                    return original(*args, **kwargs)
+
+            dot_product_attention.__wrapped__ = original
+            dot_product_attention.__doc__ = original.__doc__
+            jax.nn.dot_product_attention = dot_product_attention
+        cls._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        cls = type(self)
+        cls._depth -= 1
+        if cls._depth == 0:
+            jax.nn.dot_product_attention = cls._original
+            cls._original = None
+        return False

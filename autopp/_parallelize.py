@@ -365,9 +365,15 @@ class Parallelized(Generic[_P, _R]):
             stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
         layouts = self._stage_layouts(sched, stage_devices)
         with phase(f"compiling the {sched.num_stages}-stage pipeline") as ph:
+            planned = self._plan
+            param_specs = None
+            if planned is not None and any(st.param_specs is not None for st in planned.stages):
+                param_specs = [None if st.param_specs is None else {int(k): v for k, v in st.param_specs.items()}
+                               for st in planned.stages]
             exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                    loss_reduction=self.loss_reduction, schedule=sched,
-                                   recompute=self._stage_recompute(sched.num_stages), layouts=layouts)
+                                   recompute=self._stage_recompute(sched.num_stages), layouts=layouts,
+                                   param_specs=param_specs, zero1=bool(planned is not None and planned.zero1))
             ph.done(f"built {exe.num_programs} program(s) for {sched.num_stages} stage(s); they compile in the "
                     "background and the first step runs each as soon as it is ready")
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
@@ -388,8 +394,10 @@ class Parallelized(Generic[_P, _R]):
             old = self._plan
             plan = dataclasses.replace(
                 plan, microbatch_size=old.microbatch_size, virtual_stages=old.virtual_stages, cluster=old.cluster,
-                predicted=old.predicted, planner=old.planner,
-                stages=tuple(dataclasses.replace(st, layers=o.layers) for st, o in zip(plan.stages, old.stages)))
+                predicted=old.predicted, planner=old.planner, zero1=old.zero1, sequence_parallel=old.sequence_parallel,
+                layer_shardings=old.layer_shardings, model_fingerprint=old.model_fingerprint,
+                stages=tuple(dataclasses.replace(st, layers=o.layers, param_specs=o.param_specs)
+                             for st, o in zip(plan.stages, old.stages)))
         self._cache[key] = (traced, split, exe, plan)
         return self._cache[key]
 
@@ -487,10 +495,15 @@ class Parallelized(Generic[_P, _R]):
 
 
 def _check_offline_plan(plan: Plan, prof: Profile, batch_size: int) -> None:
-    """A plan made with ``plan_model(GPTConfig(...), cluster)`` names its stages by model layers (embedding,
-    blocks, head); it replays on a traced step whose profile has exactly those layers and whose batch is the
-    plan's global batch."""
+    """A plan made with ``plan_model`` (from a profile or a model description, at any traced batch size) names its
+    stages by the profile's layers; it replays on a traced step with the same layers and parameters (its structure
+    fingerprint) whose batch is the plan's global batch."""
     last = plan.stages[-1].layers[1] if plan.stages[-1].layers else None
+    if plan.model_fingerprint != prof.structure_fingerprint and last == len(prof.layers) - 1:
+        raise ValueError(
+            "autopp.parallelize: the plan was made for another model (its layers or parameter shapes differ from "
+            f"this step's: fingerprint {plan.model_fingerprint}, this step {prof.structure_fingerprint}); make the "
+            "plan for this step: plan_model(autopp.profiler.profile(step, *args), cluster, global_batch=...).")
     if last != len(prof.layers) - 1:
         raise ValueError(
             f"autopp.parallelize: the plan was made offline for a model of {None if last is None else last + 1} "

@@ -92,7 +92,7 @@ def eval_jaxpr_with(jaxpr, consts, args, override: Callable | None = None):
         invals = [read(a) for a in eqn.invars]
         outs = override(i, eqn, invals) if override is not None else None
         if outs is None:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
+            outs = _compat.bind_eqn(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         env.update(zip(eqn.outvars, outs))
@@ -193,7 +193,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         flat_step.out_tree = out_tree
         return flat_out
 
-    with marking_gradients(), jax.disable_jit():
+    with marking_gradients(), _compat.marking_fused_attention(), jax.disable_jit():
         closed = jax.make_jaxpr(flat_step)(*abstract)
     out_tree = flat_step.out_tree
     closed = _inline_calls(closed)

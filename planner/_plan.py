@@ -8,11 +8,12 @@ import json
 import os
 from typing import Any
 
-from autopp.planner._simulate import Estimate
+from autopp.planner._estimate import Estimate
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
-"""Versions :meth:`Plan.from_dict` reads (version 1 plans lack the layout, prediction and planner fields)."""
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+"""Versions :meth:`Plan.from_dict` reads (version 1 plans lack the layout, prediction and planner fields; version 2
+plans the per-parameter layouts, ZeRO-1, sequence parallelism and the per-layer sharding reports)."""
 
 MESH_AXES = ("data", "fsdp", "tensor")
 """Axes of a stage's sub-mesh: batch split (data), batch split with sharded state (FSDP/ZeRO-3), Megatron
@@ -51,6 +52,10 @@ class StagePlan:
     """Predicted seconds of one microbatch's forward on this stage (communication included), if predicted."""
     backward_time_s: float | None = None
     """Predicted seconds of one microbatch's backward on this stage (recomputation included), if predicted."""
+    param_specs: dict[str, list] | None = None
+    """Per parameter this stage reads (the loss's forward input index, as a string): its layout over the stage's
+    ``tensor`` axis, one entry per dimension (``"tensor"`` where it is split, None elsewhere), as the sharding ILP
+    chose it. None: the runtime's own rule (Megatron's column/row split read off the jaxpr)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.mesh_shape) - set(MESH_AXES))
@@ -99,6 +104,30 @@ class PlannerStats:
     """Layouts (tensor, pipeline, data, FSDP degrees x microbatch size x schedule x recomputation) evaluated."""
     best_uniform_step_time_s: float
     """Predicted step time of the best equal-split layout found by enumeration (the plan is never slower)."""
+    sharding_solves: int = 0
+    """Intra-operator sharding ILPs solved (one per distinct layer, tensor degree and boundary layout)."""
+    sharding_solve_s: float = 0.0
+    """Seconds spent building and solving them."""
+    sharding_max_gap: float = 0.0
+    """Largest relative optimality gap among them (0 when every one was solved to optimality)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSharding:
+    """How one layer is laid out over its stage's tensor axis, and what that costs per microbatch."""
+
+    index: int
+    """The profiler's layer index."""
+    name: str
+    """The layer's name (``embed``, ``block 3``, ``head``, ...)."""
+    params: dict[str, str]
+    """Parameter (its pytree path) -> layout: ``R`` (replicated) or ``S(d)`` (split along dimension ``d``)."""
+    collectives: list
+    """``[kind, bytes, seconds, pass]`` per tensor-group collective of one microbatch (``pass``: forward or
+    backward)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,6 +159,12 @@ class Plan:
     """What the planner predicts for one step (step time, TFLOP/s and memory per device, ...)."""
     planner: PlannerStats | None = None
     """How the plan was found (None for a plan with fixed stage and microbatch counts)."""
+    zero1: bool = False
+    """Optimizer state sharded over each stage's data-parallel replicas (ZeRO-1, distributed optimizer)."""
+    sequence_parallel: bool = False
+    """Activations between layers split along their sequence over each stage's tensor axis."""
+    layer_shardings: tuple[LayerSharding, ...] = ()
+    """Per layer: its parameters' layouts and the tensor-parallel communication it costs (reports)."""
     schema_version: int = SCHEMA_VERSION
     """Version of this plan's JSON layout."""
 
@@ -150,7 +185,10 @@ class Plan:
             "cluster": self.cluster,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "planner": None if self.planner is None else self.planner.to_dict(),
+            "zero1": self.zero1,
+            "sequence_parallel": self.sequence_parallel,
             "stages": [s.to_dict() for s in self.stages],
+            "layer_shardings": [x.to_dict() for x in self.layer_shardings],
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -180,6 +218,11 @@ class Plan:
             if d.get(key) is not None:
                 _check_fields(kind, d[key], key)
                 d[key] = kind(**d[key])
+        shardings = []
+        for x in d.get("layer_shardings") or ():
+            _check_fields(LayerSharding, x, "layer sharding")
+            shardings.append(LayerSharding(**x))
+        d["layer_shardings"] = tuple(shardings)
         return cls(**d)
 
     @classmethod

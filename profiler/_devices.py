@@ -28,7 +28,8 @@ _NUMERIC_FIELDS: dict[str, tuple[str, str]] = {
     "inter_node_latency": ("seconds", "8e-6"),
     "kernel_launch_floor": ("seconds", "2e-6"),
 }
-_EFFICIENCY_FIELDS = ("matmul_efficiency", "memory_efficiency")
+_EFFICIENCY_FIELDS = ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "intra_node_efficiency",
+                      "inter_node_efficiency")
 
 # dtype name -> which peak applies. float16 runs at the bf16 tensor-core rate on every GPU in the table.
 # Integer and boolean element-wise work runs on the CUDA cores at about the fp32 rate.
@@ -86,6 +87,13 @@ class DeviceSpec:
     """Fraction of peak FLOP/s that large operations achieve, in (0, 1]."""
     memory_efficiency: float = 0.85
     """Fraction of peak HBM bandwidth that bandwidth-bound operations achieve, in (0, 1]."""
+    attention_efficiency: float = 0.5
+    """Fraction of the bf16 peak that a fused (flash) attention kernel achieves on the FLOPs it executes, in
+    (0, 1]."""
+    intra_node_efficiency: float = 1.0
+    """Fraction of ``intra_node_bandwidth`` NCCL's ring collectives achieve (their bus bandwidth), in (0, 1]."""
+    inter_node_efficiency: float = 1.0
+    """Fraction of ``inter_node_bandwidth`` NCCL's collectives across nodes achieve, in (0, 1]."""
     source: str = ""
     """Where the numbers come from (datasheets, measurements, overrides)."""
 
@@ -213,6 +221,15 @@ class DeviceSpec:
 # [NCCL]  NCCL's own cost model, src/graph/tuning.cc (hwLat): per ring step 0.6 us (LL) to 3.4 us (Simple) over
 #         NVLink and 2.7 us (LL) to 14 us (Simple) over the network, plus 6.6-8.4 us per collective (baseLat).
 #         We use 2 us in a node and 8 us across nodes, inside those ranges.
+# [NCCLBW] Measured NCCL bus bandwidth (nccl-tests), stated by NCCL's maintainers: A100 NVLink3 about 230 GB/s of
+#         the 300 GB/s line rate (github.com/NVIDIA/nccl-tests/issues/149), H100 NVLink4 about 370 GB/s of 450 for
+#         ring collectives, "protocol overhead (~20%)" (nccl-tests/issues/212); HDR InfiniBand about 24 GB/s of
+#         25 per NIC (github.com/NVIDIA/nccl/issues/412); NDR 46-49 GB/s of 50 (nccl-tests/issues/290, /267).
+# [FA]    Flash attention at head dim 128, sequence 2048-4096, causal, counting the FLOPs the kernel executes
+#         (causal blocks skipped, the backward's recomputation counted): FlashAttention-2 on A100, forward and
+#         backward together 155-173 TFLOP/s = 50-55% of 312 (Dao 2023, arXiv 2307.08691, Fig. 4); cuDNN's fused
+#         attention on H100, forward 484-518 TFLOP/s causal, backward 465-499 non-causal = 47-52% of 989
+#         (Shah et al. 2024, arXiv 2407.08608, Figs. 5-6).
 # [LAUNCH] A CUDA kernel launch costs a few microseconds of host and device overhead (NVIDIA Technical Blog,
 #         "Getting Started with CUDA Graphs", 2019); XLA batches many launches into command buffers, so 2 us.
 
@@ -226,6 +243,9 @@ _A100_COMMON = dict(
     inter_node_bandwidth=25e9,  # [DGXA100] HDR 200 Gb/s per GPU
     matmul_efficiency=0.80,  # [MAMF] 85.9%
     memory_efficiency=0.85,  # [HBMEFF]
+    attention_efficiency=0.52,  # [FA] FlashAttention-2, A100, causal, head dim 128
+    intra_node_efficiency=0.77,  # [NCCLBW] 230 of 300 GB/s
+    inter_node_efficiency=0.96,  # [NCCLBW] 24 of 25 GB/s
     **_GPU_LATENCIES,
 )
 _HOPPER_COMPUTE = dict(
@@ -236,6 +256,9 @@ _HOPPER_COMPUTE = dict(
     inter_node_bandwidth=50e9,  # [DGXH100] NDR 400 Gb/s per GPU
     matmul_efficiency=0.75,  # [MAMF] 80.3%
     memory_efficiency=0.85,  # [HBMEFF]
+    attention_efficiency=0.50,  # [FA] cuDNN fused attention, H100, causal forward / backward
+    intra_node_efficiency=0.82,  # [NCCLBW] 370 of 450 GB/s
+    inter_node_efficiency=0.94,  # [NCCLBW] 47 of 50 GB/s
     **_GPU_LATENCIES,
 )
 
@@ -283,6 +306,9 @@ _TABLE = (
         inter_node_bandwidth=50e9,  # [B200] ConnectX-7 400 Gb/s per GPU
         matmul_efficiency=0.72,  # [MAMF] 77.6%
         memory_efficiency=0.85,  # [HBMEFF]
+        attention_efficiency=0.50,  # [FA] as H100 (no published B200 measurement at hand)
+        intra_node_efficiency=0.82,  # [NCCLBW] NVLink protocol overhead as on H100
+        inter_node_efficiency=0.94,  # [NCCLBW] ConnectX-7 as DGX H100
         source="NVIDIA DGX B200 datasheet (8 GPUs; ConnectX-7 400 Gb/s per GPU) and HGX B200 per-GPU table; "
                "efficiencies: ml-engineering MAMF table, NVIDIA forum HBM measurements; latencies: NCCL tuning.cc",
         **_GPU_LATENCIES,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -15,10 +15,12 @@ from autopp._trace import TracedStep, normalize_batch_argnums, trace_step
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._costs import aval_bytes, eqn_cost, jaxpr_cost, kernel_costs
 from autopp.profiler._graph import cost_graph
+from autopp.profiler._kernels import ScaledKernel, program_kernels
 from autopp.profiler._layers import Layer, group_layers
-from autopp.profiler._measure import ProfileCache, forward_with_vjp, measure_layer, slice_jaxpr
+from autopp.profiler._measure import ProfileCache, measure_layer, slice_jaxpr
 from autopp.profiler._optstate import optimizer_state_owners
 from autopp.profiler._partition import differentiable_vars
+from autopp.profiler._strategies import LayerProgram, layer_program
 from autopp.profiler._timemodel import KernelTimeModel
 
 Literal = jex_core.Literal
@@ -56,6 +58,9 @@ class LayerProfile:
     """Backward time on the cluster's device."""
     measured: bool
     """Whether the times were measured on the local device."""
+    param_inputs: tuple[int | None, ...] = ()
+    """Per input of the layer's program (:attr:`Profile.programs`): the forward input (parameter) it is, or None
+    for an activation or constant."""
 
     @property
     def time_s(self) -> float:
@@ -92,6 +97,24 @@ class Profile:
     """Bytes of all differentiated parameters."""
     fingerprint: str
     """Hash of the traced step."""
+    batch_size: int | None = None
+    """Examples per step the step was traced with (the leading dimension of its batch leaves); what a plan's
+    microbatch size scales the batch-proportional costs from. None when the batch leaves disagree."""
+    programs: Mapping[str, LayerProgram] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """Per distinct layer fingerprint: the layer's forward-and-backward program (what the sharding ILP and the
+    cost model read)."""
+    state_bytes: Mapping[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict, repr=False,
+                                                                        compare=False)
+    """Per differentiated forward input (parameter): bytes of the parameter, of its gradient and of the optimizer
+    state the step keeps for it, from the trace (e.g. fp32 master weights, fp32 gradients, Adam's fp32 moments)."""
+    structure_fingerprint: str = ""
+    """Hash of what does not change with the batch size: the layers' names and the parameters' shapes and dtypes.
+    A plan made from this profile (at any batch size) replays on the same step at the plan's global batch."""
+    param_names: Mapping[int, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """Per differentiated forward input: the pytree path of the step argument it is (``args[0]['blocks'][3]...``)."""
+    update_kernels: tuple[ScaledKernel, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    """Kernels of everything the step computes outside the loss's gradient (the optimizer update), at the traced
+    size, unsharded."""
 
     def table(self) -> str:
         return format_profile_table(self)
@@ -110,27 +133,45 @@ class Profile:
         }
 
 
-def _jaxpr_time(jaxpr: jex_core.Jaxpr, model: KernelTimeModel) -> float:
-    return model.time(kernel_costs(jaxpr))
+@dataclasses.dataclass(frozen=True)
+class LayerSource:
+    """One distinct layer: its forward as a closed jaxpr, the kind of each input, and its forward-and-backward
+    program."""
+
+    closed: jex_core.ClosedJaxpr
+    inputs: tuple
+    """The loss-forward variables feeding the layer (aligned with ``closed``'s invars)."""
+    kinds: tuple[str, ...]
+    """Per input: ``param`` (differentiated, not batch-dependent), ``batch`` (a differentiated activation), ``data``
+    (batch-dependent, not differentiated: the batch itself) or ``const``."""
+    program: LayerProgram
+
+    @property
+    def diff(self) -> list[bool]:
+        return [k in ("param", "batch") and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+                for k, v in zip(self.kinds, self.closed.jaxpr.invars)]
 
 
-def _vjp_jaxpr(closed: jex_core.ClosedJaxpr, diff: Sequence[bool]) -> jex_core.ClosedJaxpr:
-    """Forward plus backward of a layer (cotangents for every float output)."""
-    avals = [v.aval for v in closed.jaxpr.invars]
-    forward = forward_with_vjp(closed, [i for i, d in enumerate(diff) if d])
+def _scan_iteration(forward: jex_core.ClosedJaxpr, lay: Layer, kind_of) -> tuple:
+    """One iteration of the ``lax.scan`` at ``lay.eqn_range[0]`` as a closed jaxpr over (consts, carry, slices)."""
+    e = forward.jaxpr.eqns[lay.eqn_range[0]]
+    body = e.params["jaxpr"]
+    nc, nk = e.params["num_consts"], e.params["num_carry"]
+    outer = list(e.invars)
+    kinds = []
+    for j, a in enumerate(outer):
+        if isinstance(a, Literal):
+            kinds.append("const")
+        elif nc <= j < nc + nk:  # a carry is batch-dependent when the scan's result for it is
+            kinds.append("batch" if kind_of(e.outvars[j - nc]) == "batch" else kind_of(a))
+        else:
+            kinds.append(kind_of(a))
+    return body, tuple(outer), tuple(kinds)
 
-    def fwd_bwd(*xs):
-        outs, vjp = forward(*xs)
-        cts = [jax.numpy.ones_like(o) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)
-               else np.zeros(o.shape, jax.dtypes.float0) for o in outs]
-        return outs, vjp(cts)
 
-    return jax.make_jaxpr(fwd_bwd)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-
-
-def layer_programs(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, tuple]:
-    """Per distinct layer fingerprint: (forward ClosedJaxpr, forward+backward ClosedJaxpr, differentiated
-    input mask, backward FLOPs). Identical blocks are analysed once."""
+def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, LayerSource]:
+    """Per distinct layer fingerprint: the layer's forward, input kinds and forward-and-backward program.
+    Identical blocks are analysed once; a layer made of one ``lax.scan`` iteration is that iteration's body."""
     spec = traced.spec
     forward = spec.forward
     fwd = forward.jaxpr
@@ -141,19 +182,60 @@ def layer_programs(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, tup
                 if not isinstance(a, Literal):
                     users.setdefault(a, set()).add(lay.index)
     outvar_set = set(a for a in fwd.outvars if not isinstance(a, Literal))
+    batch = {v for v, b in zip(fwd.invars, traced.microbatched_grad_inputs) if b}
+    for e in fwd.eqns:
+        if any(not isinstance(a, Literal) and a in batch for a in e.invars):
+            batch.update(e.outvars)
     diffable = differentiable_vars(fwd, spec.diff_mask) | {v for v, d in zip(fwd.invars, spec.diff_mask) if d}
+
+    def kind_of(v) -> str:
+        floating = jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+        if v in batch:
+            return "batch" if v in diffable and floating else "data"
+        return "param" if v in diffable and floating else "const"
+
     out = {}
     for lay in layers:
         if lay.fingerprint in out:
             continue
-        closed, ins, _ = slice_jaxpr(
-            forward, list(range(*lay.eqn_range)),
-            lambda v, lay=lay: v in outvar_set or bool(users.get(v, set()) - {lay.index}))
-        diff = [v in diffable for v in ins]
-        both = _vjp_jaxpr(closed, diff)
-        bwd_flops = _flops(jaxpr_cost(both.jaxpr)) - _flops(jaxpr_cost(closed.jaxpr))
-        out[lay.fingerprint] = (closed, both, diff, bwd_flops)
+        if lay.iteration is not None:
+            closed, ins, kinds = _scan_iteration(forward, lay, kind_of)
+        else:
+            closed, ins, _ = slice_jaxpr(
+                forward, list(range(*lay.eqn_range)),
+                lambda v, lay=lay: v in outvar_set or bool(users.get(v, set()) - {lay.index}))
+            kinds = tuple(kind_of(v) for v in ins)
+        out[lay.fingerprint] = LayerSource(closed=closed, inputs=tuple(ins), kinds=kinds,
+                                           program=layer_program(closed, kinds))
     return out
+
+
+def layer_programs(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, tuple]:
+    """Per distinct layer fingerprint: (forward ClosedJaxpr, forward-and-backward ClosedJaxpr, differentiated input
+    mask, backward FLOPs)."""
+    out = {}
+    for fp, src in layer_sources(traced, layers).items():
+        out[fp] = (src.closed, src.program.closed, src.diff, _backward_flops(src.program))
+    return out
+
+
+def _backward_flops(program: LayerProgram) -> float:
+    j = program.closed.jaxpr
+    return sum(_flops(eqn_cost(j.eqns[i])) for i in program.backward_eqns)
+
+
+def _traced_batch_size(traced: TracedStep) -> int | None:
+    dims = {v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask)
+            if b and getattr(v.aval, "shape", ())}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def update_kernels(traced: TracedStep) -> tuple[ScaledKernel, ...]:
+    """The kernels of the step outside its gradient equation (optimizer update, metrics): nothing in them scales
+    with the batch once the gradient is taken."""
+    outer = traced.jaxpr.jaxpr
+    ids = [i for i, e in enumerate(outer.eqns) if i != traced.grad_index]
+    return tuple(program_kernels(outer, ids, is_batch=lambda v: False))
 
 
 def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
@@ -188,24 +270,25 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         dtype = _dominant_float_dtype(fwd)
     device = cluster.device
 
-    # Backward costs and (optionally) measurements: once per distinct layer structure.
-    programs = layer_programs(traced, layers)
+    # Programs and (optionally) measurements: once per distinct layer structure.
+    sources = layer_sources(traced, layers)
     cache = cache or (ProfileCache() if measure else None)
     by_fp: dict[str, tuple] = {}
     for lay in layers:
         if lay.fingerprint in by_fp:
             continue
-        closed, both, diff, bwd_flops = programs[lay.fingerprint]
+        src = sources[lay.fingerprint]
         m = None
         if measure:
             m = cache.get(device.name, lay.fingerprint)
             if m is None:
                 if progress:
                     progress(f"measuring {lay.name}")
-                m = measure_layer(closed, diff)
+                m = measure_layer(src.closed, src.diff)
+                both = _ones_vjp(src.closed, src.diff)
                 cache.put(device.name, lay.fingerprint, m, kernels={
-                    "forward": kernel_costs(closed.jaxpr), "forward_backward": kernel_costs(both.jaxpr)})
-        by_fp[lay.fingerprint] = (closed, both, bwd_flops, m)
+                    "forward": kernel_costs(src.closed.jaxpr), "forward_backward": kernel_costs(both.jaxpr)})
+        by_fp[lay.fingerprint] = (src, _backward_flops(src.program), m)
     time_model = KernelTimeModel.from_device(device, dtype)
     if measure:
         samples = cache.samples(device.name)
@@ -225,22 +308,25 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
             opt_bytes_of_param[k] = opt_bytes_of_param.get(k, 0) + aval_bytes(step_invars[i].aval)
 
     times: dict[str, tuple[float, float]] = {}
-    for fp, (closed, both, _, m) in by_fp.items():
+    for fp, (src, _, m) in by_fp.items():
         if m is not None:
             times[fp] = (m.forward_s, m.backward_s)
         else:
-            f_t = _jaxpr_time(closed.jaxpr, time_model)
-            times[fp] = (f_t, max(0.0, _jaxpr_time(both.jaxpr, time_model) - f_t))
+            times[fp] = program_times(src.program, time_model)
+    fwd_index = {v: k for k, v in enumerate(fwd.invars)}
     out_layers = []
     for lay in layers:
-        _, _, bwd_flops, m = by_fp[lay.fingerprint]
+        src, bwd_flops, m = by_fp[lay.fingerprint]
         opt = sum(opt_bytes_of_param.get(k, 0) for k in lay.param_indices)
         f_t, b_t = times[lay.fingerprint]
+        inputs = _layer_inputs(forward, lay, layers, sources)
         out_layers.append(LayerProfile(
             index=lay.index, name=lay.name, fingerprint=lay.fingerprint, flops=lay.flops + lay.transcendentals,
             backward_flops=bwd_flops, param_bytes=lay.param_bytes, grad_bytes=lay.param_bytes, optimizer_bytes=opt,
             activation_bytes=lay.activation_bytes, recompute_activation_bytes=lay.input_bytes,
             output_bytes=lay.output_bytes, forward_time_s=f_t, backward_time_s=b_t, measured=m is not None,
+            param_inputs=tuple(fwd_index.get(v) if kind == "param" and v in fwd_index and
+                               spec.diff_mask[fwd_index[v]] else None for v, kind in zip(inputs, src.kinds)),
         ))
     graph = cost_graph(layers)
     for lp in out_layers:
@@ -249,12 +335,88 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     update = sum(_flops(eqn_cost(e)) for i, e in enumerate(outer.eqns) if i != traced.grad_index)
     forward_flops = sum(l.flops for l in out_layers)
     backward_flops = sum(l.backward_flops for l in out_layers)
+    state = {k: (aval_bytes(fwd.invars[k].aval), aval_bytes(fwd.invars[k].aval), opt_bytes_of_param.get(k, 0))
+             for k in diff_idx}
     return Profile(
         layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
         total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,
         backward_flops=backward_flops, update_flops=update,
         param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx), fingerprint=traced.fingerprint,
+        batch_size=_traced_batch_size(traced), programs={fp: src.program for fp, (src, _, _) in by_fp.items()},
+        state_bytes=state, update_kernels=update_kernels(traced), param_names=_param_names(traced),
+        structure_fingerprint=_structure_fingerprint(out_layers, fwd, diff_idx),
     )
+
+
+def _structure_fingerprint(layers, fwd, diff_idx) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(repr([l.name for l in layers]).encode())
+    h.update(repr([fwd.invars[k].aval.str_short() for k in diff_idx]).encode())
+    return "layers:" + h.hexdigest()[:16]
+
+
+def _param_names(traced: TracedStep) -> dict[int, str]:
+    """Differentiated forward input -> the step argument's pytree path feeding it."""
+    step_in = {v: k for k, v in enumerate(traced.jaxpr.jaxpr.invars)}
+    out = {}
+    for k in traced.spec.diff_indices:
+        a = traced.grad_eqn.invars[k]
+        if not isinstance(a, Literal) and a in step_in:
+            out[k] = traced.leaf_paths[step_in[a]]
+    return out
+
+
+def program_times(program: LayerProgram, time_model: KernelTimeModel) -> tuple[float, float]:
+    """Forward and backward seconds of a layer's program on one device at the traced batch: its kernels (matmuls at
+    their operand dtype's peak, fused attention as one flash kernel, the rest fused and memory-bound)."""
+    j = program.closed.jaxpr
+    kw = dict(is_batch=program.batch_vars.__contains__, dependent=program.dependent_eqns.__contains__,
+              regions=program.attention_regions, causal=program.causal_regions, backward_eqns=program.backward_eqns)
+    fwd_ids = [i for i in range(len(j.eqns)) if i not in program.backward_eqns]
+    bwd_ids = sorted(program.backward_eqns)
+    fwd, bwd = program_kernels(j, fwd_ids, **kw), program_kernels(j, bwd_ids, **kw)
+    return (time_model.scaled_time(fwd) + time_model.per_step_time(fwd),
+            time_model.scaled_time(bwd) + time_model.per_step_time(bwd))
+
+
+def _layer_inputs(forward, lay: Layer, layers, sources) -> tuple:
+    """The loss-forward variables feeding this layer's program, in its input order (a layer sharing its
+    fingerprint with an earlier one reads the same positions of its own equations)."""
+    src = sources[lay.fingerprint]
+    if lay.iteration is not None:
+        return tuple(forward.jaxpr.eqns[lay.eqn_range[0]].invars)
+    first = next(l for l in layers if l.fingerprint == lay.fingerprint)
+    if first.index == lay.index:
+        return src.inputs
+    # map by position: the k-th distinct value read from outside in equation order
+    fwd = forward.jaxpr
+    ins, defined = [], set()
+    for i in range(*lay.eqn_range):
+        for a in fwd.eqns[i].invars:
+            if not isinstance(a, Literal) and a not in defined and a not in ins:
+                ins.append(a)
+        defined.update(fwd.eqns[i].outvars)
+    consts = set(forward.jaxpr.constvars)
+    ins = [v for v in ins if v not in consts]
+    return tuple(ins) if len(ins) == len(src.inputs) else src.inputs
+
+
+def _ones_vjp(closed: jex_core.ClosedJaxpr, diff: Sequence[bool]) -> jex_core.ClosedJaxpr:
+    """Forward plus backward of a layer with cotangents of ones (what measured samples are paired with)."""
+    from autopp.profiler._measure import forward_with_vjp
+
+    avals = [v.aval for v in closed.jaxpr.invars]
+    forward = forward_with_vjp(closed, [i for i, d in enumerate(diff) if d])
+
+    def fwd_bwd(*xs):
+        outs, vjp = forward(*xs)
+        cts = [jax.numpy.ones_like(o) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)
+               else np.zeros(o.shape, jax.dtypes.float0) for o in outs]
+        return outs, vjp(cts)
+
+    return jax.make_jaxpr(fwd_bwd)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 
 def _flops(c) -> float:

@@ -102,8 +102,8 @@ def collective_time(kind: str, bytes: float, group_size: int, cluster: Cluster, 
     if n == 1 or nbytes == 0:
         return 0.0
     dev = cluster.device
-    bw, alpha = ((dev.inter_node_bandwidth, dev.inter_node_latency) if spans_nodes
-                 else (dev.intra_node_bandwidth, dev.intra_node_latency))
+    bw, alpha = ((dev.inter_node_bandwidth * dev.inter_node_efficiency, dev.inter_node_latency) if spans_nodes
+                 else (dev.intra_node_bandwidth * dev.intra_node_efficiency, dev.intra_node_latency))
     if canon == "all-reduce":
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
     if canon in ("all-gather", "reduce-scatter"):
@@ -138,33 +138,84 @@ class KernelTimeModel:
     """Matmul size (FLOPs) at which half of ``matmul_floor_s`` is paid; 0: every matmul pays all of it."""
     calibrated: bool = False
     """Whether the constants were fitted to measurements."""
+    half_flops_per_s: float | None = None
+    """Achievable FLOP/s of bfloat16/float16 matmuls on tensor cores (None: ``flops_per_s``)."""
+    tf32_flops_per_s: float | None = None
+    """Achievable FLOP/s of float32 matmuls that may use TF32 tensor cores (None: ``flops_per_s``)."""
+    fp32_flops_per_s: float | None = None
+    """Achievable FLOP/s of float32 matmuls at full precision and of the arithmetic of fused elementwise kernels
+    (CUDA cores; None: ``flops_per_s``)."""
+    attention_flops_per_s: float | None = None
+    """Achievable FLOP/s of a fused (flash) attention kernel in bf16/fp16 (None: ``flops_per_s``)."""
 
     def __post_init__(self):
         for f in ("flops_per_s", "bytes_per_s", "transcendentals_per_s", "matmul_floor_s", "fused_floor_s",
-                  "matmul_floor_flops"):
+                  "matmul_floor_flops", "half_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
+                  "attention_flops_per_s"):
             v = getattr(self, f)
+            if v is None and f in ("half_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
+                                   "attention_flops_per_s"):
+                continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or (
                     v == 0 and f.endswith("per_s")):
                 raise ValueError(f"KernelTimeModel.{f} must be a positive finite number, got {v!r}.")
 
     @classmethod
     def from_device(cls, device: DeviceSpec | str, dtype: Any = "bfloat16") -> KernelTimeModel:
+        """Rates from the device table: each matmul at the peak of its operand dtype (``dtype`` sets the rate of
+        kernels that name none) times ``matmul_efficiency``, fused attention at ``attention_efficiency``, memory
+        at ``memory_efficiency`` of the HBM bandwidth."""
         spec = _spec(device, "KernelTimeModel.from_device")
-        flops = spec.peak_flops(dtype) * spec.matmul_efficiency
-        return cls(device=spec.name, flops_per_s=flops, bytes_per_s=spec.hbm_bandwidth * spec.memory_efficiency,
-                   transcendentals_per_s=spec.peak_flops_fp32 * spec.matmul_efficiency / TRANSCENDENTAL_FP32_FLOPS,
-                   matmul_floor_s=spec.kernel_launch_floor, fused_floor_s=spec.kernel_launch_floor)
+        eff = spec.matmul_efficiency
+        return cls(device=spec.name, flops_per_s=spec.peak_flops(dtype) * eff,
+                   bytes_per_s=spec.hbm_bandwidth * spec.memory_efficiency,
+                   transcendentals_per_s=spec.peak_flops_fp32 * eff / TRANSCENDENTAL_FP32_FLOPS,
+                   matmul_floor_s=spec.kernel_launch_floor, fused_floor_s=spec.kernel_launch_floor,
+                   half_flops_per_s=spec.peak_flops("bfloat16") * eff,
+                   tf32_flops_per_s=spec.peak_flops("tf32") * eff, fp32_flops_per_s=spec.peak_flops_fp32 * eff,
+                   attention_flops_per_s=spec.peak_flops("bfloat16") * spec.attention_efficiency)
 
-    def kernel_time(self, kind: str, cost: OpCost) -> float:
-        body = max(cost.flops / self.flops_per_s, cost.bytes_accessed / self.bytes_per_s)
+    def matmul_rate(self, dtype: str | None) -> float:
+        """FLOP/s of a matmul whose operands are ``dtype`` (``tf32``: float32 allowed to use TF32)."""
+        if dtype in ("bfloat16", "float16"):
+            return self.half_flops_per_s or self.flops_per_s
+        if dtype in ("tf32",):
+            return self.tf32_flops_per_s or self.flops_per_s
+        if dtype in ("float32", "float64", "int32", "int8"):
+            return self.fp32_flops_per_s or self.flops_per_s
+        return self.flops_per_s
+
+    def kernel_time(self, kind: str, cost: OpCost, dtype: str | None = None, *, work: float = 1.0,
+                    floor: bool = True) -> float:
+        """Seconds of one kernel: ``matmul`` at :meth:`matmul_rate`, ``attention`` (a fused flash kernel executing
+        ``work`` FLOPs per counted FLOP) at ``attention_flops_per_s`` for 16-bit operands, anything else at
+        the fused rate (memory-bound). ``floor=False`` leaves out the per-kernel fixed cost."""
+        if kind == "attention":
+            rate = (self.attention_flops_per_s or self.matmul_rate(dtype)) if dtype in ("bfloat16", "float16", None) \
+                else self.matmul_rate(dtype)
+            body = max(cost.flops * work / rate, cost.bytes_accessed / self.bytes_per_s)
+            return body + (self.matmul_floor_s if floor else 0.0)
         if kind == "matmul":
+            body = max(cost.flops / self.matmul_rate(dtype), cost.bytes_accessed / self.bytes_per_s)
+            if not floor:
+                return body
             scale = cost.flops / (cost.flops + self.matmul_floor_flops) if self.matmul_floor_flops else 1.0
             return body + self.matmul_floor_s * scale
-        return body + cost.transcendentals / self.transcendentals_per_s + self.fused_floor_s
+        body = max(cost.flops / (self.fp32_flops_per_s or self.flops_per_s), cost.bytes_accessed / self.bytes_per_s)
+        return body + cost.transcendentals / self.transcendentals_per_s + (self.fused_floor_s if floor else 0.0)
 
     def time(self, kernels) -> float:
         """Seconds for a list of ``(kind, OpCost)`` kernels."""
         return sum(self.kernel_time(kind, cost) for kind, cost in kernels)
+
+    def scaled_time(self, kernels, scale: float = 1.0) -> float:
+        """Seconds per microbatch for a list of :class:`~autopp.profiler._kernels.ScaledKernel` at ``scale`` times
+        the traced batch (kernels that run once per step left out: see :meth:`per_step_time`)."""
+        return sum(self.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work) for k in kernels if not k.per_step)
+
+    def per_step_time(self, kernels) -> float:
+        """Seconds of the kernels that run once per step (parameter-only work, e.g. casting master weights)."""
+        return sum(self.kernel_time(k.kind, k.at(1.0), k.dtype, work=k.work) for k in kernels if k.per_step)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -86,15 +86,20 @@ class StageMeshes:
                     return NamedSharding(self.meshes[loc], P(axes if len(axes) > 1 else axes[0]))
         return self.replicated[loc]
 
-    def state_sharding(self, loc: int, shape, tensor_spec=None) -> NamedSharding:
-        """Parameters, gradients and optimizer state on stage ``loc``: ``tensor_spec`` (Megatron's column/row split
-        of the parameter, see :mod:`autopp.runtime._tensor`), and the largest other dimension that the FSDP axis
-        divides sharded over it; replicated without either."""
+    def state_sharding(self, loc: int, shape, tensor_spec=None, zero: bool = False) -> NamedSharding:
+        """Parameters, gradients and optimizer state on stage ``loc``: ``tensor_spec`` (the parameter's split over
+        the tensor axis, from the plan or Megatron's column/row rule, see :mod:`autopp.runtime._tensor`), and the
+        largest other dimension that the FSDP axis divides sharded over it; with ``zero`` (optimizer state under
+        ZeRO-1) the largest remaining dimension the data axis divides is sharded over it too; replicated without
+        any."""
         spec = list(tensor_spec) if tensor_spec is not None else [None] * len(shape)
-        f = self.layouts[loc]["fsdp"]
-        dims = [i for i, n in enumerate(shape) if f > 1 and n % f == 0 and spec[i] is None]
-        if dims:
-            spec[max(dims, key=lambda i: (shape[i], -i))] = "fsdp"
+        for axis, on in (("fsdp", True), ("data", zero)):
+            n_axis = self.layouts[loc][axis]
+            if not on or n_axis == 1:
+                continue
+            dims = [i for i, n in enumerate(shape) if n % n_axis == 0 and spec[i] is None]
+            if dims:
+                spec[max(dims, key=lambda i: (shape[i], -i))] = axis
         while spec and spec[-1] is None:
             spec.pop()
         return NamedSharding(self.meshes[loc], P(*spec)) if spec else self.replicated[loc]
@@ -192,6 +197,11 @@ class PipelineConfig:
     schedule: Schedule
     recompute: tuple[str, ...]
     """Recomputation mode of each stage."""
+    param_specs: tuple | None = None
+    """Per stage: ``{forward input index: spec}`` (a tuple with ``"tensor"`` where the parameter is split over the
+    stage's tensor axis) from a plan, or None for Megatron's rule (:mod:`autopp.runtime._tensor`)."""
+    zero1: bool = False
+    """Optimizer state sharded over each stage's data axis too (ZeRO-1)."""
 
 
 class _Deferred:
@@ -465,21 +475,37 @@ class _Builder:
                     self.users[invar_pos[v]].append(g.index)
         self.owner = {k: (self.users[k][0] if self.users[k] else 0) for k in range(len(fwd.invars))}
         self.tensor_spec: dict[tuple[int, int], tuple] = {}
+        planned = self.config.param_specs
         for g in self.graphs:
             tp = self.meshes.layouts[g.index]["tensor"]
-            if tp > 1:
-                params = [v for v in g.inputs if v in invar_pos and self.diff_mask[invar_pos[v]]]
-                for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
-                    self.tensor_spec[(g.index, invar_pos[v])] = spec_
+            if tp == 1:
+                continue
+            if planned is not None and planned[g.index] is not None:  # the plan's sharding solution
+                for k, spec_ in planned[g.index].items():
+                    k = int(k)
+                    shape = fwd.invars[k].aval.shape
+                    spec_ = tuple(spec_)
+                    if len(spec_) != len(shape) or any(a == "tensor" and shape[d] % tp for d, a in enumerate(spec_)):
+                        raise ValueError(
+                            f"autopp.parallelize: the plan splits parameter #{k} {shape} as {spec_} over "
+                            f"tensor={tp}, which does not divide it; the plan was made for another model.")
+                    if "tensor" in spec_:
+                        self.tensor_spec[(g.index, k)] = spec_
+                continue
+            params = [v for v in g.inputs if v in invar_pos and self.diff_mask[invar_pos[v]]]
+            for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
+                self.tensor_spec[(g.index, invar_pos[v])] = spec_
         self.label_outer()
 
-    def layout_of(self, loc: int, k: int | None, shape) -> NamedSharding:
+    def layout_of(self, loc: int, k: int | None, shape, var=None) -> NamedSharding:
         """Where a value of ``shape`` serving forward input ``k`` (a parameter: itself, its gradient, its optimizer
-        state; None for anything else) lives on stage ``loc``."""
+        state; None for anything else) lives on stage ``loc``; ``var`` (an outer variable) is sharded over the data
+        axis too when it is optimizer state under ZeRO-1."""
         spec = None
         if k is not None and tuple(self.fwd.invars[k].aval.shape) == tuple(shape):
             spec = self.tensor_spec.get((loc, k))
-        return self.meshes.state_sharding(loc, shape, spec)
+        zero = self.config.zero1 and var is not None and var in self.opt_state
+        return self.meshes.state_sharding(loc, shape, spec, zero=zero)
 
     def label_outer(self) -> None:
         """Which parameter each outer variable serves: the gradient equation's parameter inputs and gradients,
@@ -503,6 +529,15 @@ class _Builder:
                 if src and v not in label:
                     label[v] = src[0]
         self.label = label
+        # Optimizer state: labelled step inputs and results that do not depend on a parameter itself (Adam's
+        # moments; the updated parameter reads the parameter).
+        on_param = {grad.invars[k] for k in spec.diff_indices if not isinstance(grad.invars[k], Literal)}
+        for i, e in enumerate(jaxpr.eqns):
+            if i != self.traced.grad_index and any(a in on_param for a in _vars(e.invars)):
+                on_param.update(e.outvars)
+        io = set(jaxpr.invars) | set(_vars(jaxpr.outvars))
+        grads = set(grad.outvars)
+        self.opt_state = {v for v in label if v in io and v not in on_param and v not in grads}
 
     def _invar_name(self, k) -> str:
         a = self.grad.invars[k]
@@ -561,7 +596,7 @@ class _Builder:
         # so that the next step finds them at home.
         fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
                      in_shardings=tuple(self.slot_aval[s].sharding for s in in_slots),
-                     out_shardings=tuple(self.layout_of(loc, self.label.get(v), v.aval.shape) for v in outs))
+                     out_shardings=tuple(self.layout_of(loc, self.label.get(v), v.aval.shape, v) for v in outs))
         out_slots = self.emit(fn, in_slots, len(outs), label)
         for v, s in zip(outs, out_slots):
             self.avail[(v, loc)] = s
@@ -594,7 +629,7 @@ class _Builder:
         self.placed_input = {}
         homed = [k for k in range(len(jaxpr.invars)) if not self.traced.batch_mask[k] and pl.input_homes.get(k)]
         shardings = [self.layout_of(next(iter(pl.input_homes[k])), self.label.get(jaxpr.invars[k]),
-                                    jaxpr.invars[k].aval.shape)
+                                    jaxpr.invars[k].aval.shape, jaxpr.invars[k])
                      if len(pl.input_homes[k]) == 1 else self.meshes.multi(pl.input_homes[k]) for k in homed]
         if homed:
             placed = self.emit(_place(shardings), [self.input_slot[k] for k in homed], len(homed),
@@ -983,10 +1018,10 @@ class _Builder:
                                          lambda i, _, invals: accumulate(*invals) if i == grad_index else None))
 
         in_sh = [self.meshes.batch_sharding(0, v.aval.shape) if b
-                 else self.layout_of(0, self.label.get(v), v.aval.shape)
+                 else self.layout_of(0, self.label.get(v), v.aval.shape, v)
                  for v, b in zip(jaxpr.invars, self.traced.batch_mask)]
         fn = jax.jit(whole, in_shardings=tuple(in_sh),
-                     out_shardings=tuple(self.layout_of(0, self.label.get(v), v.aval.shape)
+                     out_shardings=tuple(self.layout_of(0, self.label.get(v), v.aval.shape, v)
                                          if not isinstance(v, Literal) else self.meshes.replicated[0]
                                          for v in jaxpr.outvars))
         self.input_slot = [self.new_slot() for _ in jaxpr.invars]
@@ -1110,15 +1145,18 @@ def _sum_program(n, sharding):
 
 def build_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
                      schedule, recompute: Sequence[str] | None = None,
-                     layouts: Sequence[dict[str, int]] | None = None) -> Executable:
+                     layouts: Sequence[dict[str, int]] | None = None, param_specs: Sequence | None = None,
+                     zero1: bool = False) -> Executable:
     """Build the step's instruction list. ``forward`` is the loss's forward jaxpr at microbatch size;
     ``recompute`` gives each stage's recomputation mode (default none); ``layouts`` each stage's mesh axis sizes
-    (``data``, ``fsdp``; default all data)."""
+    (``data``, ``fsdp``, ``tensor``; default all data); ``param_specs`` each stage's parameter layouts over its
+    tensor axis from a plan (default: Megatron's rule); ``zero1`` shards optimizer state over the data axis."""
     meshes = StageMeshes(stage_devices, layouts)
     recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
     if len(recompute) != split.num_stages or not set(recompute) <= {"none", "full", "selective"}:
         raise ValueError(f"recompute={recompute!r}: give one of 'none', 'full', 'selective' per stage "
                          f"({split.num_stages} stages).")
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
-                            recompute=recompute)
+                            recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
+                            zero1=bool(zero1))
     return _Builder(traced, forward, split, meshes, config).build()

@@ -125,6 +125,12 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
                 if new is not None:
                     split[outs[0]] = new
             continue
+        if name == "squeeze":
+            d = dim_of(ins[0])
+            gone = sorted(int(x) % max(1, len(ins[0].aval.shape)) for x in eqn.params["dimensions"])
+            if d is not None and d not in gone:
+                split[outs[0]] = d - sum(1 for x in gone if x < d)
+            continue
         if name in ("split", "slice"):
             d = dim_of(ins[0])
             if d is not None:

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from autopp.planner._cpsat import _MEM_UNIT, _TIME_UNIT, assign_blocks, assign_stages, evaluate, evaluate_blocks
+from autopp.planner._cpsat import _MEM_UNIT, _TIME_UNIT, assign_stages, evaluate
 
 
 def brute_force(layer_time, layer_act, layer_static, num_stages, in_flight, cap):
@@ -65,47 +65,50 @@ def test_bad_arguments():
         assign_stages([[1.0] * 3], [[1.0] * 3], [1.0] * 3, 2, [1], 1e9)
 
 
-def brute_force_blocks(num_blocks, block_time, const_time, block_mem, const_mem, cap, lows, num_opts):
+def brute_force_general(layer_time, layer_act, layer_static, num_stages, in_flight, cap, cuttable):
+    num_layers = len(layer_static[0])
+    allowed = [l for l in range(1, num_layers) if cuttable[l - 1]]
     best = None
-    for blocks in itertools.product(*(range(lo, num_blocks + 1) for lo in lows)):
-        if sum(blocks) != num_blocks:
-            continue
-        for ridx in itertools.product(range(num_opts), repeat=len(lows)):
-            times, mems = evaluate_blocks(blocks, ridx, block_time, const_time, block_mem, const_mem)
+    for cuts in itertools.combinations(allowed, num_stages - 1):
+        starts = (0, *cuts)
+        for ridx in itertools.product(range(len(layer_time)), repeat=num_stages):
+            times, mems = evaluate(starts, ridx, layer_time, layer_act, layer_static, in_flight)
             if max(mems) <= cap and (best is None or max(times) < best):
                 best = max(times)
     return best
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_block_counts_equal_brute_force(seed):
-    rng = np.random.default_rng(100 + seed)
-    num_stages = int(rng.integers(1, 5))
-    num_blocks = int(rng.integers(num_stages, 10))
-    fast = rng.uniform(1, 2, num_stages)  # per-stage coefficients differ (first/last stage extras, in-flight counts)
-    block_time = [[f, 1.3 * f, 1.1 * f] for f in fast]  # none, full, selective
-    const_time = [[float(c)] * 3 for c in rng.uniform(0, 3, num_stages)]
-    mem = rng.integers(4, 20, num_stages) * 64.0
-    block_mem = [[m, m / 4, m / 2] for m in mem]
-    const_mem = [[float(c)] * 3 for c in rng.integers(0, 5, num_stages) * 64.0]
-    lows = [0 if s in (0, num_stages - 1) and num_stages > 1 else 1 for s in range(num_stages)]
-    cap = float(rng.integers(5, 60)) * 64
-    expected = brute_force_blocks(num_blocks, block_time, const_time, block_mem, const_mem, cap, lows, 3)
-    got = assign_blocks(num_blocks, block_time, const_time, block_mem, const_mem, cap, min_blocks=lows,
-                        recompute_options=("none", "full", "selective"))
+@pytest.mark.parametrize("seed", range(12))
+def test_per_option_memory_fractional_in_flight_and_forbidden_cuts_equal_brute_force(seed):
+    """Options that change a layer's static bytes too (a tensor degree), chunks keeping a fraction of a microbatch
+    in flight (interleaved schedules) and positions a stage may not begin at (inside a lax.scan)."""
+    rng = np.random.default_rng(200 + seed)
+    num_layers = int(rng.integers(4, 9))
+    num_stages = int(rng.integers(1, min(4, num_layers) + 1))
+    t = rng.integers(10, 100, num_layers) * _TIME_UNIT
+    layer_time = [list(t), list(t + rng.integers(5, 40, num_layers) * _TIME_UNIT), list(t / 2)]
+    a = rng.integers(4, 50, num_layers) * 4 * _MEM_UNIT
+    layer_act = [list(a * 1.0), list(np.maximum(4, a // 8) * 1.0), list(a / 2.0)]
+    st = rng.integers(10, 60, num_layers) * _MEM_UNIT * 1.0
+    layer_static = [list(st), list(st), list(st * 2)]
+    in_flight = [float(rng.choice([0.5, 1.0, 1.5, 2.0, 2.75])) for _ in range(num_stages)]
+    cuttable = [bool(rng.random() < 0.75) for _ in range(num_layers - 1)]
+    total = sum(st) * 2 + 3 * sum(a)
+    cap = float(rng.uniform(0.1, 0.7) * total) // _MEM_UNIT * _MEM_UNIT
+    expected = brute_force_general(layer_time, layer_act, layer_static, num_stages, in_flight, cap, cuttable)
+    got = assign_stages(layer_time, layer_act, layer_static, num_stages, in_flight, cap,
+                        recompute_options=("a", "b", "c"), cuttable=cuttable)
     if expected is None:
         assert got is None
         return
     assert got is not None and got.status == "OPTIMAL"
-    assert got.bottleneck_s == pytest.approx(expected, rel=1e-6)
-    assert sum(got.stage_blocks) == num_blocks and all(n >= lo for n, lo in zip(got.stage_blocks, lows))
-    ridx = [("none", "full", "selective").index(r) for r in got.recompute]
-    _, mems = evaluate_blocks(got.stage_blocks, ridx, block_time, const_time, block_mem, const_mem)
-    assert max(mems) <= cap
+    assert got.bottleneck_s == pytest.approx(expected, rel=1e-9)
+    assert max(got.stage_memory_bytes) <= cap
+    assert all(cuttable[s - 1] for s in got.stage_starts[1:])
 
 
-def test_block_counts_scale_to_many_stages():
-    """Identical blocks make the model small: 96 blocks on 64 stages solve to the known optimum at once."""
+def test_many_layers_on_many_stages_solve_at_once():
+    """Prefix sums keep the model at O(stages x options): 98 layers on 64 stages solve to the known optimum."""
     stages = 64
-    got = assign_blocks(96, [[1.0]] * stages, [[0.0]] * stages, [[1.0]] * stages, [[0.0]] * stages, 1e9)
-    assert got.status == "OPTIMAL" and got.bottleneck_s == pytest.approx(2.0) and got.wall_time_s < 5
+    got = assign_stages([[1.0] * 98], [[1.0] * 98], [1.0] * 98, stages, [1] * stages, 1e9)
+    assert got.status == "OPTIMAL" and got.bottleneck_s == pytest.approx(2.0) and got.wall_time_s < 10

@@ -29,7 +29,7 @@ def offline_plan():
 
 def test_config_plan_replays_and_equals_jit(case, offline_plan):
     step, state, batch, reference = case
-    assert offline_plan.model_fingerprint.startswith("gpt-config:") and offline_plan.num_stages >= 2
+    assert offline_plan.model_fingerprint.startswith("layers:") and offline_plan.num_stages >= 2
     pipelined = autopp.parallelize(step, plan=offline_plan)
     got, _ = run_steps(pipelined, state, batch)
     assert_trees_close(got, reference)

@@ -3,6 +3,12 @@
 Learned position embeddings, pre-LayerNorm blocks (causal multi-head
 self-attention with a fused qkv projection, then a 4h GELU MLP), a final
 LayerNorm, and logits tied to the input embedding (``x @ wte.T``).
+
+The attention core is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``
+on ``(B, s, heads, head_dim)`` arrays: softmax(q k^T / sqrt(head_dim)) v with a
+causal mask, scores and softmax in float32. With the default implementation
+(XLA, on every backend) it traces to two einsums (``dot_general``), a mask and a
+softmax, so each block's jaxpr still holds exactly two attention matmuls.
 """
 
 from __future__ import annotations
@@ -42,8 +48,13 @@ class GPTConfig:
     """Vocabulary size (V)."""
 
     dtype: str = "float32"
-    """Parameter and activation dtype: one of "float32", "bfloat16", "float16".
+    """Activation and matmul dtype: one of "float32", "bfloat16", "float16".
     LayerNorm statistics, attention softmax and logits are computed in float32."""
+
+    param_dtype: str | None = None
+    """Storage dtype of the parameters (same names); None: ``dtype``. With ``param_dtype="float32"`` and
+    ``dtype="bfloat16"`` the model trains in mixed precision as users write it: float32 master weights, cast to
+    bfloat16 where each layer uses them."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -65,6 +76,11 @@ class GPTConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"GPTConfig.dtype must be one of {_DTYPES}, got dtype={self.dtype!r}; "
+                "pass one of those names."
+            )
+        if self.param_dtype is not None and self.param_dtype not in _DTYPES:
+            raise ValueError(
+                f"GPTConfig.param_dtype must be None or one of {_DTYPES}, got param_dtype={self.param_dtype!r}; "
                 "pass one of those names."
             )
 
@@ -108,6 +124,14 @@ class GPTConfig:
         """JSON-friendly dict; ``GPTConfig(**cfg.to_dict()) == cfg``."""
         return dataclasses.asdict(self)
 
+    def abstract_step(self, batch_size: int = 1, optimizer=None):
+        """The zoo's training step for this model (``autopp.value_and_grad`` of the loss, then ``optimizer``,
+        default AdamW) and its arguments as ``jax.ShapeDtypeStruct``s at ``batch_size`` sequences:
+        ``(step, (params, opt_state, batch), batch_argnums)``, what the planner traces."""
+        from autopp.models._train import abstract_training_step
+
+        return abstract_training_step(GPT(self), batch_size, optimizer)
+
 
 def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
@@ -136,10 +160,19 @@ class GPT:
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(self.config.dtype)
 
+    @property
+    def param_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.config.param_dtype or self.config.dtype)
+
+    def _cast(self, tree):
+        """Parameters in the compute dtype (a no-op unless ``param_dtype`` differs)."""
+        dt = self.dtype
+        return jax.tree.map(lambda w: w.astype(dt) if w.dtype != dt else w, tree)
+
     def init(self, key: jax.Array) -> Params:
         """Random params: normal(0.02) weights, output projections (``out_w``,
         ``proj_w``) normal(0.02 / sqrt(2 * layers)), zero biases, unit LN scales."""
-        c, dt = self.config, self.dtype
+        c, dt = self.config, self.param_dtype
         h = c.hidden
         out_std = _INIT_STD / math.sqrt(2.0 * c.layers)
 
@@ -183,27 +216,25 @@ class GPT:
     def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Token + position embedding: int ``(B, s)`` -> ``(B, s, h)``."""
         s = tokens.shape[-1]
-        return params["wte"][tokens] + params["wpe"][:s]
+        wte, wpe = self._cast((params["wte"], params["wpe"]))
+        return wte[tokens] + wpe[:s]
 
     def block(self, p: Params, x: jax.Array) -> jax.Array:
         """One pre-LayerNorm transformer block: ``(B, s, h)`` -> ``(B, s, h)``."""
         c = self.config
         b, s, h = x.shape
         nh, hd = c.heads, c.head_dim
+        p = self._cast(p)
 
         a = p["attn"]
         y = _layer_norm(p["ln1"], x)
-        qkv = y @ a["qkv_w"] + a["qkv_b"]
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q, k, v = (t.reshape(b, s, nh, hd) for t in (q, k, v))
-        scores = jnp.einsum(
-            "bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32
-        ) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        # A large finite negative rather than -inf keeps fully-masked rows NaN-free.
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        ctx = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
+        # The fused projection's columns are ordered head by head (q, k, v of head 0, then head 1, ...), as
+        # Megatron-LM orders them: a contiguous split of the columns over a tensor-parallel group gives each
+        # device whole heads.
+        qkv = (y @ a["qkv_w"] + a["qkv_b"]).reshape(b, s, nh, 3, hd)
+        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+        # Fused causal attention, scale 1/sqrt(hd); scores and softmax in float32.
+        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, h)
         x = x + ctx @ a["out_w"] + a["out_b"]
 
         m = p["mlp"]
@@ -213,8 +244,9 @@ class GPT:
 
     def head(self, params: Params, x: jax.Array) -> jax.Array:
         """Final LayerNorm and tied-embedding logits: ``(B, s, h)`` -> float32 ``(B, s, V)``."""
-        y = _layer_norm(params["ln_f"], x)
-        return jnp.einsum("bsh,vh->bsv", y, params["wte"], preferred_element_type=jnp.float32)
+        ln_f, wte = self._cast((params["ln_f"], params["wte"]))
+        y = _layer_norm(ln_f, x)
+        return jnp.einsum("bsh,vh->bsv", y, wte, preferred_element_type=jnp.float32)
 
     def apply(self, params: Params, tokens: jax.Array) -> jax.Array:
         """int ``(B, s)`` tokens -> float32 ``(B, s, V)`` logits."""

@@ -1,0 +1,627 @@
+"""The cost model of a training step on a cluster, read off the traced program.
+
+Everything starts from a :class:`~autopp.profiler.Profile`: the step's layers, each distinct layer's
+forward-and-backward program, the bytes of every parameter, gradient and optimizer-state leaf, and the update's
+kernels, all traced at one batch size (``profile.batch_size``). A :class:`Layout` adds the parallel degrees; the
+model then prices, per layer and microbatch, on one device:
+
+* **Tensor parallelism and sequence parallelism**: the layer's sharding over the ``tensor`` axis is the solution of
+  the intra-operator ILP (:mod:`autopp.planner._sharding`, solved once per distinct layer, tensor degree and
+  boundary layout): its kernels with each operation's share of the work, and the collectives its resharding
+  implies. ``sequence_parallel`` makes the activations between layers split along their sequence dimension
+  instead of replicated.
+* **Kernels**: matmuls at their operand dtype's peak (bf16/fp16 tensor cores, float32 as TF32 unless the trace asks
+  for full precision), fused attention as one flash kernel, everything else fused between matmuls and
+  memory-bound (:func:`autopp.profiler._kernels.program_kernels`); times from the device table's rates
+  (:class:`~autopp.profiler._timemodel.KernelTimeModel`), or measured on the local device.
+* **Batch scaling**: a microbatch of ``m`` examples per data-parallel replica scales every batch-proportional cost
+  (activation bytes, FLOPs of batch-dependent operations) by ``m / profile.batch_size``; parameter traffic does not
+  scale.
+* **Recomputation** (per stage, of the repeated blocks; every layer when the model has none): ``full`` keeps only
+  each layer's inputs and re-runs its forward (and its forward collectives) in the backward; ``selective`` drops the
+  residuals of an unfused attention core and re-runs it.
+* **Data parallelism** over ``data`` replicas of each stage, of which ``fsdp`` shard parameters, gradients and
+  optimizer state (ZeRO-3: each microbatch gathers the stage's parameters for the forward and again for the
+  backward and reduce-scatters the gradients); the remaining replicas all-reduce each shard's gradients once per
+  step, hierarchically when they span nodes; ``zero1`` shards the optimizer state over them too (Megatron's
+  distributed optimizer: a reduce-scatter of the gradients and an all-gather of the updated parameters instead of
+  the all-reduce).
+* **Pipeline**: stages (``pipeline x virtual_stages`` model chunks, chunk ``c`` on device group ``c % pipeline``,
+  or the V of DualPipeV) run the schedule's discrete-event simulation with each stage's own forward and backward
+  times; a dependency between device groups waits for the activation's transfer over the link between them (inside
+  a node or across nodes). Activations in flight per stage are counted from the schedule's own order of actions.
+* **Step**: the pipeline's makespan, plus each group's gradient reduction that sticks out past it, plus the
+  optimizer update (the traced update's memory traffic per parameter byte, at the device's bandwidth, over the
+  parameters each device updates), plus the gradient all-reduce of parameters shared between device groups (a
+  tied embedding).
+* **Overlap** (:data:`~autopp.planner._estimate.OVERLAPS`): what is hidden behind compute is only what XLA and JAX
+  hide on GPUs by default (:data:`~autopp.planner._estimate.DEFAULT_OVERLAP`) unless the caller says more.
+* **Local devices**: ``dispatch_s`` charges the runtime's host cost per issued program (the host issues every
+  program from one thread); zero for a cluster one does not run on.
+
+Memory per device: the parameters, gradients and optimizer state of every parameter its stages use (divided by
+the tensor split of the parameter, by ``fsdp``, and the optimizer state also by the replicas with ``zero1``), plus
+each stage's activations per microbatch in flight, plus what recomputation or FSDP holds transiently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+from autopp.planner._estimate import DEFAULT_OVERLAP, OVERLAPS, RECOMPUTE_MODES, SCHEDULES, Estimate
+from autopp.planner._schedule import Schedule, get_schedule, simulate_times
+from autopp.planner._sharding import LayerCost, collective_seconds, layer_cost, solve
+from autopp.profiler._cluster import Cluster
+from autopp.profiler._profile import Profile
+from autopp.profiler._strategies import REPLICATED, boundary_options, build_graph
+from autopp.profiler._timemodel import KernelTimeModel, collective_time
+
+STAGE_INSTRUCTIONS = 12
+"""Instructions the runtime issues per stage and step besides forwards, backwards and activation transfers
+(gradient buffers, shared parameters, the optimizer's programs, result assembly), when dispatch is charged."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The parallel degrees and schedule of a plan (the stage split and recomputation come separately)."""
+
+    tensor: int = 1
+    """Tensor-parallel devices per stage (inside one node)."""
+    pipeline: int = 1
+    """Device groups of the pipeline."""
+    data: int = 1
+    """Data-parallel replicas of each stage (the FSDP shards included)."""
+    fsdp: int = 1
+    """Of the ``data`` replicas, how many shard parameters, gradients and optimizer state (ZeRO-3); divides
+    ``data``."""
+    zero1: bool = False
+    """Shard the optimizer state over the remaining ``data / fsdp`` replicas (distributed optimizer)."""
+    microbatch_size: int = 1
+    """Examples per microbatch per data-parallel replica."""
+    schedule: str = "1f1b"
+    """One of :data:`~autopp.planner._estimate.SCHEDULES`."""
+    virtual_stages: int = 1
+    """Model chunks per device group (``interleaved-1f1b``; ``dualpipev`` always has 2)."""
+    sequence_parallel: bool = False
+    """Activations between layers split along their sequence dimension over the tensor axis."""
+
+    @property
+    def devices(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pipeline * (2 if self.schedule == "dualpipev" else self.virtual_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTerms:
+    """One layer per microbatch on one device under a layout and recomputation mode."""
+
+    f: float
+    """Forward compute (seconds)."""
+    b: float
+    """Backward compute, recomputation included."""
+    w: float
+    """The weight-gradient part of ``b`` (what zero-bubble schedules defer)."""
+    tp_f: float
+    """Exposed tensor-parallel communication of the forward."""
+    tp_b: float
+    """Exposed tensor-parallel communication of the backward (and of a recomputed forward)."""
+    act: float
+    """Bytes kept per microbatch in flight."""
+    transient: float
+    """Bytes held while the layer's backward runs, beyond ``act`` (the recomputed residuals)."""
+    extra_flops: float
+    """FLOPs recomputation adds per microbatch (per replica, whole layer)."""
+    per_step: float = 0.0
+    """Seconds of parameter-only work that runs once per step, not per microbatch (casting master weights)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The cost model's verdict on a layout with a stage split."""
+
+    estimate: Estimate
+    stage_forward_s: tuple[float, ...]
+    """Per model chunk: forward of one microbatch (communication included)."""
+    stage_backward_s: tuple[float, ...]
+    """Per model chunk: backward of one microbatch (recomputation and communication included)."""
+    group_memory_bytes: tuple[float, ...]
+    """Peak bytes per device of each device group."""
+
+
+class StepModel:
+    """The cost model of one profiled step on one cluster (caches each layer's sharding solutions)."""
+
+    def __init__(self, profile: Profile, cluster: Cluster, *, overlap: Sequence[str] = DEFAULT_OVERLAP,
+                 dispatch_s: float = 0.0, time_model: KernelTimeModel | None = None):
+        if profile.batch_size is None:
+            raise ValueError("the profiled step's batch leaves have different leading dimensions, so a microbatch size "
+                             "cannot scale its costs; trace the step with every batch leaf's first dimension equal to "
+                             "the batch size.")
+        unknown = [o for o in overlap if o not in OVERLAPS]
+        if unknown:
+            raise ValueError(f"overlap: unknown kinds {unknown}; choose among {', '.join(OVERLAPS)}.")
+        self.profile, self.cluster = profile, cluster
+        self.overlap = frozenset(overlap)
+        self.dispatch_s = float(dispatch_s)
+        if time_model is None:
+            time_model = (profile.time_model if profile.time_model.device == cluster.device.name
+                          else KernelTimeModel.from_device(cluster.device))
+        self.tm = time_model
+        self.layers = profile.layers
+        blocks = [l.index for l in self.layers if l.name.startswith("block")]
+        self.recomputable = frozenset(blocks) if blocks else frozenset(l.index for l in self.layers)
+        self._solutions: dict[tuple, LayerCost] = {}
+        self._terms: dict[tuple, LayerTerms] = {}
+        self.solve_stats: list[tuple[str, int, int, str, float, float]] = []
+        """(fingerprint, tensor degree, boundary, status, gap, seconds) of every ILP solved."""
+
+    # -- one layer ---------------------------------------------------------------------------------------
+    def boundary(self, fingerprint: str, tensor: int, sequence_parallel: bool) -> int:
+        """The layout of the activations entering and leaving a layer: replicated, or split along the first
+        non-batch dimension the tensor degree divides (the sequence) with sequence parallelism."""
+        if not sequence_parallel or tensor == 1:
+            return REPLICATED
+        opts = boundary_options(self.profile.programs[fingerprint], tensor)
+        return opts[1] if len(opts) > 1 else REPLICATED
+
+    def layer_cost(self, fingerprint: str, tensor: int, boundary: int) -> LayerCost:
+        key = (fingerprint, tensor, boundary)
+        hit = self._solutions.get(key)
+        if hit is None:
+            graph = build_graph(self.profile.programs[fingerprint], tensor, boundary)
+            sol = solve(graph, self.tm, self.cluster)
+            hit = self._solutions[key] = layer_cost(sol)
+            self.solve_stats.append((fingerprint, tensor, boundary, sol.status, sol.gap, sol.wall_time_s))
+        return hit
+
+    def terms(self, index: int, tensor: int, sequence_parallel: bool, scale: float, recompute: str) -> LayerTerms:
+        key = (index, tensor, sequence_parallel, scale, recompute if index in self.recomputable else "none")
+        hit = self._terms.get(key)
+        if hit is not None:
+            return hit
+        lay = self.layers[index]
+        mode = key[-1]
+        lc = self.layer_cost(lay.fingerprint, tensor, self.boundary(lay.fingerprint, tensor, sequence_parallel))
+        tm, cluster = self.tm, self.cluster
+        if lay.measured and tensor == 1:
+            f, b = lay.forward_time_s * scale, lay.backward_time_s * scale
+        else:
+            f, b = tm.scaled_time(lc.forward, scale), tm.scaled_time(lc.backward, scale)
+        tp_f = sum(c.seconds(scale, tensor, cluster) for c in lc.collectives if not c.backward)
+        tp_b = sum(c.seconds(scale, tensor, cluster) for c in lc.collectives if c.backward)
+        w = b / 2
+        extra_flops = 0.0
+        transient = 0.0
+        act = lc.residual_bytes * scale
+        if mode == "full":
+            b, tp_b = b + f, tp_b + tp_f
+            extra_flops = lay.flops * scale
+            transient = act
+            act = lc.input_bytes * scale
+        elif mode == "selective" and lc.core_forward:
+            b += tm.scaled_time(lc.core_forward, scale)
+            extra_flops = sum(k.at(scale).flops for k in lc.core_forward) * tensor
+            act = (lc.residual_bytes - lc.core_residual_bytes) * scale
+        if "tensor" in self.overlap:  # collective matmul: communication hides behind the matmuls it feeds
+            tp_f, tp_b = max(0.0, tp_f - f), max(0.0, tp_b - b)
+        per_step = tm.per_step_time(lc.forward) + tm.per_step_time(lc.backward)
+        hit = self._terms[key] = LayerTerms(f=f, b=b, w=w, tp_f=tp_f, tp_b=tp_b, act=act, transient=transient,
+                                            extra_flops=extra_flops, per_step=per_step)
+        return hit
+
+    def param_share(self, index: int, tensor: int, sequence_parallel: bool) -> dict[int, float]:
+        """Forward input (parameter) -> the fraction of it one device of the tensor group holds, for the parameters
+        layer ``index`` reads."""
+        key = ("share", index, tensor, sequence_parallel)
+        hit = self._terms.get(key)
+        if hit is not None:
+            return hit
+        lay = self.layers[index]
+        lc = self.layer_cost(lay.fingerprint, tensor, self.boundary(lay.fingerprint, tensor, sequence_parallel))
+        out = {}
+        for pos, k in enumerate(lay.param_inputs):
+            if k is not None:
+                spec = lc.param_specs.get(pos, REPLICATED)
+                out.setdefault(k, 1.0 / tensor if spec >= 0 else 1.0)
+        self._terms[key] = out
+        return out
+
+    def arrays(self, tensor: int, sequence_parallel: bool, scale: float, mode: str) -> _Arrays:
+        """Per-layer terms (see :class:`LayerTerms`) as prefix sums, for a layout's tensor degree, boundary, batch
+        scale and recomputation mode."""
+        key = ("arrays", tensor, sequence_parallel, scale, mode)
+        hit = self._terms.get(key)
+        if hit is None:
+            terms = [self.terms(i, tensor, sequence_parallel, scale, mode) for i in range(len(self.layers))]
+            hit = self._terms[key] = _Arrays(terms)
+        return hit
+
+    def params(self, tensor: int, sequence_parallel: bool) -> _Params:
+        """Per-layer bytes of the parameter state each layer owns (the first layer reading a parameter), and the
+        parameters read by later layers too."""
+        key = ("params", tensor, sequence_parallel)
+        hit = self._terms.get(key)
+        if hit is None:
+            hit = self._terms[key] = _Params(self, tensor, sequence_parallel)
+        return hit
+
+    # -- a whole step --------------------------------------------------------------------------------------
+    def chunk_groups(self, layout: Layout) -> list[int]:
+        """Device group of each model chunk."""
+        P = layout.pipeline
+        if layout.schedule == "dualpipev":
+            return [c if c < P else 2 * P - 1 - c for c in range(2 * P)]
+        return [c % P for c in range(layout.num_chunks)]
+
+    def evaluate(self, layout: Layout, global_batch: int, chunk_layers: Sequence[tuple[int, int]],
+                 chunk_recompute: Sequence[str], *, exact: bool = True, schedule: Schedule | None = None) -> Evaluation:
+        """Predict one step. ``chunk_layers[c]``: first and last layer (inclusive) of model chunk ``c``;
+        ``chunk_recompute[c]``: its recomputation mode. With ``exact`` the pipeline's makespan and the activations
+        in flight come from the schedule itself (its discrete-event simulation and its order of actions); otherwise
+        from closed forms at the slowest stage's pace (fast, for screening)."""
+        prof, cluster = self.profile, self.cluster
+        L = layout
+        t, P, d = L.tensor, L.pipeline, L.data
+        C = L.num_chunks
+        if len(chunk_layers) != C or len(chunk_recompute) != C:
+            raise ValueError(f"evaluate: {C} model chunks, got {len(chunk_layers)} layer ranges and "
+                             f"{len(chunk_recompute)} recomputation modes.")
+        if global_batch % (L.microbatch_size * d):
+            raise ValueError(f"global_batch={global_batch} is not a multiple of microbatch_size * data = "
+                             f"{L.microbatch_size} * {d}.")
+        M = global_batch // (L.microbatch_size * d)
+        scale = L.microbatch_size / prof.batch_size
+        groups = self.chunk_groups(L)
+        sp = L.sequence_parallel
+        arr = [self.arrays(t, sp, scale, mode) for mode in chunk_recompute]
+        span = [(a, b + 1) for a, b in chunk_layers]
+        f = [x.sum("f", *ab) + x.sum("tp_f", *ab) for x, ab in zip(arr, span)]
+        bw = [x.sum("b", *ab) + x.sum("tp_b", *ab) for x, ab in zip(arr, span)]
+        w = [x.sum("w", *ab) for x, ab in zip(arr, span)]
+        compute = [x.sum("f", *ab) + x.sum("b", *ab) for x, ab in zip(arr, span)]
+        tp = [x.sum("tp_f", *ab) + x.sum("tp_b", *ab) for x, ab in zip(arr, span)]
+        pr = self.params(t, sp)
+        f_sh = L.fsdp
+        replicas = d // f_sh
+        group_state = pr.group_state(span, groups, P)  # per group: (param, grad, optimizer) bytes per device
+
+        # FSDP: every microbatch gathers a chunk's parameters for its forward and backward and reduce-scatters its
+        # gradients; prefetching hides what the chunk's compute covers
+        fsdp_exposed = [0.0] * C
+        if f_sh > 1:
+            spans = f_sh * t > cluster.devices_per_node
+            for c, (a, b) in enumerate(span):
+                pb, gb, _ = pr.chunk_state(a, b)
+                comm = (2 * collective_time("all-gather", pb, f_sh, cluster, spans_nodes=spans)
+                        + collective_time("reduce-scatter", gb, f_sh, cluster, spans_nodes=spans))
+                hidden = compute[c] if "param-gather" in self.overlap else 0.0
+                fsdp_exposed[c] = max(0.0, comm - hidden)
+                f[c] += fsdp_exposed[c] / 2
+                bw[c] += fsdp_exposed[c] / 2
+
+        # pipeline: activation transfers between device groups
+        group_devices = t * d
+        send = 0.0
+        for c in range(C - 1):
+            g0, g1 = groups[c], groups[c + 1]
+            if g0 == g1:
+                continue
+            nbytes = self.layers[chunk_layers[c][1]].output_bytes * scale / (t if sp else 1)
+            spans = cluster.num_nodes > 1 and (g0 * group_devices) // cluster.devices_per_node != (
+                g1 * group_devices) // cluster.devices_per_node
+            send = max(send, collective_time("send-recv", nbytes, 2, cluster, spans_nodes=spans))
+        dispatch = self.dispatch_s
+        if dispatch:
+            f = [x + dispatch for x in f]
+            bw = [x + dispatch for x in bw]
+        in_flight = self._in_flight(L, M, exact)
+        if exact and C > 1:
+            sched = schedule or _schedule(L.schedule, C, M, L.virtual_stages, P)
+            wt = w if L.schedule in ("zb-h1", "dualpipev") else None
+            times = simulate_times(sched, f, bw, wt, send_time=send)
+            plain = simulate_times(sched, f, bw, wt, send_time=0.0) if send else times
+            makespan = max(e for _, e in times.values())
+            pp_comm = makespan - max(e for _, e in plain.values())
+            ends = [0.0] * P
+            rank_of = {a: r for r, row in enumerate(sched.rows) for a in row if a is not None}
+            for a, (_, e) in times.items():
+                ends[rank_of[a]] = max(ends[rank_of[a]], e)
+        else:
+            per_group_f = [sum(f[c] for c in range(C) if groups[c] == g) for g in range(P)]
+            per_group_b = [sum(bw[c] for c in range(C) if groups[c] == g) for g in range(P)]
+            slow = max(range(P), key=lambda g: per_group_f[g] + per_group_b[g])
+            fs, bs = per_group_f[slow], per_group_b[slow]
+            v = C // P
+            if P == 1:
+                bubble = 0.0
+            elif L.schedule in ("gpipe", "1f1b"):
+                bubble = (P - 1) * (fs + bs)
+            elif L.schedule == "interleaved-1f1b":
+                bubble = (P - 1) * (fs + bs) / v
+            else:  # zero-bubble: the input-gradient chain (Qi et al. 2023)
+                ws = sum(w[c] for c in range(C) if groups[c] == slow)
+                bubble = (P - 1) * max(fs + bs - 2 * ws, bs - ws)
+            pp_comm = 2 * M * send if P > 1 else 0.0
+            makespan = M * (fs + bs) + bubble + pp_comm
+            # in the cool-down, group g finishes its last backward g backward-slots before group 0
+            ends = [makespan - g * bs / v for g in range(P)]
+        # the host issues every program from one thread: the pipeline takes at least that long
+        if dispatch and C > 1:
+            controller = dispatch * (2 * C * M + 2 * (C - 1) * M + STAGE_INSTRUCTIONS * C)
+            if controller > makespan:
+                ends = [e + controller - makespan for e in ends]
+                makespan = controller
+
+        # data-parallel reduction and the optimizer, per device group
+        finish = []
+        dp_exposed = 0.0
+        update_s = []
+        ratio = self._update_bytes_per_param_byte()
+        # parameter-only work (casting master weights) runs once per step before a group's first microbatch
+        per_step = [sum(arr[c].sum("per_step", *span[c]) for c in range(C) if groups[c] == g) for g in range(P)]
+        shift = max(per_step)
+        ends = [e + shift for e in ends]
+        makespan += shift
+        for g in range(P):
+            pb, gb, _ = group_state[g]
+            red = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
+            last_b = max((bw[c] for c in range(C) if groups[c] == g), default=0.0)
+            if "grad-reduce" in self.overlap:
+                red = max(0.0, red - last_b)
+            upd = ratio * pb / f_sh / (replicas if L.zero1 else 1) / self.tm.bytes_per_s
+            update_s.append(upd)
+            finish.append(ends[g] + red + upd)
+            dp_exposed = max(dp_exposed, ends[g] + red - makespan)
+        shared = pr.shared_reduce(span, groups, self.cluster) if P > 1 else 0.0
+        step = max(finish) + shared
+        pp_comm += shared
+
+        # memory per device group
+        mem, details = [], []
+        for g in range(P):
+            act = transient = 0.0
+            for c in range(C):
+                if groups[c] == g:
+                    act += in_flight[c] * arr[c].sum("act", *span[c])
+                    transient = max(transient, arr[c].max("transient", *span[c]))
+            pb, gb, ob = group_state[g]
+            static_w = (pb + gb) / f_sh
+            static_o = ob / f_sh / (replicas if L.zero1 else 1)
+            working = 0.0
+            if f_sh > 1:  # two gathered layers (the one computing, the one prefetched) and one layer's gradients
+                working = 3 * max(pr.layer_bytes(i) for c in range(C) if groups[c] == g for i in range(*span[c]))
+            mem.append(static_w + static_o + act + transient + working)
+            details.append((static_w, static_o, act + transient))
+
+        model_flops = (prof.forward_flops + prof.backward_flops) * global_batch / prof.batch_size
+        extra = sum(x.sum("extra", *ab) for x, ab in zip(arr, span)) * M * d
+        n = layout.devices
+        worst = max(range(P), key=lambda g: mem[g])
+        comp = M * max(sum(compute[c] for c in range(C) if groups[c] == g) for g in range(P))
+        tp_s = M * max(sum(tp[c] for c in range(C) if groups[c] == g) for g in range(P))
+        fsdp_s = M * max(sum(fsdp_exposed[c] for c in range(C) if groups[c] == g) for g in range(P))
+        dev = cluster.device
+        est = Estimate(
+            step_time_s=step,
+            tflops_per_gpu=(model_flops + extra) / step / n / 1e12,
+            mfu=model_flops / (step * n * dev.peak_flops("bfloat16")),
+            peak_memory_bytes_per_gpu=int(math.ceil(mem[worst])),
+            fits=bool(mem[worst] <= dev.memory_capacity),
+            compute_s=comp,
+            bubble_s=max(0.0, makespan - comp - tp_s - fsdp_s - (pp_comm - shared)),
+            tp_comm_s=tp_s, fsdp_comm_s=fsdp_s, pp_comm_s=pp_comm, dp_comm_s=max(0.0, dp_exposed),
+            optimizer_s=max(update_s), num_microbatches=M,
+            param_bytes=int(details[worst][0]), optimizer_bytes=int(details[worst][1]),
+            activation_bytes=int(details[worst][2]),
+            dispatch_s=max(0.0, makespan - M * max(f[c] + bw[c] for c in range(C))) if dispatch else 0.0,
+        )
+        return Evaluation(estimate=est, stage_forward_s=tuple(f), stage_backward_s=tuple(bw),
+                          group_memory_bytes=tuple(mem))
+
+    # -- pieces ------------------------------------------------------------------------------------------------
+    def _in_flight(self, L: Layout, M: int, exact: bool) -> list[float]:
+        """Microbatches whose activations each chunk keeps at its peak."""
+        C, P = L.num_chunks, L.pipeline
+        if C == 1:
+            return [1.0]  # one program, a lax.scan over microbatches
+        if exact:
+            return list(_live_microbatches(L.schedule, C, M, L.virtual_stages, P))
+        groups = self.chunk_groups(L)
+        v = C // P
+        if L.schedule == "gpipe":
+            return [float(M)] * C
+        if L.schedule == "interleaved-1f1b":
+            return [min((v - 1) * P + 2 * (P - groups[c] - 1) + 1, M * v) / v for c in range(C)]
+        if L.schedule in ("zb-h1", "dualpipev"):
+            return [float(min(M, P))] * C
+        return [float(min(M, P - groups[c])) for c in range(C)]
+
+    def _update_bytes_per_param_byte(self) -> float:
+        """Memory traffic of the traced update per byte of parameters (e.g. 7 for Adam over fp32 parameters: read
+        parameter, gradient and both moments, write parameter and moments)."""
+        total = sum(k.at(1.0).bytes_accessed for k in self.profile.update_kernels)
+        pbytes = sum(v[0] for v in self.profile.state_bytes.values()) or 1
+        return total / pbytes
+
+    def _grad_reduce(self, grad_bytes: float, param_bytes: float, replicas: int, t: int, fsdp: int,
+                     zero1: bool) -> float:
+        """Seconds to reduce a device's gradient shard over the ``replicas`` holding the same shard, hierarchically
+        when they span nodes (reduce-scatter in the node, all-reduce across nodes, all-gather in the node); with
+        ``zero1`` a reduce-scatter of the gradients and an all-gather of the updated parameters."""
+        if replicas == 1:
+            return 0.0
+        cluster = self.cluster
+        local = max(1, min(replicas, cluster.devices_per_node // (t * fsdp)))
+        nodes = -(-replicas // local)
+
+        def allreduce_like(nbytes, kind):
+            if nodes == 1:
+                return collective_time(kind, nbytes, replicas, cluster, spans_nodes=False)
+            inter = collective_time(kind, nbytes / local, nodes, cluster, spans_nodes=True)
+            if local > 1:
+                intra = collective_time("reduce-scatter" if kind != "all-gather" else "all-gather", nbytes, local,
+                                        cluster, spans_nodes=False)
+                if kind == "all-reduce":
+                    intra *= 2
+                return inter + intra
+            return inter
+
+        if zero1:
+            return allreduce_like(grad_bytes, "reduce-scatter") + allreduce_like(param_bytes, "all-gather")
+        return allreduce_like(grad_bytes, "all-reduce")
+
+
+
+class _Arrays:
+    """Per-layer terms with prefix sums."""
+
+    _FIELDS = ("f", "b", "w", "tp_f", "tp_b", "act", "transient", "extra")
+
+    def __init__(self, terms: Sequence[LayerTerms]):
+        self.values = {}
+        self.prefix = {}
+        names = dict(f="f", b="b", w="w", tp_f="tp_f", tp_b="tp_b", act="act", transient="transient",
+                     extra="extra_flops", per_step="per_step")
+        for key, attr in names.items():
+            vals = [getattr(x, attr) for x in terms]
+            self.values[key] = vals
+            acc = [0.0]
+            for v in vals:
+                acc.append(acc[-1] + v)
+            self.prefix[key] = acc
+
+    def sum(self, key: str, a: int, b: int) -> float:
+        """Sum over layers ``a .. b-1``."""
+        p = self.prefix[key]
+        return p[b] - p[a]
+
+    def max(self, key: str, a: int, b: int) -> float:
+        return max(self.values[key][a:b], default=0.0)
+
+
+class _Params:
+    """Bytes per device of the parameter state (parameter, gradient, optimizer state) under a tensor layout: per
+    layer for the parameters it owns (the first layer reading one), plus the parameters later layers read again."""
+
+    def __init__(self, model: StepModel, tensor: int, sp: bool):
+        state = model.profile.state_bytes
+        n = len(model.layers)
+        self.owned = [[0.0, 0.0, 0.0] for _ in range(n)]
+        self.users: dict[int, list[int]] = {}
+        self.bytes_of: dict[int, tuple[float, float, float]] = {}
+        for i in range(n):
+            for k, share in model.param_share(i, tensor, sp).items():
+                if k not in self.users:
+                    self.users[k] = []
+                    pb, gb, ob = state[k]
+                    self.bytes_of[k] = (pb * share, gb * share, ob * share)
+                    for j in range(3):
+                        self.owned[i][j] += self.bytes_of[k][j]
+                self.users[k].append(i)
+        self.shared = {k: u for k, u in self.users.items() if len(set(u)) > 1}
+        self.prefix = [[0.0] * (n + 1) for _ in range(3)]
+        for j in range(3):
+            for i in range(n):
+                self.prefix[j][i + 1] = self.prefix[j][i] + self.owned[i][j]
+        self._layer = [sum(self.bytes_of[k][0] for k in model.param_share(i, tensor, sp)) for i in range(n)]
+
+    def layer_bytes(self, i: int) -> float:
+        """Parameter bytes layer ``i`` reads (per device)."""
+        return self._layer[i]
+
+    def chunk_state(self, a: int, b: int) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes of the parameters layers ``a .. b-1`` read."""
+        out = [self.prefix[j][b] - self.prefix[j][a] for j in range(3)]
+        for k, users in self.shared.items():
+            if users[0] < a and any(a <= u < b for u in users):
+                out[0] += self.bytes_of[k][0]
+                out[1] += self.bytes_of[k][1]
+        return tuple(out)
+
+    def group_state(self, spans, groups, P) -> list[tuple[float, float, float]]:
+        """Per device group: the state of every parameter its chunks read, the optimizer state only where the
+        parameter's owner is (a copy elsewhere receives the value and sends back its gradient)."""
+        out = [[0.0, 0.0, 0.0] for _ in range(P)]
+        for (a, b), g in zip(spans, groups):
+            for j in range(3):
+                out[g][j] += self.prefix[j][b] - self.prefix[j][a]
+        for k, users in self.shared.items():
+            owner_g = next(g for (a, b), g in zip(spans, groups) if a <= users[0] < b)
+            others = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b} - {owner_g}
+            for g in others:
+                out[g][0] += self.bytes_of[k][0]
+                out[g][1] += self.bytes_of[k][1]
+        return [tuple(x) for x in out]
+
+    def shared_reduce(self, spans, groups, cluster: Cluster) -> float:
+        """All-reduce of each shared parameter's gradient between the device groups reading it, once per step."""
+        total = 0.0
+        for k, users in self.shared.items():
+            gs = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b}
+            if len(gs) > 1:
+                total += collective_time("all-reduce", self.bytes_of[k][1], len(gs), cluster,
+                                         spans_nodes=cluster.num_nodes > 1)
+        return total
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, chunks: int, M: int, v: int, P: int) -> Schedule:
+    if name == "dualpipev":
+        return get_schedule(name, P, M)
+    return get_schedule(name, chunks, M, virtual_stages=v if name == "interleaved-1f1b" else 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _live_microbatches(name: str, chunks: int, M: int, v: int, P: int) -> tuple[float, ...]:
+    """Per chunk, the most microbatches whose forward ran and whose backward (its weight-gradient half, when split)
+    has not, walking each rank's actions in order."""
+    sched = _schedule(name, chunks, M, v, P)
+    peak = [0] * chunks
+    for row in sched.rows:
+        live = [0] * chunks
+        for a in row:
+            if a is None:
+                continue
+            if a.kind == "F":
+                live[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+            elif a.kind in ("B", "W"):
+                live[a.stage] -= 1
+    return tuple(float(p) for p in peak)
+
+
+def chunk_split(profile: Profile, chunks: int) -> list[tuple[int, int]] | None:
+    """The equal split of a profile's layers into ``chunks`` model chunks: the repeated blocks evenly (what precedes
+    them with the first chunk, what follows with the last), or the layers evenly when there are no blocks. None when
+    the blocks do not divide evenly."""
+    layers = profile.layers
+    blocks = [l.index for l in layers if l.name.startswith("block")]
+    if blocks:
+        if len(blocks) % chunks:
+            return None
+        per = len(blocks) // chunks
+        out = []
+        for c in range(chunks):
+            first = 0 if c == 0 else blocks[c * per]
+            last = len(layers) - 1 if c == chunks - 1 else blocks[(c + 1) * per] - 1
+            out.append((first, last))
+        return out
+    n = len(layers)
+    if n < chunks:
+        return None
+    base, extra = divmod(n, chunks)
+    out, at = [], 0
+    for c in range(chunks):
+        size = base + (1 if c < extra else 0)
+        out.append((at, at + size - 1))
+        at += size
+    return out
+
+
+__all__ = ["Evaluation", "LayerTerms", "Layout", "RECOMPUTE_MODES", "SCHEDULES", "StepModel", "chunk_split"]

@@ -1,0 +1,363 @@
+"""The kernels a program runs, with per-kernel dtypes, sharding and batch scaling.
+
+:func:`program_kernels` groups a program's equations the way XLA fuses them on a GPU: each matmul is its own
+kernel, a fused attention region (``jax.nn.dot_product_attention``) is one flash-attention kernel, and every run
+of other equations between two of those is one fused kernel whose memory traffic is what crosses its boundary.
+Each kernel's cost is split into a part that scales with the batch (activations) and a part that does not
+(parameters), so that a profile traced at one batch size prices any microbatch size; and each equation may be
+divided over a tensor-parallel group (its share of the work and of every value it touches, from a sharding
+solution).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+from jax.extend import core as jex_core
+
+from autopp.profiler._costs import OpCost, aval_bytes, eqn_cost
+
+Literal = jex_core.Literal
+_ZERO = OpCost(0.0, 0.0, 0.0, 0.0)
+
+MATMUL = "matmul"
+FUSED = "fused"
+ATTENTION = "attention"
+
+FLASH_BACKWARD_MATMULS = 5.0 / 4.0
+"""A flash-attention backward runs five ``s x s`` matmuls where the unfused backward runs four: it recomputes the
+scores ``Q K^T`` from the saved log-sum-exp instead of storing them (Dao 2023, FlashAttention-2, Algorithm 2)."""
+
+VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "convert_element_type"})
+"""Parameter-only operations XLA fuses into the kernel that reads their result (it reads the operand instead)."""
+
+EPILOGUE = frozenset({
+    "convert_element_type", "transpose", "reshape", "broadcast_in_dim", "add", "add_any", "sub", "mul", "div", "max",
+    "min", "neg", "tanh", "logistic", "exp", "erf", "integer_pow", "square", "select_n", "copy",
+})
+"""Element-wise operations a matmul kernel applies to its result on the way out (bias, activation, scale, cast,
+layout, accumulation)."""
+
+CAUSAL_WORK = 0.5
+"""Fraction of the ``s x s`` blocks a causal flash-attention kernel computes: the blocks above the diagonal are
+skipped (Dao 2023, section 3.1.1), so a causal kernel does about half the matmul work of the full one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledKernel:
+    """One kernel: its cost at the traced batch, split into a batch-proportional part and a fixed part."""
+
+    kind: str
+    """``matmul``, ``fused`` or ``attention``."""
+    dtype: str | None
+    """Operand dtype that sets a matmul's or attention kernel's peak (``bfloat16``, ``float16``, ``tf32``,
+    ``float32``); None for fused elementwise kernels."""
+    batch: OpCost
+    """Cost that scales with the batch size."""
+    fixed: OpCost = _ZERO
+    """Cost that does not (e.g. reading a weight)."""
+    work: float = 1.0
+    """Executed FLOPs per counted FLOP (flash attention: recomputation and causal block skipping)."""
+    per_step: bool = False
+    """A kernel of parameter-only equations (casting master weights to the compute dtype, transposing weights):
+    the same for every microbatch, so it runs once per step, before the microbatches (as XLA hoists it out of a
+    gradient-accumulation loop, and as autopp's runtime runs it per stage and step)."""
+
+    def at(self, scale: float) -> OpCost:
+        """The cost at ``scale`` times the traced batch."""
+        b, f = self.batch, self.fixed
+        return OpCost(b.flops * scale + f.flops, b.transcendentals * scale + f.transcendentals,
+                      b.bytes_accessed * scale + f.bytes_accessed, b.output_bytes * scale + f.output_bytes)
+
+
+def matmul_dtype(eqn) -> str:
+    """The peak a matmul runs at: its operands' dtype; float32 operands run as TF32 unless the equation asks for
+    ``Precision.HIGHEST`` (XLA's default precision lets cuBLAS use TF32 tensor cores for float32 on Ampere and
+    later)."""
+    dts = [str(a.aval.dtype) for a in eqn.invars if hasattr(a, "aval")]
+    widest = max(dts, key=lambda d: np.dtype(d).itemsize if d in ("float16", "bfloat16", "float32", "float64")
+                 else 0, default="float32")
+    if widest in ("bfloat16", "float16"):
+        return widest
+    if widest in ("float32", "float64"):
+        prec = eqn.params.get("precision")
+        text = str(prec).upper() if prec is not None else ""
+        return "float32" if "HIGHEST" in text else "tf32"
+    return "float32"
+
+
+def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: Callable[[object], bool],
+                    dependent: Callable[[int], bool] | None = None,
+                    eqn_share: Callable[[int], float] = lambda i: 1.0,
+                    var_share: Callable[[object], float] = lambda v: 1.0,
+                    regions: Sequence[tuple[int, ...]] = (), causal: Iterable[int] = (),
+                    backward_eqns: frozenset[int] = frozenset(),
+                    used_after: Callable[[object, int], bool] | None = None) -> list[ScaledKernel]:
+    """The kernels of the equations ``eqn_ids`` (in order) of ``jaxpr``.
+
+    ``is_batch(var)``: whether a value's size scales with the batch. ``dependent(i)``: whether equation ``i`` depends
+    on the batch (its FLOPs scale; default: it reads a batch-sized value); the others read only parameters and
+    constants and form ``per_step`` kernels of their own. ``eqn_share(i)``: the fraction of equation ``i``'s
+    work one device does (1/t when split over a tensor group); ``var_share(v)``: the fraction of value ``v`` one
+    device holds. ``regions``: groups of equation indices that are one fused attention call each (``causal``:
+    indices of the causal ones); ``backward_eqns`` tells a region's forward part from its backward part.
+    ``used_after(v, i)``: whether ``v`` is read after equation ``i`` outside the run (default: by any later
+    equation of the jaxpr, or by its outputs).
+    """
+    ids = list(eqn_ids)
+    eqns = jaxpr.eqns
+    region_of = {i: r for r, g in enumerate(regions) for i in g}
+    causal = set(causal)
+    last_use: dict = {}
+    for i, e in enumerate(eqns):
+        for a in _reads(e):
+            last_use[a] = i
+    for a in jaxpr.outvars:
+        if not isinstance(a, Literal):
+            last_use[a] = len(eqns)
+    if used_after is None:
+        def used_after(v, i):
+            return last_use.get(v, -1) > i
+
+    if dependent is None:
+        def dependent(i):
+            return any(is_batch(a) for a in _reads(eqns[i]))
+
+    # Values XLA never materialises: constants generated in the kernel that reads them (iota, a broadcast literal,
+    # a mask computed from them) and views of parameters (a bias broadcast to the activation's shape): reading one
+    # costs what reading its source costs.
+    source: dict = {}
+    for i, e in enumerate(eqns):
+        if dependent(i) or i in region_of:
+            continue
+        ins = _reads(e)
+        if all(a in source and source[a] is None for a in ins):
+            for v in e.outvars:
+                source[v] = None  # made from literals only: free
+        elif e.primitive.name in VIEWS and len(ins) == 1:
+            for v in e.outvars:
+                source[v] = source.get(ins[0], ins[0])
+    views = {i for i, e in enumerate(eqns) if e.outvars and all(v in source for v in e.outvars)}
+
+    def nbytes(v) -> tuple[float, float]:
+        if v in source:
+            v = source[v]
+            if v is None:
+                return (0.0, 0.0)
+        b = aval_bytes(v.aval) * var_share(v)
+        return (b, 0.0) if is_batch(v) else (0.0, b)
+
+    kernels: list[ScaledKernel] = []
+    run: list[int] = []
+
+    def cost_pair(i, e) -> tuple[OpCost, OpCost]:
+        c = eqn_cost(e)
+        share = eqn_share(i)
+        scaled = OpCost(c.flops * share, c.transcendentals * share, 0.0, 0.0)
+        return (scaled, _ZERO) if dependent(i) else (_ZERO, scaled)
+
+    ids = [i for i in ids if i not in views]
+    # parameter-only equations: their own kernels, once per step
+    hoisted = [i for i in ids if not dependent(i) and i not in region_of]
+    hoisted_set = set(hoisted)
+    if hoisted:
+        fixed = [0.0, 0.0, 0.0, 0.0]
+        inside = set()
+        for i in hoisted:
+            c = eqn_cost(eqns[i])
+            share = eqn_share(i)
+            fixed[0] += c.flops * share
+            fixed[1] += c.transcendentals * share
+            for a in _reads(eqns[i]):
+                if a not in inside:
+                    fixed[2] += sum(nbytes(a))
+            for v in eqns[i].outvars:
+                inside.add(v)
+                fixed[2] += sum(nbytes(v))
+                fixed[3] += sum(nbytes(v))
+        kernels.append(ScaledKernel(FUSED, None, _ZERO, OpCost(*fixed), per_step=True))
+    ids = [i for i in ids if i not in hoisted_set]
+
+    def close_run():
+        if not run:
+            return
+        inside, read = set(), set()
+        b, f = [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]
+        for i in run:
+            cb, cf = cost_pair(i, eqns[i])
+            b[0] += cb.flops
+            b[1] += cb.transcendentals
+            f[0] += cf.flops
+            f[1] += cf.transcendentals
+            for a in _reads(eqns[i]):
+                if a not in inside and a not in read:
+                    read.add(a)
+                    xb, xf = nbytes(a)
+                    b[2] += xb
+                    f[2] += xf
+            inside.update(eqns[i].outvars)
+        end = run[-1]
+        for i in run:
+            for v in eqns[i].outvars:
+                if used_after(v, end):
+                    xb, xf = nbytes(v)
+                    b[2] += xb
+                    f[2] += xf
+                    b[3] += xb
+                    f[3] += xf
+        kernels.append(ScaledKernel(FUSED, None, OpCost(*b), OpCost(*f)))
+        run.clear()
+
+    # Epilogue fusion: element-wise work that directly consumes a matmul's result (a bias, an activation, a cast, a
+    # transpose, an accumulation into a gradient buffer) runs inside the matmul kernel, as cuBLAS epilogues and XLA's
+    # GEMM rewriter fuse it: the intermediate never goes to memory, and the kernel is as slow as the slower of its
+    # FLOPs and its memory traffic.
+    epi: list[int] = []
+    chain: set = set()
+    host: list = []  # [kernel index, matmul equation index]
+
+    def close_epilogue():
+        if not epi:
+            return
+        k_idx, mm = host
+        e_mm = eqns[mm]
+        k = kernels[k_idx]
+        b, f = list(dataclasses.astuple(k.batch)), list(dataclasses.astuple(k.fixed))
+        inside = set(e_mm.outvars)
+        end = epi[-1]
+        for v in e_mm.outvars:  # the matmul's result is written only if something after the epilogue reads it
+            if not any(v in set(_reads(eqns[x])) for x in range(end + 1, len(eqns))) and v not in jaxpr.outvars:
+                xb, xf = nbytes(v)
+                b[2] -= xb
+                f[2] -= xf
+                b[3] -= xb
+                f[3] -= xf
+        read = set()
+        for x in epi:
+            for a in _reads(eqns[x]):
+                if a not in inside and a not in read:
+                    read.add(a)
+                    xb, xf = nbytes(a)
+                    b[2] += xb
+                    f[2] += xf
+            inside.update(eqns[x].outvars)
+        for x in epi:
+            for v in eqns[x].outvars:
+                if used_after(v, end):
+                    xb, xf = nbytes(v)
+                    b[2] += xb
+                    f[2] += xf
+                    b[3] += xb
+                    f[3] += xf
+        kernels[k_idx] = dataclasses.replace(k, batch=OpCost(*b), fixed=OpCost(*f))
+        epi.clear()
+
+    def end_epilogue():
+        close_epilogue()
+        chain.clear()
+        host.clear()
+
+    done_regions: set[int] = set()
+    for i in ids:
+        e = eqns[i]
+        if host and not run and e.primitive.name in EPILOGUE and any(a in chain for a in _reads(e)):
+            epi.append(i)
+            chain.update(e.outvars)
+            continue
+        if e.primitive.name not in ("dot_general", "conv_general_dilated"):
+            end_epilogue()
+        r = region_of.get(i)
+        if r is not None:
+            if r in done_regions:
+                continue
+            done_regions.add(r)
+            close_run()
+            part = [x for x in regions[r] if x in set(ids)]
+            kernels.append(_attention_kernel(jaxpr, part, regions[r], is_batch, eqn_share, var_share, r in causal,
+                                             backward=bool(part) and part[0] in backward_eqns))
+            continue
+        if e.primitive.name in ("dot_general", "conv_general_dilated"):
+            end_epilogue()
+            close_run()
+            cb, cf = cost_pair(i, e)
+            io_b = io_f = 0.0
+            for a in list(_reads(e)) + list(e.outvars):
+                xb, xf = nbytes(a)
+                io_b += xb
+                io_f += xf
+            out_b = sum(nbytes(v)[0] for v in e.outvars)
+            out_f = sum(nbytes(v)[1] for v in e.outvars)
+            kernels.append(ScaledKernel(MATMUL, matmul_dtype(e), OpCost(cb.flops, 0.0, io_b, out_b),
+                                        OpCost(cf.flops, 0.0, io_f, out_f)))
+            host[:] = [len(kernels) - 1, i]
+            chain.update(e.outvars)
+        elif e.primitive.name in ("scan", "while", "cond"):
+            close_run()
+            cb, cf = cost_pair(i, e)
+            c = eqn_cost(e)
+            batch_eqn = any(is_batch(a) for a in _reads(e))
+            share = eqn_share(i)
+            traffic = OpCost(0.0, 0.0, c.bytes_accessed * share, c.output_bytes * share)
+            kernels.append(ScaledKernel("loop", None, OpCost(cb.flops, cb.transcendentals, 0, 0) + (
+                traffic if batch_eqn else _ZERO), OpCost(cf.flops, cf.transcendentals, 0, 0) + (
+                _ZERO if batch_eqn else traffic)))
+        else:
+            run.append(i)
+    end_epilogue()
+    close_run()
+    return kernels
+
+
+def _reads(e):
+    return [a for a in e.invars if not isinstance(a, Literal)]
+
+
+def _attention_kernel(jaxpr, eqn_ids, region, is_batch, eqn_share, var_share, causal: bool,
+                      backward: bool) -> ScaledKernel:
+    """One flash-attention kernel for a region's forward (or backward) equations: the matmul FLOPs of that part at
+    the operand dtype, memory traffic only for what crosses the whole region (no ``s x s`` tensor; the values the
+    unfused backward would read from the forward are recomputed inside the kernel)."""
+    eqns = jaxpr.eqns
+    inside = set(region)
+    flops_b = flops_f = 0.0
+    dtype = None
+    defined = set()
+    for i in region:
+        defined.update(eqns[i].outvars)
+    for i in eqn_ids:
+        e = eqns[i]
+        if e.primitive.name == "dot_general":
+            c = eqn_cost(e).flops * eqn_share(i)
+            if any(is_batch(a) for a in _reads(e)):
+                flops_b += c
+            else:
+                flops_f += c
+            d = matmul_dtype(e)
+            if dtype is None or d in ("bfloat16", "float16"):
+                dtype = d
+    reads, writes = set(), set()
+    for i in eqn_ids:
+        for a in _reads(eqns[i]):
+            if a not in defined:
+                reads.add(a)
+    part_defined = {v for i in eqn_ids for v in eqns[i].outvars}
+    users = set()
+    for k, e in enumerate(eqns):
+        if k not in inside:
+            users.update(_reads(e))
+    users.update(a for a in jaxpr.outvars if not isinstance(a, Literal))
+    writes.update(v for v in part_defined if v in users)
+    traffic_b = traffic_f = out_b = 0.0
+    for a in reads | writes:
+        b = aval_bytes(a.aval) * var_share(a)
+        if is_batch(a):
+            traffic_b += b
+        else:
+            traffic_f += b
+    for a in writes:
+        out_b += aval_bytes(a.aval) * var_share(a)
+    work = (CAUSAL_WORK if causal else 1.0) * (FLASH_BACKWARD_MATMULS if backward else 1.0)
+    return ScaledKernel(ATTENTION, dtype or "float32", OpCost(flops_b, 0.0, traffic_b, out_b),
+                        OpCost(flops_f, 0.0, traffic_f, 0.0), work=work)

@@ -1,0 +1,998 @@
+"""Sharding strategies of one layer over a stage's ``tensor`` mesh axis: the graph the intra-operator ILP solves.
+
+The reference is Alpa's intra-operator pass (Zheng et al. 2022, section 4): every operation of the layer's
+forward-and-backward program gets a list of *strategies*; a strategy says how the operation's output is laid
+out over the ``t`` devices of the tensor axis and which layout it needs of each input; an edge between a
+producer and a consumer whose layouts differ costs a collective (a *resharding*). The ILP
+(:mod:`autopp.planner._sharding`) picks one strategy per operation.
+
+A layout ("spec") of a value over the tensor axis is one of:
+
+* ``R`` (:data:`REPLICATED`): every device holds the whole value;
+* ``P`` (:data:`PARTIAL`): every device holds a value of the full shape, and the value is their sum (what a
+  matmul whose contracted dimension is split leaves behind, before its all-reduce);
+* ``d >= 0``: the value is split into ``t`` equal blocks along dimension ``d``.
+
+Strategies are read off the jaxpr's dataflow, never off names: a ``dot_general`` may split a batch, a free
+(output) or a contracted dimension of its operands; elementwise operations keep any split; ``reshape``,
+``transpose``, ``broadcast_in_dim`` and slicing carry a split to the matching dimension; reductions keep splits of
+other dimensions and turn a split of a summed dimension into ``P``; ``gather``/``scatter`` may split the table's
+indexed dimension (a vocabulary-parallel embedding); calls with a body (``jit``, ``custom_jvp_call``, ...) keep a
+split that passes through their body. A *fused attention* region (``jax.nn.dot_product_attention``, marked at
+trace time, see :data:`autopp._compat.FUSED_ATTENTION_SCOPE`) is one node: split by heads (keys and values split
+too only when their heads divide), by batch, or replicated.
+
+Sequence parallelism (Korthikanti et al. 2022) is not a special case: the norm and elementwise operations between
+two tensor-parallel matmuls simply take the strategy that splits the sequence dimension, and the all-reduce after
+a row-parallel matmul becomes a reduce-scatter (``P`` to a split) followed later by an all-gather (a split to
+``R``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from autopp import _compat
+from autopp.profiler._costs import aval_bytes
+
+Literal = jex_core.Literal
+
+REPLICATED = -1
+"""Spec code: the value is whole on every device of the tensor axis."""
+PARTIAL = -2
+"""Spec code: every device holds a full-shape partial sum of the value."""
+
+
+def spec_name(spec: int) -> str:
+    """``R``, ``P`` or ``S(d)``."""
+    return "R" if spec == REPLICATED else "P" if spec == PARTIAL else f"S({spec})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to run an operation over the tensor axis."""
+
+    out: int
+    """Spec of the operation's results (all of them)."""
+    ins: tuple[int | None, ...]
+    """Spec each input must have (aligned with :attr:`OpNode.invars`; None: unconstrained)."""
+    split: bool
+    """Whether the operation's work is divided over the ``t`` devices."""
+    outs: tuple[int, ...] | None = None
+    """Spec of each of the node's outputs when they differ (a fused group, an attention region); None: ``out``."""
+    members: tuple[bool, ...] = ()
+    """For a fused group: whether each member equation's work is split (aligned with :attr:`OpNode.eqns`)."""
+    internal: tuple[tuple[object, int, int], ...] = ()
+    """For a fused group: reshardings between its own members, as ``(value, from spec, to spec)``."""
+    defined: tuple[int, ...] = ()
+    """For a fused group: the spec of every value its members define (aligned with :attr:`OpNode.defined`)."""
+
+
+@dataclasses.dataclass
+class OpNode:
+    """A decision of the ILP: one equation, a fused attention region, or a program input."""
+
+    index: int
+    kind: str
+    """``op`` (a matmul), ``group`` (a fused group of other equations connected by their values: one layout
+    choice for all of them, their strategies following by propagation), ``attention`` (a fused attention region),
+    ``param`` (a parameter input, which also receives its gradient), ``input`` (an activation input, also
+    receiving its gradient), ``const``, or ``output`` (a forward output, which also produces its cotangent
+    input)."""
+    eqns: tuple[int, ...]
+    """Equation indices of the program this node runs (empty for inputs and outputs)."""
+    invars: tuple
+    """Values the node reads (program variables), aligned with each strategy's ``ins``."""
+    outvars: tuple
+    """Values the node defines."""
+    strategies: list[Strategy]
+    backward: bool = False
+    """Whether the node belongs to the backward pass (depends on a cotangent)."""
+    defined: tuple = ()
+    """For a fused group: every value its members define (its outputs and its internal values)."""
+    ref: int | None = None
+    """For ``param``/``input``/``const``: the program invar index; for ``output``: the forward output index."""
+
+
+@dataclasses.dataclass
+class LayerProgram:
+    """A layer's forward and backward as one jaxpr ``f(*inputs, *cotangents) -> (*outputs, *input_grads)``."""
+
+    closed: jex_core.ClosedJaxpr
+    num_inputs: int
+    """Inputs of the layer (the first ``num_inputs`` invars); the rest are cotangents of :attr:`ct_outputs`."""
+    input_kinds: tuple[str, ...]
+    """Per layer input: ``param`` (a differentiated parameter), ``batch`` (a differentiated batch-dependent
+    activation), ``data`` (batch-dependent, not differentiated: the batch itself) or ``const``."""
+    ct_outputs: tuple[int, ...]
+    """Forward outputs that receive a cotangent input (the floating ones), in cotangent-invar order."""
+    num_outputs: int
+    """Forward outputs (the first ``num_outputs`` outvars); the rest are gradients of :attr:`grad_inputs`."""
+    grad_inputs: tuple[int, ...]
+    """Layer inputs whose gradients follow the outputs, in order."""
+    backward_eqns: frozenset[int]
+    """Equations that depend on a cotangent."""
+    batch_vars: frozenset
+    """Variables whose size scales with the batch (they carry its dimension, see :func:`batch_sized_vars`)."""
+    dependent_eqns: frozenset
+    """Equations that depend on a batch input or a cotangent (their work scales with the batch); the others only
+    read parameters and constants (casts of master weights: once per step, not per microbatch)."""
+    attention_regions: tuple[tuple[int, ...], ...]
+    """Groups of equations inside one fused attention call (forward and backward)."""
+    causal_regions: frozenset[int]
+    """Indices into :attr:`attention_regions` of causal attention calls."""
+
+
+def _float(aval) -> bool:
+    return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
+
+
+def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str]) -> LayerProgram:
+    """The forward-and-backward program of a layer given as a closed jaxpr and the kind of each input.
+
+    Parameters and batch-dependent floating inputs are differentiated; every floating output receives a
+    cotangent as an input of the program (so that backward equations are exactly those depending on one).
+    """
+    jaxpr = closed.jaxpr
+    kinds = tuple(input_kinds)
+    if len(kinds) != len(jaxpr.invars):
+        raise ValueError(f"layer_program: {len(kinds)} input kinds for {len(jaxpr.invars)} inputs.")
+    diff = [i for i, (v, k) in enumerate(zip(jaxpr.invars, kinds)) if k in ("param", "batch") and _float(v.aval)]
+    ct_outputs = tuple(k for k, v in enumerate(jaxpr.outvars) if _float(v.aval))
+    n_in = len(jaxpr.invars)
+
+    def fwd_bwd(*args):
+        xs, cts = list(args[:n_in]), list(args[n_in:])
+
+        def of_diff(dvals):
+            vals = list(xs)
+            for i, d in zip(diff, dvals):
+                vals[i] = d
+            return jax.core.eval_jaxpr(jaxpr, closed.consts, *vals)
+
+        outs, vjp = jax.vjp(of_diff, [xs[i] for i in diff])
+        full_cts = []
+        it = iter(cts)
+        for k, o in enumerate(outs):
+            full_cts.append(next(it) if k in ct_outputs else np.zeros(o.shape, jax.dtypes.float0))
+        (grads,) = vjp(full_cts)
+        return (*outs, *grads)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    avals += [jax.ShapeDtypeStruct(jaxpr.outvars[k].aval.shape, jaxpr.outvars[k].aval.dtype) for k in ct_outputs]
+    prog = jax.make_jaxpr(fwd_bwd)(*avals)
+    pj = prog.jaxpr
+    cts = list(pj.invars[n_in:])
+    dep = {v for v, k in zip(pj.invars, kinds) if k in ("batch", "data")} | set(cts)
+    ct_dep = set(cts)
+    backward, dependent = set(), set()
+    for i, e in enumerate(pj.eqns):
+        ins = [a for a in e.invars if not isinstance(a, Literal)]
+        if any(a in ct_dep for a in ins):
+            ct_dep.update(e.outvars)
+            backward.add(i)
+        if any(a in dep for a in ins):
+            dep.update(e.outvars)
+            dependent.add(i)
+    regions, causal = _attention_regions(pj)
+    starts = {v: 0 for v, k in zip(pj.invars, kinds) if k in ("batch", "data") and getattr(v.aval, "shape", ())}
+    sized = batch_sized_vars(pj, starts, {ct: pj.outvars[k] for ct, k in zip(cts, ct_outputs)})
+    return LayerProgram(closed=prog, num_inputs=n_in, input_kinds=kinds, ct_outputs=ct_outputs,
+                        num_outputs=len(jaxpr.outvars), grad_inputs=tuple(diff), backward_eqns=frozenset(backward),
+                        batch_vars=frozenset(sized), dependent_eqns=frozenset(dependent), attention_regions=regions,
+                        causal_regions=frozenset(causal))
+
+
+def batch_sized_vars(jaxpr, starts: dict, ct_of: dict) -> set:
+    """The variables that carry the batch dimension (their size scales with the batch): the batch inputs (their
+    leading dimension, ``starts``: var -> dim) and what operations carry that dimension to, followed through the
+    program with the same rules as the sharding strategies (any dimension size allowed); a cotangent carries it
+    where its forward output does (``ct_of``: cotangent -> output). A weight gradient (the batch contracted away) or
+    a loss (reduced over it) does not."""
+    _ANY_SIZE[0] = True
+    try:
+        spec = dict(starts)
+        for _ in range(2):  # the second pass knows the cotangents' batch dimension from the forward's outputs
+            for ct, out in ct_of.items():
+                if not isinstance(out, Literal) and spec.get(out, REPLICATED) >= 0:
+                    spec[ct] = spec[out]
+            for e in jaxpr.eqns:
+                have = [None if isinstance(a, Literal) else spec.get(a, REPLICATED) for a in e.invars]
+                if all(h is None or h < 0 for h in have):
+                    continue
+                best = None
+                for st in eqn_strategies(e, 2):
+                    if st.out < 0 and st.out != PARTIAL:
+                        continue
+                    # values without the batch dimension can be read any way (a parameter broadcast along it)
+                    ok = all(h is None or r is None or h < 0 or h == r for h, r in zip(have, st.ins))
+                    carried = sum(1 for h, r in zip(have, st.ins) if h is not None and h >= 0 and r == h)
+                    if ok and carried and (best is None or carried > best[0]):
+                        best = (carried, st)
+                if best is not None and best[1].out >= 0:
+                    for v in e.outvars:
+                        spec[v] = best[1].out
+        return {v for v, d in spec.items() if d >= 0}
+    finally:
+        _ANY_SIZE[0] = False
+
+
+def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    """Connected groups of equations under the fused-attention scope."""
+    marked = [i for i, e in enumerate(jaxpr.eqns) if _compat.FUSED_ATTENTION_SCOPE in _compat.name_stack(e)]
+    if not marked:
+        return (), []
+    parent = {i: i for i in marked}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict = {}
+    for i in marked:
+        e = jaxpr.eqns[i]
+        for a in list(e.invars) + list(e.outvars):
+            if isinstance(a, Literal):
+                continue
+            if a in owner:
+                parent[find(i)] = find(owner[a])
+            else:
+                owner[a] = i
+    groups: dict[int, list[int]] = {}
+    for i in marked:
+        groups.setdefault(find(i), []).append(i)
+    regions = tuple(tuple(sorted(g)) for g in sorted(groups.values()))
+    causal = [k for k, g in enumerate(regions)
+              if any(_compat.FUSED_ATTENTION_SCOPE + "_causal" in _compat.name_stack(jaxpr.eqns[i]) for i in g)]
+    return regions, causal
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Strategies of one equation
+
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "neg", "exp", "exp2", "log", "log1p", "expm1",
+    "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "erf_inv", "abs", "sign", "select_n",
+    "convert_element_type", "square", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "stop_gradient", "copy", "copy_p", "clamp", "nextafter", "rem", "eq", "ne", "lt",
+    "le", "gt", "ge", "and", "or", "not", "xor", "is_finite", "add_any", "floor", "ceil", "round",
+    "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+    "real", "imag", "conj", "bitcast_convert_type", "optimization_barrier", "pvary", "mesh_cast", "reshard",
+    "sharding_constraint", "device_put",
+})
+"""Operations applied element by element to operands of the output's shape (or scalars)."""
+
+# Linear in all operands (a sum of partial sums is a partial sum); unary ones keep P.
+_LINEAR_ALL = frozenset({"add", "sub", "add_any", "neg", "convert_element_type", "copy", "copy_p",
+                         "reduce_precision", "stop_gradient", "optimization_barrier", "pvary"})
+_LINEAR_FIRST = frozenset({"mul", "div"})  # linear in the first operand (and mul in either)
+_SUM_REDUCTIONS = frozenset({"reduce_sum"})
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                         "argmax", "argmin", "reduce_xor"})
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+_NESTED_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                           "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat_call"})
+
+
+_ANY_SIZE = [False]
+"""While True (see :func:`batch_sized_vars`), every dimension counts as splittable: the strategies then say where a
+dimension *goes* (the batch dimension, whatever its size), not whether ``t`` divides it."""
+
+
+def _splittable(shape, d: int, t: int) -> bool:
+    if _ANY_SIZE[0]:
+        return 0 <= d < len(shape)
+    return 0 <= d < len(shape) and shape[d] >= t and shape[d] % t == 0
+
+
+def _divides(t: int, n: int) -> bool:
+    return _ANY_SIZE[0] or n % t == 0
+
+
+def _shape(a) -> tuple:
+    return tuple(getattr(a.aval, "shape", ()))
+
+
+def _none_if_lit(a, spec):
+    return None if isinstance(a, Literal) else spec
+
+
+def _all(eqn, spec_of_input) -> tuple:
+    return tuple(None if isinstance(a, Literal) else spec_of_input(a) for a in eqn.invars)
+
+
+def reshape_dim(old: tuple, new: tuple, d: int, t: int) -> int | None:
+    """Where a split of dimension ``d`` of ``old`` lands after a reshape to ``new`` (None: it does not survive):
+    the dimension of ``new`` starting at the same flat offset, whose block structure matches (merging ``d`` with
+    minor dimensions, or splitting ``d`` into a major factor that ``t`` divides)."""
+    before = math.prod(old[:d])
+    acc = 1
+    for i, n in enumerate(new):
+        if acc == before:
+            size = old[d]
+            if n == size and _divides(t, n):
+                return i
+            if n > size and n % size == 0 and _divides(t, size):  # merge d with minor dims: the major carries it
+                return i
+            if n < size and size % n == 0 and _divides(t, n):  # d splits into n x ...: the major factor carries it
+                return i
+            if n == 1 and not _ANY_SIZE[0]:
+                acc *= n
+                continue
+            return None
+        acc *= n
+        if acc > before:
+            return None
+    return None
+
+
+def eqn_strategies(eqn, t: int) -> list[Strategy]:
+    """The strategies of one equation over ``t`` devices (at least the replicated one)."""
+    name = eqn.primitive.name
+    outs = eqn.outvars
+    out_shape = _shape(outs[0]) if outs else ()
+    rep = Strategy(REPLICATED, _all(eqn, lambda a: REPLICATED), False)
+    strategies = [rep]
+    if t == 1:
+        return strategies
+
+    def add(out, ins, split):
+        s = Strategy(out, tuple(ins), split)
+        if s not in strategies:
+            strategies.append(s)
+
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars
+        ls, rs = _shape(lhs), _shape(rhs)
+        lfree = [i for i in range(len(ls)) if i not in lc and i not in lb]
+        rfree = [i for i in range(len(rs)) if i not in rc and i not in rb]
+        nb = len(lb)
+        for i, (a, b) in enumerate(zip(lb, rb)):
+            if _splittable(ls, a, t):
+                add(i, (_none_if_lit(lhs, a), _none_if_lit(rhs, b)), True)
+        for j, f in enumerate(lfree):
+            if _splittable(ls, f, t):
+                add(nb + j, (_none_if_lit(lhs, f), _none_if_lit(rhs, REPLICATED)), True)
+        for j, g in enumerate(rfree):
+            if _splittable(rs, g, t):
+                add(nb + len(lfree) + j, (_none_if_lit(lhs, REPLICATED), _none_if_lit(rhs, g)), True)
+        for a, b in zip(lc, rc):
+            if _splittable(ls, a, t):
+                add(PARTIAL, (_none_if_lit(lhs, a), _none_if_lit(rhs, b)), True)
+        # linear in each operand: a partial operand gives a partial result
+        add(PARTIAL, (_none_if_lit(lhs, PARTIAL), _none_if_lit(rhs, REPLICATED)), False)
+        add(PARTIAL, (_none_if_lit(lhs, REPLICATED), _none_if_lit(rhs, PARTIAL)), False)
+        return strategies
+
+    if name in ELEMENTWISE:
+        if len(outs) != 1:
+            return strategies
+        arrays = [a for a in eqn.invars if not isinstance(a, Literal) and _shape(a) == out_shape and out_shape]
+        for d in range(len(out_shape)):
+            if _splittable(out_shape, d, t):
+                # an operand broadcast along d (size 1 there, or of lower rank) is needed whole
+                add(d, [None if isinstance(a, Literal) else (
+                    d if len(_shape(a)) == len(out_shape) and _shape(a)[d] == out_shape[d] else REPLICATED)
+                    for a in eqn.invars], True)
+        vars_ = [a for a in eqn.invars if not isinstance(a, Literal)]
+        if name in _LINEAR_ALL and vars_ and all(_shape(a) == out_shape for a in vars_) and \
+                not any(isinstance(a, Literal) for a in eqn.invars if name in ("add", "sub")):
+            add(PARTIAL, [None if isinstance(a, Literal) else PARTIAL for a in eqn.invars], False)
+        elif name in _LINEAR_FIRST and arrays:
+            for k, a in enumerate(eqn.invars):
+                if isinstance(a, Literal) or (name == "div" and k != 0):
+                    continue
+                add(PARTIAL, [None if isinstance(b, Literal) else (PARTIAL if j == k else REPLICATED)
+                              for j, b in enumerate(eqn.invars)], False)
+        return strategies
+
+    if name == "broadcast_in_dim":
+        x = eqn.invars[0]
+        if isinstance(x, Literal):
+            return strategies
+        xs = _shape(x)
+        bdims = eqn.params["broadcast_dimensions"]
+        rest = [None] * (len(eqn.invars) - 1)
+        for d in range(len(xs)):
+            if _splittable(xs, d, t) and out_shape[bdims[d]] == xs[d]:
+                add(int(bdims[d]), [d] + rest, True)
+        add(PARTIAL, [PARTIAL] + rest, False)
+        return strategies
+
+    if name == "reshape":
+        x = eqn.invars[0]
+        xs = _shape(x)
+        for d in range(len(xs)):
+            if _splittable(xs, d, t):
+                nd = reshape_dim(xs, out_shape, d, t)
+                if nd is not None:
+                    add(nd, [d] + [None] * (len(eqn.invars) - 1), True)
+        add(PARTIAL, [PARTIAL] + [None] * (len(eqn.invars) - 1), False)
+        return strategies
+
+    if name == "transpose":
+        perm = list(eqn.params["permutation"])
+        xs = _shape(eqn.invars[0])
+        for d in range(len(xs)):
+            if _splittable(xs, d, t):
+                add(perm.index(d), [d], True)
+        add(PARTIAL, [PARTIAL], False)
+        return strategies
+
+    if name == "squeeze":
+        xs = _shape(eqn.invars[0])
+        gone = sorted(int(d) % max(1, len(xs)) for d in eqn.params["dimensions"])
+        for d in range(len(xs)):
+            if d not in gone and _splittable(xs, d, t):
+                add(d - sum(1 for g in gone if g < d), [d], True)
+        add(PARTIAL, [PARTIAL], False)
+        return strategies
+
+    if name in _REDUCTIONS:
+        xs = _shape(eqn.invars[0])
+        axes = tuple(int(a) for a in eqn.params.get("axes", ()))
+        for d in range(len(xs)):
+            if not _splittable(xs, d, t):
+                continue
+            if d not in axes:
+                add(d - sum(1 for a in axes if a < d), [d] + [None] * (len(eqn.invars) - 1), True)
+            elif name in _SUM_REDUCTIONS:
+                add(PARTIAL, [d] + [None] * (len(eqn.invars) - 1), True)
+        if name in _SUM_REDUCTIONS:
+            add(PARTIAL, [PARTIAL], False)
+        return strategies
+
+    if name in _CUMULATIVE:
+        xs = _shape(eqn.invars[0])
+        axis = int(eqn.params.get("axis", 0))
+        for d in range(len(xs)):
+            if d != axis and _splittable(xs, d, t):
+                add(d, [d], True)
+        if name == "cumsum":
+            add(PARTIAL, [PARTIAL], False)
+        return strategies
+
+    if name == "stack":  # operands of one shape stacked along a new axis of the result
+        axis = int(eqn.params.get("axis", 0))
+        xs = _shape(eqn.invars[0])
+        for d in range(len(xs)):
+            if _splittable(xs, d, t):
+                add(d if d < axis else d + 1, [None if isinstance(a, Literal) else d for a in eqn.invars], True)
+        if not any(isinstance(a, Literal) for a in eqn.invars):
+            add(PARTIAL, [PARTIAL] * len(eqn.invars), False)
+        return strategies
+
+    if name == "unstack":  # the inverse: one result per index of ``axis``
+        axis = int(eqn.params.get("axis", 0))
+        xs = _shape(eqn.invars[0])
+        for d in range(len(xs)):
+            if d != axis and _splittable(xs, d, t):
+                add(d if d < axis else d - 1, [d], True)
+        add(PARTIAL, [PARTIAL], False)
+        return strategies
+
+    if name in ("slice", "rev", "pad", "dynamic_slice", "dynamic_update_slice", "concatenate", "split"):
+        return _slicing_strategies(eqn, t, strategies, add)
+
+    if name == "gather":
+        return _gather_strategies(eqn, t, strategies, add)
+
+    if name.startswith("scatter"):
+        return _scatter_strategies(eqn, t, strategies, add)
+
+    subs = list(jex_core.jaxprs_in_params(eqn.params))
+    if subs and name not in ("scan", "while", "cond") and len(outs) == 1:
+        body = subs[0]
+        for d in range(len(out_shape)):
+            if not _splittable(out_shape, d, t):
+                continue
+            ins = [None if isinstance(a, Literal) else (d if _shape(a) == out_shape else REPLICATED)
+                   for a in eqn.invars]
+            if _passes_through(body, ins, d, t):
+                add(d, ins, True)
+    return strategies
+
+
+def _slicing_strategies(eqn, t, strategies, add):
+    name = eqn.primitive.name
+    x = eqn.invars[0]
+    xs = _shape(x)
+    outs = eqn.outvars
+    n_in = len(eqn.invars)
+    if name == "concatenate":
+        dim = int(eqn.params["dimension"])
+        for d in range(len(xs)):
+            if d != dim and _splittable(xs, d, t):
+                add(d, [None if isinstance(a, Literal) else d for a in eqn.invars], True)
+        if not any(isinstance(a, Literal) for a in eqn.invars):
+            add(PARTIAL, [PARTIAL] * n_in, False)
+        return strategies
+    if name == "split":
+        axis = int(eqn.params["axis"])
+        for d in range(len(xs)):
+            if d != axis and _splittable(xs, d, t):
+                add(d, [d], True)
+        add(PARTIAL, [PARTIAL], False)
+        return strategies
+    if name == "dynamic_update_slice":
+        upd = _shape(eqn.invars[1])
+        for d in range(len(xs)):
+            if _splittable(xs, d, t) and upd[d] == xs[d]:
+                add(d, [d, None if isinstance(eqn.invars[1], Literal) else d] + [REPLICATED] * (n_in - 2), True)
+        return strategies
+    out_shape = _shape(outs[0])
+    for d in range(len(xs)):
+        if not _splittable(xs, d, t) or out_shape[d] != xs[d]:
+            continue
+        if name == "pad" and tuple(eqn.params["padding_config"][d]) != (0, 0, 0):
+            continue
+        if name == "rev" and d in eqn.params["dimensions"]:
+            continue
+        if name == "dynamic_slice":
+            add(d, [d] + [REPLICATED] * (n_in - 1), True)
+        elif name == "pad":
+            add(d, [d, None if isinstance(eqn.invars[1], Literal) else REPLICATED], True)
+        else:
+            add(d, [d], True)
+    if name in ("slice", "rev"):
+        add(PARTIAL, [PARTIAL], False)
+    return strategies
+
+
+def _gather_strategies(eqn, t, strategies, add):
+    operand, indices = eqn.invars[0], eqn.invars[1]
+    dn = eqn.params["dimension_numbers"]
+    os_, is_ = _shape(operand), _shape(indices)
+    out_shape = _shape(eqn.outvars[0])
+    slice_sizes = tuple(eqn.params["slice_sizes"])
+    offset = list(dn.offset_dims)
+    collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+    # output dims that are not offset dims follow the indices' dims (all but the last, the index vector)
+    batch_out = [d for d in range(len(out_shape)) if d not in offset]
+    idx_dims = list(range(len(is_) - 1))
+    for k, od in zip(idx_dims, batch_out):
+        if _splittable(is_, k, t) and not getattr(dn, "operand_batching_dims", ()):
+            add(od, [REPLICATED, k], True)
+    kept = [d for d in range(len(os_)) if d not in collapsed]
+    for od, d in zip(offset, kept):
+        if _splittable(os_, d, t) and slice_sizes[d] == os_[d]:
+            add(od, [d, REPLICATED], True)
+    for d in dn.collapsed_slice_dims:  # the indexed dimension split: each device gathers its rows, zeros elsewhere
+        if _splittable(os_, d, t) and slice_sizes[d] == 1:
+            add(PARTIAL, [d, REPLICATED], True)
+    return strategies
+
+
+def _scatter_strategies(eqn, t, strategies, add):
+    if len(eqn.invars) != 3:
+        return strategies
+    operand, indices, updates = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    os_, is_, us = _shape(operand), _shape(indices), _shape(updates)
+    window = list(dn.update_window_dims)
+    inserted = set(dn.inserted_window_dims) | set(getattr(dn, "operand_batching_dims", ()))
+    kept = [d for d in range(len(os_)) if d not in inserted]
+    lit = lambda a, s: None if isinstance(a, Literal) else s  # noqa: E731
+    for ud, d in zip(window, kept):
+        if _splittable(os_, d, t) and us[ud] == os_[d]:
+            add(d, [lit(operand, d), REPLICATED, lit(updates, ud)], True)
+    if eqn.primitive.name == "scatter-add" or eqn.primitive.name == "scatter_add":
+        scatter_upd = [d for d in range(len(us)) if d not in window]
+        for k, ud in zip(range(len(is_) - 1), scatter_upd):  # updates split by position: partial sums
+            if _splittable(is_, k, t) and _splittable(us, ud, t):
+                add(PARTIAL, [lit(operand, PARTIAL), k, lit(updates, ud)], True)
+        for d in dn.inserted_window_dims:  # the table's indexed dimension split: each device adds its rows
+            if _splittable(os_, d, t):
+                add(d, [lit(operand, d), REPLICATED, lit(updates, REPLICATED)], True)
+    return strategies
+
+
+def _passes_through(body, in_specs, d: int, t: int) -> bool:
+    """Whether a called body, given inputs laid out as ``in_specs``, computes its single output split on ``d``
+    with no resharding (each equation has a strategy matching the layouts its inputs arrive in)."""
+    j = body.jaxpr if isinstance(body, jex_core.ClosedJaxpr) else body
+    if len(j.outvars) != 1:
+        return False
+    spec = {v: (REPLICATED if s is None else s) for v, s in zip(j.invars, in_specs)}
+    for c in j.constvars:
+        spec[c] = REPLICATED
+    for e in j.eqns:
+        have = tuple(None if isinstance(a, Literal) else spec.get(a, REPLICATED) for a in e.invars)
+        options = [s for s in eqn_strategies(e, t)
+                   if all(h is None or r is None or h == r or (h == REPLICATED and r == REPLICATED)
+                          for h, r in zip(have, s.ins))]
+        if not options:
+            return False
+        best = max(options, key=lambda s: (s.split, s.out != PARTIAL))
+        for v in e.outvars:
+            spec[v] = best.out
+    o = j.outvars[0]
+    return not isinstance(o, Literal) and spec.get(o) == d
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The graph of one layer
+
+
+@dataclasses.dataclass
+class StrategyGraph:
+    """Every decision of one layer's sharding ILP and the values that connect them."""
+
+    program: LayerProgram
+    t: int
+    """Devices of the tensor axis."""
+    nodes: list[OpNode]
+    producer: dict
+    """Variable -> index of the node that defines it."""
+    consumers: dict
+    """Variable -> list of ``(node index, position in the node's invars)``."""
+    boundary_in: int
+    """Spec of the layer's batch-dependent activation inputs (and of their gradients)."""
+    boundary_out: int
+    """Spec of the layer's forward outputs (and of their cotangents)."""
+    node_of_eqn: dict[int, int]
+
+
+def dual(spec: int) -> int:
+    """The layout of the gradient of a value laid out as ``spec``: a split stays, replicated and partial values
+    get whole gradients."""
+    return spec if spec >= 0 else REPLICATED
+
+
+def boundary_options(program: LayerProgram, t: int) -> list[int]:
+    """Specs the layer's activation inputs and outputs may take: replicated, or split along a non-leading
+    dimension that every batch-dependent floating input and output has and ``t`` divides (the sequence, for a
+    transformer's residual stream: sequence parallelism)."""
+    j = program.closed.jaxpr
+    shapes = [_shape(v) for v, k in zip(j.invars[:program.num_inputs], program.input_kinds)
+              if k == "batch" and _float(v.aval)]
+    shapes += [_shape(j.outvars[k]) for k in program.ct_outputs if _shape(j.outvars[k])]
+    opts = [REPLICATED]
+    if t > 1 and shapes:
+        rank = min(len(s) for s in shapes)
+        for d in range(1, rank):
+            if all(_splittable(s, d, t) for s in shapes):
+                opts.append(d)
+    return opts
+
+
+def build_graph(program: LayerProgram, t: int, boundary_in: int = REPLICATED,
+                boundary_out: int | None = None) -> StrategyGraph:
+    """The strategy graph of ``program`` over ``t`` devices with the given boundary layouts (a layer's batch
+    inputs arrive as ``boundary_in``; its forward outputs leave as ``boundary_out``, default the same)."""
+    if boundary_out is None:
+        boundary_out = boundary_in
+    j = program.closed.jaxpr
+    n_in = program.num_inputs
+    nodes: list[OpNode] = []
+    producer: dict = {}
+    grad_of_input = {program.grad_inputs[k]: j.outvars[program.num_outputs + k]
+                     for k in range(len(program.grad_inputs))}
+
+    def new(kind, eqns, invars, outvars, strategies, backward=False, ref=None):
+        node = OpNode(len(nodes), kind, tuple(eqns), tuple(invars), tuple(outvars), strategies, backward, ref)
+        nodes.append(node)
+        for v in outvars:
+            producer[v] = node.index
+        return node
+
+    # Inputs: parameters (receiving their gradient in the same layout), activations, constants.
+    for i, (v, kind) in enumerate(zip(j.invars[:n_in], program.input_kinds)):
+        g = grad_of_input.get(i)
+        reads = () if g is None or isinstance(g, Literal) else (g,)
+        shape = _shape(v)
+        if kind == "param":
+            specs = [REPLICATED] + [d for d in range(len(shape)) if _splittable(shape, d, t)]
+        elif kind == "batch" and _float(v.aval) and shape:
+            specs = [boundary_in if boundary_in == REPLICATED or _splittable(shape, boundary_in, t) else REPLICATED]
+        else:
+            specs = [REPLICATED]
+        new(kind if kind in ("param", "const") else "input", (), reads, (v,),
+            [Strategy(s, (dual(s),) * len(reads) if kind != "param" else (s,) * len(reads), False) for s in specs],
+            ref=i)
+    # Forward outputs, each producing its cotangent input.
+    ct_vars = dict(zip(program.ct_outputs, j.invars[n_in:]))
+    for k in range(program.num_outputs):
+        o = j.outvars[k]
+        if isinstance(o, Literal):
+            continue
+        spec = boundary_out if (boundary_out >= 0 and _splittable(_shape(o), boundary_out, t)) else REPLICATED
+        ct = ct_vars.get(k)
+        new("output", (), (o,), (ct,) if ct is not None else (), [Strategy(dual(spec), (spec,), False)], ref=k)
+    # Equations: a matmul is a node of its own, a fused attention region is one node, and the other equations
+    # connected by their values form fused groups (what XLA fuses into one kernel), one layout choice each.
+    node_of_eqn: dict[int, int] = {}
+    region_of: dict[int, int] = {}
+    for r, g in enumerate(program.attention_regions):
+        for i in g:
+            region_of[i] = r
+    groups = _fused_groups(j, region_of, program.backward_eqns)
+    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    done_regions: set[int] = set()
+    done_groups: set[int] = set()
+    used_by: dict = {}
+    for i, e in enumerate(j.eqns):
+        for a in e.invars:
+            if not isinstance(a, Literal):
+                used_by.setdefault(a, set()).add(i)
+    program_outs = {a for a in j.outvars if not isinstance(a, Literal)}
+    for i, e in enumerate(j.eqns):
+        r = region_of.get(i)
+        if r is not None:
+            if r in done_regions:
+                continue
+            done_regions.add(r)
+            eqs = program.attention_regions[r]
+            invars, outvars, strategies = _attention_node(j, eqs, t)
+            node = new("attention", eqs, invars, outvars, strategies,
+                       backward=any(x in program.backward_eqns for x in eqs))
+            for x in eqs:
+                node_of_eqn[x] = node.index
+            continue
+        k = group_of.get(i)
+        if k is not None:
+            if k in done_groups:
+                continue
+            done_groups.add(k)
+            members = groups[k]
+            inside = set(members)
+            ext_in = []
+            for x in members:
+                for a in j.eqns[x].invars:
+                    if not isinstance(a, Literal) and a not in ext_in and not any(
+                            a in j.eqns[y].outvars for y in members if y < x):
+                        ext_in.append(a)
+            outs = [v for x in members for v in j.eqns[x].outvars
+                    if v in program_outs or used_by.get(v, set()) - inside]
+            node = new("group", members, ext_in, outs,
+                       _group_strategies(j, members, ext_in, outs, t, program.dependent_eqns),
+                       backward=any(x in program.backward_eqns for x in members))
+            node.defined = tuple(v for x in members for v in j.eqns[x].outvars)
+            for x in members:
+                node_of_eqn[x] = node.index
+            continue
+        node = new("op", (i,), [a for a in e.invars if not isinstance(a, Literal)], e.outvars,
+                   _var_strategies(e, eqn_strategies(e, t)), backward=i in program.backward_eqns)
+        node_of_eqn[i] = node.index
+    consumers: dict = {}
+    for node in nodes:
+        for pos, v in enumerate(node.invars):
+            consumers.setdefault(v, []).append((node.index, pos))
+    return StrategyGraph(program=program, t=t, nodes=nodes, producer=producer, consumers=consumers,
+                         boundary_in=boundary_in, boundary_out=boundary_out, node_of_eqn=node_of_eqn)
+
+
+ANCHORS = frozenset({"dot_general", "conv_general_dilated"})
+"""Equations that are nodes of their own; every other equation joins a fused group."""
+
+
+def _fused_groups(j, region_of: dict, backward: frozenset = frozenset()) -> list[tuple[int, ...]]:
+    """Connected groups of non-matmul equations outside attention regions (connected through a value one of them
+    defines and another reads, both in the forward or both in the backward pass), in program order."""
+    free = [i for i, e in enumerate(j.eqns) if e.primitive.name not in ANCHORS and i not in region_of]
+    parent = {i: i for i in free}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    defined_by = {}
+    for i in free:
+        for v in j.eqns[i].outvars:
+            defined_by[v] = i
+    for i in free:
+        for a in j.eqns[i].invars:
+            if not isinstance(a, Literal) and a in defined_by and (i in backward) == (defined_by[a] in backward):
+                parent[find(i)] = find(defined_by[a])
+    groups: dict[int, list[int]] = {}
+    for i in free:
+        groups.setdefault(find(i), []).append(i)
+    return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
+
+
+_REDUCE_WEIGHT = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
+
+
+def _costly(src: int, dst: int) -> str | None:
+    if src == dst or dst == PARTIAL or src == REPLICATED:
+        return None
+    if src == PARTIAL:
+        return "all-reduce" if dst == REPLICATED else "reduce-scatter"
+    return "all-gather" if dst == REPLICATED else "all-to-all"
+
+
+def _group_strategies(j, members: tuple[int, ...], ext_in: list, outs: list, t: int,
+                      dependent: frozenset = frozenset()) -> list[Strategy]:
+    """One strategy per layout ``sigma`` of the group's largest values (replicated, partial, or split along one of
+    their dimensions). Replicated: every member replicated. Otherwise the members' strategies follow by propagation:
+    a forward pass gives each member, in order, the strategy that keeps its largest outputs convertible to
+    ``sigma`` for free, matches what its consumers inside the group prefer and needs the fewest bytes resharded
+    (preferring one that splits its work); a backward pass then collects what each value's consumers prefer, and
+    the forward pass runs again with that lookahead. Mismatches left inside the group become internal reshardings;
+    the layouts its inputs need become the group's."""
+    sizes = [(math.prod(_shape(v)), _shape(v)) for x in members for v in j.eqns[x].outvars]
+    main = max(sizes)[1] if sizes else ()
+    sigmas = [PARTIAL] + [d for d in range(len(main)) if _splittable(main, d, t)]
+    per_eqn = {x: eqn_strategies(j.eqns[x], t) for x in members}
+    ext_pos = {v: k for k, v in enumerate(ext_in)}
+    defined = [v for x in members for v in j.eqns[x].outvars]
+    rep = Strategy(REPLICATED, (REPLICATED,) * len(ext_in), False, outs=(REPLICATED,) * len(outs),
+                   members=(False,) * len(members), internal=(), defined=(REPLICATED,) * len(defined))
+    found: list[Strategy] = [rep]
+
+    def natural(v, sigma):
+        """The layout a value of the group's rank would take under sigma: split along the same dimension."""
+        shape = _shape(v)
+        if shape == main:
+            return sigma
+        if sigma >= 0 and len(shape) == len(main) and _splittable(shape, sigma, t):
+            return sigma
+        return None
+
+    def forward(sigma, prefer):
+        spec: dict = {}
+        need = [None] * len(ext_in)
+        internal, splits = [], []
+        for x in members:
+            e = j.eqns[x]
+            best = None
+            for st in per_eqn[x]:
+                pen = 0.0
+                for a, r in zip(e.invars, st.ins):
+                    if r is None or isinstance(a, Literal):
+                        continue
+                    nbytes = aval_bytes(a.aval)
+                    if a in spec:
+                        kind = _costly(spec[a], r)
+                        if kind is not None:
+                            pen += _REDUCE_WEIGHT.get(kind, 1.0 / t) * nbytes
+                    else:
+                        k = ext_pos[a]
+                        if need[k] is not None and _costly(need[k], r) is not None:
+                            pen += nbytes
+                        elif _shape(a) == main and _costly(sigma, r) is not None:
+                            pen += nbytes
+                        elif need[k] is None and a in prefer and r != prefer[a]:
+                            pen += 0.01 * nbytes  # read an input the way the group's consumers would like it
+                for v in e.outvars:
+                    if _shape(v) == main and _costly(st.out, sigma) is not None:
+                        pen += 2.0 * aval_bytes(v.aval)
+                    elif v in prefer and _costly(st.out, prefer[v]) is not None:
+                        pen += aval_bytes(v.aval)
+                    elif v in prefer and st.out != prefer[v]:
+                        pen += 0.01 * aval_bytes(v.aval)
+                    elif v not in prefer and natural(v, sigma) is not None and st.out != natural(v, sigma):
+                        pen += 0.01 * aval_bytes(v.aval)
+                if x in dependent:  # splitting the batch's work pays; splitting a constant or a weight cast does not
+                    if not st.split and t > 1:
+                        pen += 0.1 * sum(aval_bytes(v.aval) for v in e.outvars)
+                elif st.split:
+                    pen += 1e-3
+                if best is None or pen < best[0]:
+                    best = (pen, st)
+            st = best[1]
+            splits.append(st.split)
+            for a, r in zip(e.invars, st.ins):
+                if r is None or isinstance(a, Literal):
+                    continue
+                if a in spec:
+                    if _costly(spec[a], r) is not None:
+                        internal.append((a, spec[a], r))
+                else:
+                    k = ext_pos[a]
+                    if need[k] is None:
+                        need[k] = r
+                    elif _costly(need[k], r) is not None:
+                        internal.append((a, need[k], r))
+            for v in e.outvars:
+                spec[v] = st.out
+        return spec, need, internal, splits
+
+    def backward(sigma, spec):
+        """What each value's consumers inside the group prefer, given the current assignment."""
+        prefer: dict = {}
+        for x in reversed(members):
+            e = j.eqns[x]
+            want = [prefer.get(v, natural(v, sigma) if natural(v, sigma) is not None else spec.get(v))
+                    for v in e.outvars]
+            options = [st for st in per_eqn[x] if all(w is None or _costly(st.out, w) is None for w in want)]
+            if not options:
+                continue
+            have = [None if isinstance(a, Literal) else spec.get(a) for a in e.invars]
+            st = max(options, key=lambda st: (sum(h is not None and r is not None and _costly(h, r) is None
+                                                  for h, r in zip(have, st.ins)), st.split))
+            for a, r in zip(e.invars, st.ins):
+                if r is not None and not isinstance(a, Literal) and a not in prefer:
+                    prefer[a] = r
+        return prefer
+
+    for sigma in sigmas:
+        prefer: dict = {}
+        for _ in range(2):
+            spec, need, internal, splits = forward(sigma, prefer)
+            prefer = backward(sigma, spec)
+        spec, need, internal, splits = forward(sigma, prefer)
+        out_specs = tuple(spec[v] for v in outs)
+        cand = Strategy(out_specs[0] if out_specs else REPLICATED,
+                        tuple(REPLICATED if r is None else r for r in need), any(splits), outs=out_specs,
+                        members=tuple(splits), internal=tuple(internal), defined=tuple(spec[v] for v in defined))
+        if cand not in found:
+            found.append(cand)
+    return found
+
+
+def _var_strategies(eqn, strategies: list[Strategy]) -> list[Strategy]:
+    """Strategies re-indexed to the equation's non-literal inputs (node invars), duplicates merged."""
+    keep = [k for k, a in enumerate(eqn.invars) if not isinstance(a, Literal)]
+    out: list[Strategy] = []
+    for s in strategies:
+        ns = Strategy(s.out, tuple(s.ins[k] for k in keep), s.split)
+        if ns not in out:
+            out.append(ns)
+    return out
+
+
+def _attention_node(j, eqns: tuple[int, ...], t: int):
+    """Inputs, outputs and strategies of a fused attention region (``jax.nn.dot_product_attention``: q, k, v in
+    ``(batch, seq, heads, head_dim)``; its output and the query's gradient shaped like q; k and v and their
+    gradients shaped ``(batch, kv_seq, kv_heads, head_dim)``)."""
+    inside = set(eqns)
+    defined, reads = set(), []
+    for i in eqns:
+        for a in j.eqns[i].invars:
+            if not isinstance(a, Literal) and a not in defined and a not in reads:
+                reads.append(a)
+        defined.update(j.eqns[i].outvars)
+    reads = [a for a in reads if a not in defined]
+    used_outside = set()
+    for i, e in enumerate(j.eqns):
+        if i not in inside:
+            used_outside.update(a for a in e.invars if not isinstance(a, Literal))
+    used_outside.update(a for a in j.outvars if not isinstance(a, Literal))
+    outs = [v for i in eqns for v in j.eqns[i].outvars if v in used_outside]
+    fwd_out = [v for v in outs if len(_shape(v)) == 4]
+    q_shape = _shape(fwd_out[0]) if fwd_out else None
+    rep = Strategy(REPLICATED, (REPLICATED,) * len(reads), False)
+    strategies = [rep]
+    if q_shape is None or t == 1:
+        return reads, outs, strategies
+    kv = [a for a in reads + outs if len(_shape(a)) == 4 and _shape(a) != q_shape]
+    kv_shape = _shape(kv[0]) if kv else q_shape
+    for d in (0, 2):  # batch, heads (keys and values split too when their heads divide, else replicated)
+        if not _splittable(q_shape, d, t):
+            continue
+        kv_split = _splittable(kv_shape, d, t)
+
+        def spec(a, out):
+            s = _shape(a)
+            if len(s) != 4:
+                return REPLICATED if not out else REPLICATED
+            if s == q_shape:
+                return d
+            return d if kv_split else (PARTIAL if out else REPLICATED)
+
+        ins = tuple(spec(a, False) for a in reads)
+        strategies.append(Strategy(d, ins, True, outs=tuple(spec(a, True) for a in outs)))
+    return reads, outs, strategies
+
+
+def output_spec(graph: StrategyGraph, node: OpNode, strategy: Strategy, var) -> int:
+    """The spec ``var`` (an output of ``node``) has under ``strategy``."""
+    if strategy.outs is not None:
+        return strategy.outs[node.outvars.index(var)]
+    return strategy.out
+
+
+def var_bytes(v) -> int:
+    return aval_bytes(v.aval)
