@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 import time
 
@@ -85,41 +87,211 @@ def cmd_demo(args) -> int:
     return 0 if last < first else 1
 
 
+_DTYPES = ("float32", "bfloat16", "float16")
+_ZOO_DEFAULTS = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024, "dtype": "bfloat16",
+                 "param_dtype": "float32", "sizes": [64, 128, 128, 64, 8]}
+"""The zoo models' shape flags when not given."""
+_LLAMA_ONLY = ("kv_heads", "ffn", "rope_theta")
+_STEP_FORM = "package.module:function (e.g. examples.planning_step:llama_70b)"
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _llama_ffn(hidden: int) -> int:
+    """Llama's SwiGLU width rule: 2/3 of 4 h, rounded up to a multiple of 256."""
+    return 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+def _zoo_config(args, command: str, *, dtype: str = "bfloat16"):
+    """``(kind, config)`` of the zoo model the flags describe (``--model``, default gpt); ``dtype``: the compute
+    dtype when ``--dtype`` is not given."""
+    from autopp.models import GPTConfig, LlamaConfig, MLPConfig
+
+    kind = args.model or "gpt"
+    value = {k: getattr(args, k, None) for k in (*_ZOO_DEFAULTS, *_LLAMA_ONLY)}
+    if kind != "llama":
+        given = [_flag(k) for k in _LLAMA_ONLY if value[k] is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} describe a Llama; add --model llama (the model is {kind}).")
+    if kind != "mlp" and value["sizes"] is not None:
+        raise ValueError(f"--sizes describes the MLP; add --model mlp (the model is {kind}).")
+    for k, default in _ZOO_DEFAULTS.items():
+        if value[k] is None:
+            value[k] = dtype if k == "dtype" else default
+    if kind == "mlp":
+        return kind, MLPConfig(sizes=tuple(value["sizes"]))
+    shape = {k: value[k] for k in ("layers", "hidden", "heads", "seq", "vocab", "dtype", "param_dtype")}
+    if kind == "gpt":
+        return kind, GPTConfig(**shape)
+    extra = {"kv_heads": value["kv_heads"] or value["heads"], "ffn": value["ffn"] or _llama_ffn(value["hidden"])}
+    if value["rope_theta"] is not None:
+        extra["rope_theta"] = value["rope_theta"]
+    return kind, LlamaConfig(**shape, **extra)
+
+
+def _check_step_alone(args) -> None:
+    """With ``--step`` the step's own arguments give the shapes: no zoo flags."""
+    given = [_flag(k) for k in (*_ZOO_DEFAULTS, *_LLAMA_ONLY) if getattr(args, k, None) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} describe a zoo model (--model); with --step {args.step} the step's own "
+                         "arguments give the shapes and dtypes: drop them.")
+
+
+def _what(value) -> str:
+    """``int 42``, ``dict {'w': ...}``: a value's type and (shortened) repr, for error messages."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def load_step(spec: str):
+    """Import ``package.module:function`` (the current directory first on the path, as ``python -m`` does), call the
+    function with no arguments and check what it returns: ``(step, args, batch_argnums)`` (None: the last
+    argument is the batch)."""
+    import importlib
+    import inspect
+
+    where = f"--step {spec!r}"
+    module_name, sep, attr = (spec or "").partition(":")
+    module_name, attr = module_name.strip(), attr.strip()
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{where}: expected {_STEP_FORM}: a module importable from the current directory, a colon, "
+                         "and a function of it that returns (step, args) or (step, args, batch_argnums).")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        dotted = module_name.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
+        raise ValueError(f"{where}: {module_name!r} is a file path; name the module as Python imports it, e.g. "
+                         f"--step {dotted}:{attr} (expected {_STEP_FORM}).")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise ValueError(f"{where}: no module named {module_name!r} in the current directory ({cwd}) or the "
+                             f"installed packages; expected {_STEP_FORM}, run from the directory that holds the "
+                             "package.") from None
+        raise ValueError(f"{where}: importing {module_name!r} failed: {e} (a module it imports is not "
+                         "installed).") from None
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            names = sorted(n for n, v in vars(module).items()
+                           if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == module.__name__)
+            listed = f"; its functions: {', '.join(names)}" if names else ""
+            raise ValueError(f"{where}: module {module_name!r} has no attribute {attr!r}{listed} (expected "
+                             f"{_STEP_FORM}).")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"{where}: {module_name}.{attr} is {_what(fn)}, not a function; expected "
+                         f"{_STEP_FORM}, a function returning (step, args) or (step, args, batch_argnums).")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise ValueError(f"{where}: {module_name}.{attr} needs arguments, but --step calls it with none; give "
+                         "every parameter a default, or wrap it in a function without parameters.") from None
+    except ValueError:  # no signature (a builtin): just call it
+        pass
+    try:
+        out = fn()
+    except (ValueError, TypeError) as e:  # say whose error it is (others keep their traceback)
+        kind = TypeError if isinstance(e, TypeError) else ValueError
+        raise kind(f"{where}: {module_name}.{attr}() raised {type(e).__name__}: {e}") from e
+    expected = ("expected (step, args) or (step, args, batch_argnums): the training step, a tuple of its "
+                "positional arguments (arrays or jax.ShapeDtypeStruct pytrees) and which of them is the batch")
+    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+        what = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else _what(out)
+        raise ValueError(f"{where}: {module_name}.{attr}() returned {what}; {expected}.")
+    step, step_args = out[0], out[1]
+    batch_argnums = out[2] if len(out) == 3 else None
+    if not callable(step):
+        raise ValueError(f"{where}: the first element {module_name}.{attr}() returned (the step) is {_what(step)}, "
+                         f"not a function; {expected}.")
+    if not isinstance(step_args, (tuple, list)) or not step_args:
+        raise ValueError(f"{where}: the second element {module_name}.{attr}() returned (the step's arguments) is "
+                         f"{'empty' if isinstance(step_args, (tuple, list)) else _what(step_args)}, not a non-empty "
+                         f"tuple of the step's positional arguments; {expected}.")
+    if batch_argnums is not None and not (
+            (isinstance(batch_argnums, int) and not isinstance(batch_argnums, bool))
+            or (isinstance(batch_argnums, (tuple, list)) and batch_argnums
+                and all(isinstance(a, int) and not isinstance(a, bool) for a in batch_argnums))):
+        raise ValueError(f"{where}: batch_argnums {batch_argnums!r} ({module_name}.{attr}() returned third) must be "
+                         "an int or a tuple of ints naming the batch argument(s), or None for the last one.")
+    return step, tuple(step_args), batch_argnums
+
+
+def _profile_user_step(args, cluster, **kwargs):
+    """The :class:`~autopp.profiler.Profile` of ``--step`` on ``cluster``, and a one-line description."""
+    from autopp.profiler import profile
+
+    step, step_args, batch_argnums = load_step(args.step)
+    t = time.perf_counter()
+    prof = profile(step, *step_args, cluster=cluster, batch_argnums=batch_argnums, **kwargs)
+    what = (f"step {args.step} ({prof.param_bytes / 2**30:.3g} GiB of parameters, {len(prof.layers)} layers, traced "
+            f"at batch {prof.batch_size}; profiled in {time.perf_counter() - t:.1f} s)")
+    return prof, what
+
+
+def _describe(kind: str, config) -> str:
+    n = config.num_params
+    return f"{kind} {config.to_dict()} ({n / 1e9:.3g}B parameters)" if n >= 1e8 else \
+        f"{kind} {config.to_dict()} ({n / 1e6:.3g}M parameters)"
+
+
 def _model_step(args):
     """The zoo model named on the command line, its abstract training state and step (AdamW)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
+    from autopp.models import MLP, make_train_step
 
-    from autopp.models import GPT, MLP, GPTConfig, MLPConfig, make_train_step
+    kind, config = _zoo_config(args, args.command)
+    if kind == "mlp":
+        import jax
+        import jax.numpy as jnp
+        import optax
 
-    if args.model == "gpt":
-        config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                           dtype=args.dtype)
-        model = GPT(config)
-        batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, args.seq), jnp.int32),
-                 "targets": jax.ShapeDtypeStruct((args.batch_size, args.seq), jnp.int32)}
-    else:
-        config = MLPConfig(sizes=tuple(args.sizes))
         model = MLP(config)
         batch = {"x": jax.ShapeDtypeStruct((args.batch_size, config.sizes[0]), jnp.float32),
                  "y": jax.ShapeDtypeStruct((args.batch_size, config.sizes[-1]), jnp.float32)}
-    tx = optax.adamw(1e-4)
-    params = model.init_abstract()
-    opt_state = jax.eval_shape(tx.init, params)
-    return config, make_train_step(model.loss, tx), (params, opt_state, batch)
+        tx = optax.adamw(1e-4)
+        params = model.init_abstract()
+        return kind, config, make_train_step(model.loss, tx), (params, jax.eval_shape(tx.init, params), batch), None
+    step, state, batch_argnums = config.abstract_step(batch_size=args.batch_size)
+    return kind, config, step, state, batch_argnums
 
 
-def _add_model_flags(p) -> None:
-    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
-    p.add_argument("--layers", type=_positive, default=4)
-    p.add_argument("--hidden", type=_positive, default=256)
-    p.add_argument("--heads", type=_positive, default=8)
-    p.add_argument("--seq", type=_positive, default=128)
-    p.add_argument("--vocab", type=_positive, default=1024)
-    p.add_argument("--dtype", default="bfloat16", help="GPT parameter/activation dtype (default bfloat16)")
-    p.add_argument("--sizes", type=_positive, nargs="+", default=[64, 128, 128, 64, 8], help="MLP layer widths")
-    p.add_argument("--batch-size", type=_positive, default=1, help="global batch (default 1)")
+def _add_model_flags(p, models=("gpt", "llama"), *, mlp: bool = False, batch_size: bool = False,
+                     step: bool = True) -> None:
+    """The flags that say what is modelled: ``--model`` and its shape, or (``step``) ``--step``."""
+    which = p.add_mutually_exclusive_group() if step else p
+    which.add_argument("--model", choices=models, default=None, help="zoo model (default gpt)")
+    if step:
+        which.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
+                           help="your own training step instead of a zoo model: package.module:function, imported "
+                                "from the current directory (as python -m does) and called with no arguments; it "
+                                "returns (step, args) or (step, args, batch_argnums), args arrays or "
+                                "jax.ShapeDtypeStruct pytrees")
+    p.add_argument("--layers", type=_positive, default=None, help="blocks (default 4)")
+    p.add_argument("--hidden", type=_positive, default=None, help="model width (default 256)")
+    p.add_argument("--heads", type=_positive, default=None, help="attention (query) heads (default 8)")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default 128)")
+    p.add_argument("--vocab", type=_positive, default=None, help="vocabulary size (default 1024)")
+    if "llama" in models:
+        p.add_argument("--kv-heads", type=_positive, default=None,
+                       help="llama: key/value heads of grouped-query attention (default: --heads)")
+        p.add_argument("--ffn", type=_positive, default=None,
+                       help="llama: SwiGLU width (default: 8/3 of --hidden rounded up to a multiple of 256)")
+        p.add_argument("--rope-theta", type=float, default=None, help="llama: rotary embedding base (default 10000)")
+    p.add_argument("--dtype", choices=_DTYPES, default=None,
+                   help="compute (activation and matmul) dtype (default bfloat16)")
+    p.add_argument("--param-dtype", choices=_DTYPES, default=None,
+                   help="parameter storage dtype (default float32: mixed precision, float32 master weights cast to "
+                        "--dtype where used)")
+    if mlp:
+        p.add_argument("--sizes", type=_positive, nargs="+", default=None,
+                       help="MLP layer widths (default 64 128 128 64 8)")
+    if batch_size:
+        p.add_argument("--batch-size", type=_positive, default=1, help="global batch (default 1)")
 
 
 def _parse_overrides(items) -> dict:
@@ -135,17 +307,42 @@ def _parse_overrides(items) -> dict:
     return out
 
 
+def _cluster(args):
+    """``--cluster`` with its ``--override``s (None: the local devices)."""
+    from autopp.profiler import Cluster
+
+    cluster = Cluster.parse(args.cluster) if args.cluster else Cluster.local()
+    if args.override:
+        cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
+    return cluster
+
+
+def _planning_model(args, command: str, cluster, *, dtype: str = "bfloat16"):
+    """What ``plan``/``simulate``/``compare`` model: the zoo config of the flags (traced by the planner) or the
+    profile of ``--step``; with a description and a JSON-friendly summary."""
+    if args.step:
+        _check_step_alone(args)
+        prof, what = _profile_user_step(args, cluster)
+        return prof, what, {"step": args.step, "param_bytes": prof.param_bytes, "traced_batch_size": prof.batch_size}
+    kind, config = _zoo_config(args, command, dtype=dtype)
+    return config, _describe(kind, config), {"model": kind, **config.to_dict()}
+
+
 def cmd_profile(args) -> int:
     import json
 
     if args.measure:
         _use_cpu_devices(1)
-    from autopp.profiler import Cluster, profile
+    from autopp.profiler import profile
 
-    cluster = Cluster.parse(args.cluster) if args.cluster else Cluster.local()
-    if args.override:
-        cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
-    config, step, state = _model_step(args)
+    cluster = _cluster(args)
+    if args.step:
+        _check_step_alone(args)
+        step, state, batch_argnums = load_step(args.step)
+        what, summary = f"step {args.step}", {"step": args.step}
+    else:
+        kind, config, step, state, batch_argnums = _model_step(args)
+        what, summary = f"{kind} {config.to_dict()}, batch {args.batch_size}", config.to_dict()
     progress = None
     if args.measure and not args.json and sys.stderr.isatty():
         from rich.console import Console
@@ -156,58 +353,46 @@ def cmd_profile(args) -> int:
         progress = status.update
     t = time.perf_counter()
     try:
-        prof = profile(step, *state, cluster=cluster, measure=args.measure, progress=progress)
+        prof = profile(step, *state, cluster=cluster, measure=args.measure, progress=progress,
+                       batch_argnums=batch_argnums)
     finally:
         if progress:
             status.stop()
     elapsed = time.perf_counter() - t
     if args.json:
         out = prof.to_dict()
-        out["model"] = config.to_dict()
+        out["model"] = summary
         out["profile_seconds"] = elapsed
         print(json.dumps(out, indent=1))
     else:
-        print(f"{args.model} {config.to_dict()}, batch {args.batch_size}")
+        print(what)
         print(prof.table())
         print(f"profiled in {elapsed:.2f} s")
     return 0
 
 
-def _gpt_and_cluster(args, command: str):
-    """The GPT described by the model flags and the --cluster (with --override) of ``command``."""
-    from autopp.models import GPTConfig
-    from autopp.profiler import Cluster
-
-    if args.model != "gpt":
-        raise ValueError(f"autopp {command} models GPTs only for now; use --model gpt.")
-    config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                       dtype=args.dtype)
-    cluster = Cluster.parse(args.cluster)
-    if args.override:
-        cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
-    return config, cluster
-
-
 def cmd_plan(args) -> int:
     from autopp.planner import plan_model
 
-    config, cluster = _gpt_and_cluster(args, "plan")
+    cluster = _cluster(args)
+    t = time.perf_counter()
+    model, what, _ = _planning_model(args, "plan", cluster)
     kwargs = {}
-    if args.schedules:
-        kwargs["schedules"] = tuple(args.schedules)
-    if args.recompute:
-        kwargs["recompute"] = tuple(args.recompute)
-    if args.microbatch_sizes:
-        kwargs["microbatch_sizes"] = tuple(args.microbatch_sizes)
-    plan = plan_model(config, cluster, global_batch=args.global_batch, **kwargs)
+    for name in ("schedules", "recompute", "microbatch_sizes", "pipeline_degrees", "tensor_degrees"):
+        if getattr(args, name):
+            kwargs[name] = tuple(getattr(args, name))
+    if args.time_limit is not None:
+        kwargs["time_limit_s"] = args.time_limit
+    plan = plan_model(model, cluster, global_batch=args.global_batch, **kwargs)
+    elapsed = time.perf_counter() - t
     if args.out:
         plan.to_json(args.out)
     if args.json:
         print(plan.to_json())
         return 0
-    print(f"gpt {config.to_dict()} ({config.num_params / 1e9:.3g}B parameters) on {cluster}, global batch "
-          f"{args.global_batch}")
+    print(f"{what} on {cluster}, global batch {args.global_batch}")
     print(plan)
+    print(f"planned in {elapsed:.1f} s (tracing and profiling included)")
     if args.out:
         print(f"plan written to {args.out} (autopp show {args.out})")
     return 0
@@ -218,28 +403,150 @@ def cmd_simulate(args) -> int:
 
     from autopp.planner import simulate
 
-    config, cluster = _gpt_and_cluster(args, "simulate")
+    cluster = _cluster(args)
+    model, what, summary = _planning_model(args, "simulate", cluster)
+    if args.dp is None and cluster.num_devices % (args.tp * args.pp):
+        raise ValueError(f"tp*pp = {args.tp}*{args.pp} = {args.tp * args.pp} does not divide the "
+                         f"{cluster.num_devices} devices of {cluster}; choose degrees whose product divides it.")
     dp = args.dp if args.dp is not None else cluster.num_devices // (args.tp * args.pp)
-    est = simulate(config, cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=dp,
+    est = simulate(model, cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp, dp=dp,
                    microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=args.recompute,
-                   virtual_stages=args.virtual_stages, fsdp=args.fsdp)
+                   virtual_stages=args.virtual_stages, fsdp=args.fsdp, zero1=args.zero1,
+                   sequence_parallel=args.sequence_parallel)
     if args.json:
-        print(json.dumps({"model": config.to_dict(), "cluster": cluster.to_dict(),
+        print(json.dumps({"model": summary, "cluster": cluster.to_dict(),
                           "layout": {"tp": args.tp, "pp": args.pp, "dp": dp, "microbatch_size": args.microbatch_size,
                                      "schedule": args.schedule, "recompute": args.recompute,
-                                     "virtual_stages": args.virtual_stages, "fsdp": args.fsdp},
+                                     "virtual_stages": args.virtual_stages, "fsdp": args.fsdp, "zero1": args.zero1,
+                                     "sequence_parallel": args.sequence_parallel},
                           "predicted": est.to_dict()}, indent=1))
         return 0
-    print(f"gpt {config.to_dict()} on {cluster}, global batch {args.global_batch}")
-    print(f"layout: tp {args.tp} x pp {args.pp} x dp {dp} (FSDP over {args.fsdp}), microbatch {args.microbatch_size} "
-          f"({est.num_microbatches} per step), {args.schedule}"
+    extras = "".join(f", {x}" for x, on in (("ZeRO-1", args.zero1), ("sequence parallel", args.sequence_parallel))
+                     if on)
+    print(f"{what} on {cluster}, global batch {args.global_batch}")
+    print(f"layout: tp {args.tp} x pp {args.pp} x dp {dp} (FSDP over {args.fsdp}{extras}), microbatch "
+          f"{args.microbatch_size} ({est.num_microbatches} per step), {args.schedule}"
           f"{f' v={args.virtual_stages}' if args.virtual_stages > 1 else ''}, recompute {args.recompute}")
     print(f"step time      {est.step_time_s:10.3f} s   (compute {est.compute_s:.3f}, bubble {est.bubble_s:.3f}, "
-          f"tp {est.tp_comm_s:.3f}, fsdp {est.fsdp_comm_s:.3f}, pp {est.pp_comm_s:.3f}, dp {est.dp_comm_s:.3f}, optimizer {est.optimizer_s:.3f})")
+          f"tp {est.tp_comm_s:.3f}, fsdp {est.fsdp_comm_s:.3f}, pp {est.pp_comm_s:.3f}, dp {est.dp_comm_s:.3f}, "
+          f"optimizer {est.optimizer_s:.3f})")
     print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {est.mfu * 100:.1f}%")
     print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / 2**30:10.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'} "
           f"in {cluster.memory_per_device / 2**30:.0f} GiB)")
     return 0
+
+
+# -- show ----------------------------------------------------------------------------------------------------------
+_PATH_TOKEN = re.compile(r"\[[^\]]*\]|\.[A-Za-z_]\w*|[A-Za-z_]\w*")
+
+
+def _path_tokens(path: str) -> list[str]:
+    """``args[0]['blocks'][3]['attn']['wq']`` -> ``['args', '[0]', "['blocks']", '[3]', ...]`` (a name that is not
+    a pytree path: itself)."""
+    tokens = _PATH_TOKEN.findall(path)
+    return tokens if "".join(tokens) == path else [path]
+
+
+def _render_path(tokens) -> str:
+    """Tokens as a dotted path: ``['blocks'][*]['wq']`` -> ``blocks[*].wq``."""
+    out = ""
+    for tok in tokens:
+        if tok.startswith("['") or tok.startswith('["'):
+            out += ("." if out else "") + tok[2:-2]
+        elif tok.startswith("."):
+            out += tok if out else tok[1:]
+        elif tok.startswith("["):
+            out += tok
+        else:
+            out += ("." if out else "") + tok
+    return out
+
+
+def _range_names(names: list[str]) -> str:
+    """``block 0, block 1, ..., block 95, head`` -> ``block 0-95, head``."""
+    runs: list[list] = []  # [prefix, first, last] or [name]
+    for n in names:
+        prefix, _, num = n.rpartition(" ")
+        if prefix and num.isdigit():
+            k = int(num)
+            if runs and len(runs[-1]) == 3 and runs[-1][0] == prefix and runs[-1][2] == k - 1:
+                runs[-1][2] = k
+                continue
+            runs.append([prefix, k, k])
+        else:
+            runs.append([n])
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]} {r[1]}" + (f"-{r[2]}" if r[2] != r[1] else "") for r in runs)
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def _collective_summary(items) -> str:
+    """``2 all-reduce + 1 all-gather, 96.0 MiB, 1.2 ms`` (or ``none``)."""
+    from autopp._metrics import format_bytes
+
+    if not items:
+        return "none"
+    counts: dict[str, int] = {}
+    for kind, _, _ in items:
+        counts[kind] = counts.get(kind, 0) + 1
+    total_bytes = sum(b for _, b, _ in items)
+    total_s = sum(sec for _, _, sec in items)
+    return f"{' + '.join(f'{n} {k}' for k, n in counts.items())}, {format_bytes(int(total_bytes))}, " \
+           f"{_seconds(total_s)}"
+
+
+def sharding_lines(plan) -> list[str]:
+    """One line per distinct layer sharding of ``plan``, identical layers grouped (``block 0-95: ...``): the
+    parameters by layout (``S(d)`` split along dimension ``d`` over the tensor axis, ``R`` replicated), then the
+    tensor-parallel collectives of one microbatch in that layer, forward and backward (count and kind, total bytes
+    and seconds)."""
+    reports = plan.layer_shardings
+    if not reports:
+        return []
+    heads = {tuple(_path_tokens(p)[:2]) for r in reports for p in r.params}
+    strip = 2 if len(heads) == 1 and next(iter(heads))[0] == "args" else 0  # all in one argument: drop its args[i]
+    groups: dict[tuple, list] = {}
+    for r in reports:
+        items = []
+        for path, layout in r.params.items():
+            toks = _path_tokens(path)[strip:] or _path_tokens(path)
+            items.append((tuple("[*]" if t[1:-1].isdigit() else t for t in toks), tuple(toks), layout))
+        items.sort()
+        comm = tuple((kind, float(f"{float(b):.6g}"), float(f"{float(sec):.6g}"), when)
+                     for kind, b, sec, when in r.collectives)
+        key = (tuple((norm, layout) for norm, _, layout in items), comm)
+        groups.setdefault(key, []).append((r, items))
+    tensor = max((st.mesh_shape.get("tensor", 1) for st in plan.stages), default=1)
+    lines = [f"layer sharding ({len(reports)} layers, {len(groups)} distinct; tensor axis of {tensor} device"
+             f"{'s' if tensor != 1 else ''}: S(d) split along dimension d, R replicated; collectives per layer and "
+             "microbatch):"]
+    for (_, comm), members in groups.items():
+        name = _range_names([r.name for r, _ in members])
+        first = members[0][1]
+        paths = [[t if all(m[1][i][1][j] == t for m in members) else "[*]" for j, t in enumerate(full)]
+                 for i, (_, full, _) in enumerate(first)]
+        common = 0
+        if len(paths) > 1:
+            while all(len(p) > common + 1 and p[common] == paths[0][common] for p in paths):
+                common += 1
+        by_layout: dict[str, list[str]] = {}
+        for toks, (_, _, layout) in zip(paths, first):
+            by_layout.setdefault(layout, []).append(_render_path(toks[common:]))
+        order = sorted(by_layout, key=lambda lay: (lay == "R", lay))
+        params = ", ".join(f"{lay} {' '.join(by_layout[lay])}" for lay in order) or "no parameters"
+        if common:
+            params = f"{_render_path(paths[0][:common])}: {params}"
+        passes = []
+        for when in ("forward", "backward"):
+            passes.append(f"{when}: {_collective_summary([(k, b, sec) for k, b, sec, w in comm if w == when])}")
+        lines.append(f"  {name}: {params} | {' | '.join(passes)}")
+    return lines
 
 
 def cmd_show(args) -> int:
@@ -256,7 +563,26 @@ def cmd_show(args) -> int:
     if args.grid or not timeline:
         print("schedule:")
         print(sched)
+    for line in sharding_lines(plan):
+        print(line)
+    if plan.planner is not None:
+        st = plan.planner
+        print("planner statistics:")
+        print(f"  wall time            {st.wall_time_s:.2f} s")
+        print(f"  layouts evaluated    {st.candidates}")
+        print(f"  stage split          {st.solver_status} (gap {100 * st.optimality_gap:.2g}%)")
+        print(f"  best equal split     {st.best_uniform_step_time_s:.4g} s per step")
+        print(f"  sharding ILPs        {st.sharding_solves} solve{'s' if st.sharding_solves != 1 else ''} in "
+              f"{st.sharding_solve_s:.2f} s, largest gap {100 * st.sharding_max_gap:.2g}%")
     return 0
+
+
+def _add_cluster_flags(p, *, required: bool = True) -> None:
+    p.add_argument("--cluster", required=required, default=None,
+                   help="target cluster NODESxDEVICESxKIND, e.g. 128x8xH100" + ("" if required else
+                                                                                 " (default: local devices)"))
+    p.add_argument("--override", action="append", metavar="FIELD=VALUE",
+                   help="override a device field, e.g. --override matmul_efficiency=0.6 (repeatable)")
 
 
 def main(argv=None) -> int:
@@ -276,18 +602,18 @@ def main(argv=None) -> int:
     demo.add_argument("--vocab", type=_positive, default=128)
     demo.add_argument("--learning-rate", type=float, default=3e-3)
     demo.set_defaults(func=cmd_demo)
-    prof = sub.add_parser("profile", help="per-layer FLOPs, time and memory of a zoo model's training step")
-    _add_model_flags(prof)
-    prof.add_argument("--cluster", default=None, help="target cluster, e.g. 128x8xH100 (default: local devices)")
-    prof.add_argument("--override", action="append", metavar="FIELD=VALUE",
-                      help="override a device field, e.g. --override matmul_efficiency=0.6 (repeatable)")
+    prof = sub.add_parser("profile", help="per-layer FLOPs, time and memory of a training step (zoo model or "
+                                          "--step)")
+    _add_model_flags(prof, ("gpt", "llama", "mlp"), mlp=True, batch_size=True)
+    _add_cluster_flags(prof, required=False)
     prof.add_argument("--measure", action="store_true", help="compile and time each distinct layer locally")
     prof.add_argument("--json", action="store_true", help="machine-readable output")
     prof.set_defaults(func=cmd_profile)
-    sim = sub.add_parser("simulate", help="predict step time, TFLOP/s and memory of a GPT layout on a cluster")
+    sim = sub.add_parser("simulate", help="predict step time, TFLOP/s and memory of a layout on a cluster "
+                                          "(zoo model or --step)")
     _add_model_flags(sim)
     sim.add_argument("--global-batch", type=_positive, required=True)
-    sim.add_argument("--cluster", required=True, help="e.g. 128x8xH100")
+    _add_cluster_flags(sim)
     sim.add_argument("--tp", type=_positive, default=1)
     sim.add_argument("--pp", type=_positive, default=1)
     sim.add_argument("--dp", type=_positive, default=None, help="default: devices / (tp * pp)")
@@ -296,22 +622,32 @@ def main(argv=None) -> int:
     sim.add_argument("--recompute", default="full")
     sim.add_argument("--virtual-stages", type=_positive, default=1)
     sim.add_argument("--fsdp", type=_positive, default=1, help="FSDP (ZeRO-3) degree inside dp (default 1)")
-    sim.add_argument("--override", action="append", metavar="FIELD=VALUE", help="override a device field")
+    sim.add_argument("--zero1", action="store_true", help="shard the optimizer state over the data-parallel "
+                                                          "replicas (ZeRO-1)")
+    sim.add_argument("--sequence-parallel", action="store_true",
+                     help="split the activations between layers along the sequence over the tensor group")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=cmd_simulate)
-    plan = sub.add_parser("plan", help="find the fastest layout for a GPT on a cluster (CP-SAT + simulator)")
+    plan = sub.add_parser("plan", help="find the fastest layout on a cluster (zoo model or --step; sharding ILP, "
+                                       "CP-SAT stage split, schedule simulation)")
     _add_model_flags(plan)
     plan.add_argument("--global-batch", type=_positive, required=True)
-    plan.add_argument("--cluster", required=True, help="e.g. 128x8xH100")
+    _add_cluster_flags(plan)
     plan.add_argument("--schedules", nargs="+", default=None, help="restrict the schedules searched")
     plan.add_argument("--recompute", nargs="+", default=None, help="restrict the recomputation modes searched")
     plan.add_argument("--microbatch-sizes", type=_positive, nargs="+", default=None,
                       help="microbatch sizes searched (default 1 2 4 8)")
-    plan.add_argument("--override", action="append", metavar="FIELD=VALUE", help="override a device field")
+    plan.add_argument("--pipeline-degrees", type=_positive, nargs="+", default=None,
+                      help="restrict the pipeline degrees searched")
+    plan.add_argument("--tensor-degrees", type=_positive, nargs="+", default=None,
+                      help="restrict the tensor degrees searched (divisors of a node's devices)")
+    plan.add_argument("--time-limit", type=float, default=None,
+                      help="seconds CP-SAT may spend per stage split (default 5)")
     plan.add_argument("--out", default=None, help="write the plan's JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan's JSON")
     plan.set_defaults(func=cmd_plan)
-    show = sub.add_parser("show", help="print a saved plan: stages, memory, predicted timeline")
+    show = sub.add_parser("show", help="print a saved plan: stages, memory, predicted timeline, per-layer sharding, "
+                                       "planner statistics")
     show.add_argument("plan", help="path of a plan's JSON (plan.to_json(path))")
     show.add_argument("--grid", action="store_true", help="also print the schedule grid")
     show.set_defaults(func=cmd_show)

@@ -165,20 +165,23 @@ def compare_local(model, global_batch: int, *, devices: Sequence[jax.Device] | N
                   optimizer=None) -> Comparison:
     """Measure autopp (``autopp.parallelize(step, devices=devices, **parallelize_kwargs)``: planned when no counts
     are given) and every baseline on ``devices`` (default ``jax.devices()``) for the zoo ``model`` (a
-    :class:`~autopp.models.GPTConfig` or :class:`~autopp.models.GPT`) with ``global_batch`` sequences and AdamW:
+    :class:`~autopp.models.GPTConfig`, :class:`~autopp.models.LlamaConfig` or the model itself) with ``global_batch``
+    sequences and AdamW:
     one warm-up step each (it compiles), then ``steps`` rounds, each timing one step of every layout in turn
     (noise hits all); the median per layout."""
     import optax
 
     import autopp
     from autopp import baselines
-    from autopp.models import GPT, GPTConfig, make_train_step
+    from autopp.models import GPT, GPTConfig, Llama, LlamaConfig, make_train_step
     from autopp.profiler import profile
 
     if isinstance(model, GPTConfig):
         model = GPT(model)
-    if not isinstance(model, GPT):
-        raise TypeError(f"compare: model must be a GPTConfig or GPT, got {type(model).__name__}.")
+    elif isinstance(model, LlamaConfig):
+        model = Llama(model)
+    if not isinstance(model, (GPT, Llama)):
+        raise TypeError(f"compare: model must be a zoo GPT or Llama (or its config), got {type(model).__name__}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
     devices = list(jax.devices() if devices is None else devices)
@@ -243,11 +246,13 @@ def _baseline_degrees(name: str, config, cluster, tensor: int | None) -> list[di
         return [{"tp": 1, "dp": n, "fsdp": n}]
     if tensor is not None:
         return [{"tp": tensor, "dp": n // tensor, "fsdp": 1}]
+    heads = getattr(config, "heads", None)  # a traced step's profile: any degree the sharding ILP can use
     tps = [t for t in range(2, cluster.devices_per_node + 1)
-           if cluster.devices_per_node % t == 0 and config.heads % t == 0 and n % t == 0]
+           if cluster.devices_per_node % t == 0 and (heads is None or heads % t == 0) and n % t == 0]
     if not tps:
-        raise ValueError(f"compare: no tensor-parallel degree > 1 divides both the {cluster.devices_per_node} devices "
-                         f"of a node and the {config.heads} heads; there is no tensor-parallel baseline.")
+        what = f" and the {heads} heads" if heads is not None else ""
+        raise ValueError(f"compare: no tensor-parallel degree > 1 divides the {cluster.devices_per_node} devices "
+                         f"of a node{what}; there is no tensor-parallel baseline.")
     return [{"tp": t, "dp": n // t, "fsdp": 1} for t in tps]
 
 
@@ -264,8 +269,10 @@ def predict_baseline(name: str, config, cluster, global_batch: int, *, tensor: i
             if global_batch % (mbs * deg["dp"]):
                 continue
             for rec in RECOMPUTE_MODES:
+                # the SPMD baselines as users write them: no ZeRO-1, no sequence parallelism
                 kw = dict(global_batch=global_batch, tp=deg["tp"], pp=1, dp=deg["dp"], fsdp=deg["fsdp"],
-                          microbatch_size=mbs, schedule="1f1b", recompute=rec)
+                          zero1=False, sequence_parallel=False, microbatch_size=mbs, schedule="1f1b",
+                          recompute=rec)
                 est = simulate(config, cluster, **kw)
                 rank = (not est.fits, est.step_time_s if est.fits else est.peak_memory_bytes_per_gpu)
                 if best is None or rank < best[0]:
@@ -286,12 +293,22 @@ def predict_baseline(name: str, config, cluster, global_batch: int, *, tensor: i
 
 def compare_cluster(model, cluster, global_batch: int, *, tensor: int | None = None) -> Comparison:
     """Predict autopp's plan (:func:`autopp.planner.plan_model`) and every baseline (:func:`predict_baseline`)
-    for the zoo GPT ``model`` on ``cluster`` (a :class:`~autopp.Cluster` or a string like ``"128x8xH100"``)."""
-    from autopp.models import GPT
+    for ``model`` on ``cluster`` (a :class:`~autopp.Cluster` or a string like ``"128x8xH100"``): a zoo model or
+    its config (``GPTConfig``, ``LlamaConfig``, anything with ``abstract_step()``) or the
+    :class:`~autopp.profiler.Profile` of a traced step (made for ``cluster``'s device)."""
     from autopp.planner import plan_model
     from autopp.profiler._cluster import Cluster
+    from autopp.profiler._profile import Profile
 
-    config = model.config if isinstance(model, GPT) else model
+    if isinstance(model, Profile) or hasattr(model, "abstract_step"):
+        config = model
+    else:
+        config = getattr(model, "config", model)
+    if isinstance(config, Profile):
+        described = {"fingerprint": config.structure_fingerprint, "param_bytes": config.param_bytes,
+                     "traced_batch_size": config.batch_size}
+    else:
+        described = config.to_dict()
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     plan = plan_model(config, cluster, global_batch=global_batch)
@@ -301,28 +318,30 @@ def compare_cluster(model, cluster, global_batch: int, *, tensor: int | None = N
                        peak_memory_bytes=est.peak_memory_bytes_per_gpu, fits=est.fits)]
     rows += [predict_baseline(name, config, cluster, global_batch, tensor=tensor) for name in BASELINES]
     rows, ref = _with_speedups(rows, "predicted")
-    return Comparison(rows=tuple(rows), mode="predicted", model=config.to_dict(), cluster=cluster.shorthand,
+    return Comparison(rows=tuple(rows), mode="predicted", model=described, cluster=cluster.shorthand,
                       global_batch=global_batch, reference=ref)
 
 
 # -- command line --------------------------------------------------------------------------------------------------
 def add_parser(sub, add_model_flags, positive) -> None:
-    """The ``compare`` subcommand (flags shared with ``simulate``/``plan``: ``add_model_flags``)."""
+    """The ``compare`` subcommand (model flags shared with ``simulate``/``plan``: ``add_model_flags``)."""
     p = sub.add_parser("compare", help="autopp's plan against SPMD baselines (data parallel, FSDP, tensor "
                                        "parallel): measured on local devices or predicted for a cluster")
-    add_model_flags(p)
-    p.set_defaults(dtype=None, batch_size=None, sizes=None, func=cmd_compare)
+    add_model_flags(p, batch_size=True)
+    p.set_defaults(batch_size=None, func=cmd_compare)
     for action in p._actions:  # the shared flags' help, with this command's defaults
         if action.dest == "dtype":
-            action.help = "GPT dtype (default: float32 locally, bfloat16 for a target cluster)"
+            action.help = "compute dtype (default: float32 locally, bfloat16 for a target cluster)"
         elif action.dest == "batch_size":
             action.help = "same as --global-batch"
-        elif action.dest == "model":
-            action.help = "gpt (the only model compared for now)"
+        elif action.dest == "step":
+            action.help += " (a target --cluster only: its arguments may be abstract)"
     p.add_argument("--global-batch", type=positive, default=None, help="sequences per step (or --batch-size)")
     p.add_argument("--cluster", default="local",
                    help="'local' (measure on this machine's devices; default) or a target such as 128x8xH100 "
                         "(predict)")
+    p.add_argument("--override", action="append", metavar="FIELD=VALUE",
+                   help="target cluster: override a device field, e.g. --override matmul_efficiency=0.6")
     p.add_argument("--devices", type=positive, default=None,
                    help="local: devices to use (default all; on CPU 8 CPU devices are made)")
     p.add_argument("--steps", type=positive, default=None, help="local: timed steps per layout (default 5)")
@@ -337,10 +356,8 @@ def add_parser(sub, add_model_flags, positive) -> None:
 
 
 def cmd_compare(args) -> int:
-    from autopp._cli import _use_cpu_devices
+    from autopp._cli import _planning_model, _use_cpu_devices, _zoo_config
 
-    if args.model != "gpt" or args.sizes is not None:
-        raise ValueError("autopp compare compares GPTs only for now; use --model gpt (without --sizes).")
     if args.global_batch is not None and args.batch_size is not None and args.global_batch != args.batch_size:
         raise ValueError(f"autopp compare: --global-batch {args.global_batch} and --batch-size {args.batch_size} "
                          "disagree; pass one of them.")
@@ -348,12 +365,15 @@ def cmd_compare(args) -> int:
     if batch is None:
         raise ValueError("autopp compare: pass --global-batch (sequences per step), e.g. --global-batch 16.")
     local = args.cluster.strip().lower() == "local"
-    dtype = args.dtype or ("float32" if local else "bfloat16")
-    from autopp.models import GPTConfig
-
-    config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                       dtype=dtype)
     if local:
+        if args.step:
+            raise ValueError(f"autopp compare: --step {args.step} needs a target --cluster (e.g. --cluster 2x8xH100): "
+                             "locally every layout runs for real, which compare does for the zoo models only.")
+        if args.override:
+            raise ValueError("autopp compare: --override applies to a target --cluster; the local devices are "
+                             "measured.")
+        kind, config = _zoo_config(args, "compare", dtype="float32")
+        what = f"{kind} {config.to_dict()} ({_params(config.num_params)} parameters)"
         n = args.devices or 8
         _use_cpu_devices(n)
         devices = jax.devices()
@@ -373,14 +393,22 @@ def cmd_compare(args) -> int:
         if given:
             raise ValueError(f"autopp compare: {', '.join(given)} apply to --cluster local only (a target cluster "
                              "is predicted: autopp's layout is planned, the baselines tuned); drop them.")
-        result = compare_cluster(config, args.cluster, batch, tensor=args.tensor)
+        from autopp._cli import _parse_overrides
+        from autopp.profiler._cluster import Cluster
+
+        cluster = Cluster.parse(args.cluster)
+        if args.override:
+            cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
+        model, what, summary = _planning_model(args, "compare", cluster, dtype="bfloat16")
+        result = compare_cluster(model, cluster, batch, tensor=args.tensor)
+        if args.step:
+            result = dataclasses.replace(result, model=summary)
     if args.plot:
         result.plot(args.plot)
     if args.json:
         print(result.to_json())
         return 0
-    print(f"gpt {config.to_dict()} ({_params(config.num_params)} parameters), global batch {batch}, "
-          f"on {result.cluster}")
+    print(f"{what}, global batch {batch}, on {result.cluster}")
     print(result.table())
     if args.plot:
         print(f"bar chart written to {args.plot}")

@@ -383,20 +383,21 @@ class Parallelized(Generic[_P, _R]):
                                                                           if k == "data" or v > 1})
                          for st, r, lay in zip(plan.stages, self._stage_recompute(sched.num_stages), layouts)))
         if self._auto:
+            stats = dataclasses.replace(local.plan.planner, wall_time_s=planning_s)
             plan = dataclasses.replace(
                 plan, microbatch_size=local.microbatch_size, predicted=local.predicted,
-                stages=tuple(dataclasses.replace(st, layers=local.stage_layers[st.index], recompute="none")
-                             for st in plan.stages),
-                planner=PlannerStats(wall_time_s=planning_s, solver_status=local.solver_status,
-                                     optimality_gap=local.optimality_gap, candidates=local.candidates,
-                                     best_uniform_step_time_s=local.best_uniform_step_time_s))
+                stages=tuple(dataclasses.replace(st, layers=local.stage_layers[st.index], recompute="none",
+                                                 forward_time_s=p.forward_time_s, backward_time_s=p.backward_time_s)
+                             for st, p in zip(plan.stages, local.plan.stages)),
+                planner=stats)
         elif self._plan is not None:  # what the replayed plan says beyond the split (layers, prediction, ...)
             old = self._plan
             plan = dataclasses.replace(
                 plan, microbatch_size=old.microbatch_size, virtual_stages=old.virtual_stages, cluster=old.cluster,
                 predicted=old.predicted, planner=old.planner, zero1=old.zero1, sequence_parallel=old.sequence_parallel,
                 layer_shardings=old.layer_shardings, model_fingerprint=old.model_fingerprint,
-                stages=tuple(dataclasses.replace(st, layers=o.layers, param_specs=o.param_specs)
+                stages=tuple(dataclasses.replace(st, layers=o.layers, param_specs=o.param_specs,
+                                                 forward_time_s=o.forward_time_s, backward_time_s=o.backward_time_s)
                              for st, o in zip(plan.stages, old.stages)))
         self._cache[key] = (traced, split, exe, plan)
         return self._cache[key]

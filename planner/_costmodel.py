@@ -317,7 +317,7 @@ class StepModel:
                 g1 * group_devices) // cluster.devices_per_node
             send = max(send, collective_time("send-recv", nbytes, 2, cluster, spans_nodes=spans))
         dispatch = self.dispatch_s
-        if dispatch:
+        if dispatch and C > 1:  # every action is a program the host issues (one program for a single stage)
             f = [x + dispatch for x in f]
             bw = [x + dispatch for x in bw]
         in_flight = self._in_flight(L, M, exact)
@@ -348,7 +348,7 @@ class StepModel:
                 ws = sum(w[c] for c in range(C) if groups[c] == slow)
                 bubble = (P - 1) * max(fs + bs - 2 * ws, bs - ws)
             pp_comm = 2 * M * send if P > 1 else 0.0
-            makespan = M * (fs + bs) + bubble + pp_comm
+            makespan = M * (fs + bs) + bubble + pp_comm + (dispatch if C == 1 else 0.0)
             # in the cool-down, group g finishes its last backward g backward-slots before group 0
             ends = [makespan - g * bs / v for g in range(P)]
         # the host issues every program from one thread: the pipeline takes at least that long

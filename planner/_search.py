@@ -69,7 +69,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                microbatch_sizes: Sequence[int] = DEFAULT_MICROBATCH_SIZES,
                pipeline_degrees: Sequence[int] | None = None, tensor_degrees: Sequence[int] | None = None,
                max_virtual_stages: int = 4, overlap: Sequence[str] = DEFAULT_OVERLAP, refine_top: int = 8,
-               time_limit_s: float = 5.0, dispatch_s: float = 0.0) -> Plan:
+               time_limit_s: float = 5.0, dispatch_s: float = 0.0, fsdp: bool = True, zero1: bool = True,
+               sequence_parallel: bool = True, num_microbatches: int | None = None) -> Plan:
     """The fastest plan the cost model finds for training ``model`` with ``global_batch`` examples per step on
     ``cluster`` (see the module docstring for the search).
 
@@ -80,7 +81,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     ``tensor_degrees`` restrict the search; ``refine_top`` layouts get a CP-SAT stage split (each within
     ``time_limit_s``). ``overlap``: communication the runtime hides behind compute (see
     :data:`~autopp.planner._estimate.OVERLAPS`). ``dispatch_s``: host seconds per issued program (local
-    devices only).
+    devices only). ``fsdp``, ``zero1`` and ``sequence_parallel`` say whether those layouts are searched;
+    ``num_microbatches`` fixes the microbatches per step.
 
     Raises ValueError when no layout fits the devices' memory, saying how much the least demanding one needs and
     what would make it fit.
@@ -120,8 +122,11 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
             dp = n // (tp * pp)
             if global_batch % dp:
                 continue
-            fsdps = sorted({1, dp} | ({dpn // tp} if tp < dpn and dp % (dpn // tp) == 0 else set()))
-            for mbs in [b for b in microbatch_sizes if (global_batch // dp) % b == 0]:
+            fsdps = sorted({1, dp} | ({dpn // tp} if tp < dpn and dp % (dpn // tp) == 0 else set())) if fsdp else [1]
+            sizes = microbatch_sizes
+            if num_microbatches is not None:
+                sizes = [global_batch // (dp * num_microbatches)] if global_batch % (dp * num_microbatches) == 0 else []
+            for mbs in [b for b in sizes if b >= 1 and (global_batch // dp) % b == 0]:
                 M = global_batch // (dp * mbs)
                 for schedule in (schedules if pp > 1 else ("1f1b",)):
                     vs = [1]
@@ -130,10 +135,10 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                     if schedule == "dualpipev" and M < 2 * pp:
                         continue
                     for v in vs:
-                        for fsdp in fsdps:
-                            for zero1 in ((True,) if dp // fsdp > 1 else (False,)):
-                                for sp in ((False, True) if tp > 1 else (False,)):
-                                    layout = Layout(tensor=tp, pipeline=pp, data=dp, fsdp=fsdp, zero1=zero1,
+                        for f_deg in fsdps:
+                            for z1 in ((True,) if dp // f_deg > 1 and zero1 else (False,)):
+                                for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
+                                    layout = Layout(tensor=tp, pipeline=pp, data=dp, fsdp=f_deg, zero1=z1,
                                                     microbatch_size=mbs, schedule=schedule, virtual_stages=v,
                                                     sequence_parallel=sp)
                                     split = chunk_split(prof, layout.num_chunks)
@@ -242,6 +247,14 @@ def _cuttable(prof: Profile) -> list[bool]:
             for l in range(1, len(prof.layers))]
 
 
+def _gib(nbytes: float) -> str:
+    """Bytes in the unit that shows them: GiB, MiB or KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size / 10:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes / 2**10:.3g} KiB"
+
+
 def _check_layers_fit(sm: StepModel, cluster: Cluster) -> None:
     """A layer whose parameters alone exceed a device's memory even split over a whole node's tensor group fits no
     strategy: name it."""
@@ -252,9 +265,9 @@ def _check_layers_fit(sm: StepModel, cluster: Cluster) -> None:
         own = sum(sum(state[k]) for k in set(lay.param_inputs) if k is not None)
         if own / t > cap:
             raise ValueError(
-                f"plan_model: layer {lay.index} ({lay.name}) holds {own / 2**30:.1f} GiB of parameters, gradients and "
-                f"optimizer state; even split over a node's {t} devices that is {own / t / 2**30:.1f} GiB per device, "
-                f"more than a {cluster.device.name}'s {cap / 2**30:.1f} GiB, and pipeline or data parallelism cannot "
+                f"plan_model: layer {lay.index} ({lay.name}) holds {_gib(own)} of parameters, gradients and "
+                f"optimizer state; even split over a node's {t} devices that is {_gib(own / t)} per device, "
+                f"more than a {cluster.device.name}'s {_gib(cap)}, and pipeline or data parallelism cannot "
                 "split one layer further. Use devices with more memory, or a narrower layer.")
 
 
@@ -262,13 +275,13 @@ def _infeasible_message(prof: Profile, cluster: Cluster, global_batch: int, leas
     need, what = least
     cap = cluster.device.memory_capacity
     params = sum(v[0] for v in prof.state_bytes.values())
-    msg = (f"plan_model: no layout of the step ({params / 2**30:.3g} GiB of parameters, global batch {global_batch}) "
-           f"fits {cluster}: the least memory any option needs is {need / 2**30:.1f} GiB per device")
+    msg = (f"plan_model: no layout of the step ({_gib(params)} of parameters, global batch {global_batch}) "
+           f"fits {cluster}: the least memory any option needs is {_gib(need)} per device")
     if what is not None:
         lay, r = what
         msg += (f" (tp={lay.tensor}, pp={lay.pipeline}, dp={lay.data}, fsdp={lay.fsdp}, microbatch size "
                 f"{lay.microbatch_size}, {lay.schedule}, recompute {r})")
-    msg += f", but a {cluster.device.name} has {cap / 2**30:.1f} GiB."
+    msg += f", but a {cluster.device.name} has {_gib(cap)}."
     bigger = [name for name, spec in DEVICE_KINDS.items() if spec.memory_capacity >= need]
     fixes = []
     if bigger:

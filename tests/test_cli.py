@@ -1,8 +1,15 @@
-"""The autopp command line: demo, simulate (profile is covered in test_profile.py)."""
+"""The autopp command line: demo, simulate, plan, show, --model llama and --step (profile is covered in
+test_profile.py)."""
 
 import json
+import pathlib
+import sys
+
+import pytest
 
 from autopp._cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_demo_trains_and_loss_goes_down(capsys):
@@ -23,8 +30,10 @@ def test_simulate_json_matches_python_api(capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["layout"]["dp"] == 4
-    est = simulate(GPTConfig(layers=4, hidden=256, heads=8, seq=512, vocab=1024, dtype="bfloat16"), "2x8xA100-80GB",
-                   global_batch=64, tp=2, pp=2, dp=4, microbatch_size=2)
+    # the CLI's defaults: bfloat16 compute, float32 parameters (mixed precision)
+    est = simulate(GPTConfig(layers=4, hidden=256, heads=8, seq=512, vocab=1024, dtype="bfloat16",
+                             param_dtype="float32"), "2x8xA100-80GB", global_batch=64, tp=2, pp=2, dp=4,
+                   microbatch_size=2)
     assert out["predicted"]["step_time_s"] == est.step_time_s
 
 
@@ -69,12 +78,13 @@ def test_plan_writes_the_plan_model_plan_and_show_reads_it(tmp_path, capsys):
     assert "pipeline: 4 stage(s)" in out and "predicted: step" in out and f"written to {path}" in out
     saved = Plan.from_json(path)
     cluster = Cluster.parse("4x2xA100-40GB").with_device_overrides(inter_node_bandwidth=1.25e9)
-    direct = plan_model(GPTConfig(layers=12, hidden=2048, heads=16, seq=1024, vocab=51200, dtype="bfloat16"), cluster,
-                        global_batch=32)
+    direct = plan_model(GPTConfig(layers=12, hidden=2048, heads=16, seq=1024, vocab=51200, dtype="bfloat16",
+                                  param_dtype="float32"), cluster, global_batch=32)
     assert saved.stages == direct.stages and saved.predicted == direct.predicted
     assert main(["show", str(path)]) == 0
     shown = capsys.readouterr().out
     assert "predicted timeline" in shown and "group   3 |" in shown and "optimizer state" in shown
+    assert "\n  block 0-11: blocks[*]: " in shown and "sharding ILPs" in shown
 
 
 def test_plan_infeasible_is_an_error_that_says_why(capsys):
@@ -82,3 +92,213 @@ def test_plan_infeasible_is_an_error_that_says_why(capsys):
                  "--global-batch", "8", "--cluster", "1x8xA100-40GB", "--microbatch-sizes", "1"]) == 2
     err = capsys.readouterr().err
     assert "least memory any option needs" in err and "It would fit with" in err
+
+
+LLAMA = ["--model", "llama", "--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "2", "--ffn", "512",
+         "--seq", "256", "--vocab", "1024"]
+
+
+def _same_plan(a, b):
+    assert a.stages == b.stages and a.predicted == b.predicted and a.layer_shardings == b.layer_shardings
+    assert (a.schedule, a.num_microbatches, a.zero1, a.sequence_parallel, a.model_fingerprint) == \
+        (b.schedule, b.num_microbatches, b.zero1, b.sequence_parallel, b.model_fingerprint)
+
+
+def test_plan_llama_is_plan_model_of_the_llama_config(capsys):
+    from autopp.models import LlamaConfig
+    from autopp.planner import Plan, plan_model
+
+    args = ["plan", *LLAMA, "--global-batch", "16", "--cluster", "1x8xH100", "--tensor-degrees", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama {'layers': 2, 'hidden': 256, 'heads': 8, 'kv_heads': 2, 'ffn': 512")
+    assert "'dtype': 'bfloat16', 'param_dtype': 'float32'" in out and "predicted: step" in out
+    assert main(args + ["--json"]) == 0
+    saved = Plan.from_json(capsys.readouterr().out)
+    config = LlamaConfig(layers=2, hidden=256, heads=8, kv_heads=2, ffn=512, seq=256, vocab=1024, dtype="bfloat16",
+                         param_dtype="float32")
+    _same_plan(saved, plan_model(config, "1x8xH100", global_batch=16, tensor_degrees=(2,)))
+    assert saved.stages[0].mesh_shape["tensor"] == 2
+
+
+def test_llama_flags_need_the_llama_model(capsys):
+    assert main(["plan", "--kv-heads", "2", "--global-batch", "8", "--cluster", "1x8xH100"]) == 2
+    assert "--kv-heads describe a Llama; add --model llama" in capsys.readouterr().err
+
+
+@pytest.fixture
+def repo_root(monkeypatch):
+    """Run in the repository root (as `autopp plan --step examples.planning_step:...` would), sys.path restored."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
+    for name in ("examples", "examples.planning_step"):  # imported afresh, from the current directory
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_plan_step_is_plan_model_of_the_steps_profile(repo_root, tmp_path, capsys):
+    from autopp.planner import Plan, plan_model
+    from autopp.profiler import profile
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--step", "examples.planning_step:tiny", "--global-batch", "16", "--cluster", "1x8xH100",
+                 "--tensor-degrees", "2", "--out", str(path)]) == 0
+    out = capsys.readouterr().out
+    from examples.planning_step import tiny  # importable now: --step put the current directory on the path
+
+    assert out.startswith("step examples.planning_step:tiny (") and "traced at batch 1" in out
+    assert "pipeline:" in out and f"written to {path}" in out
+    step, args, batch_argnums = tiny()
+    prof = profile(step, *args, cluster="1x8xH100", batch_argnums=batch_argnums)
+    _same_plan(Plan.from_json(path), plan_model(prof, "1x8xH100", global_batch=16, tensor_degrees=(2,)))
+
+    # show: after the plan and its timeline, one line per distinct layer sharding and the planner statistics
+    assert main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    lines = shown.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("layer sharding (6 layers, 3 distinct; tensor axis of 2"))
+    assert lines[at + 1].startswith("  embed: ")
+    block = lines[at + 2]  # the four blocks are one program: one line (what the ILP chose is its business)
+    assert block.startswith("  block 0-3: blocks[*]: ") and " wq" in block and " w_down" in block
+    assert "| forward: " in block and "| backward: " in block
+    assert lines[at + 3].startswith("  head: ")
+    stats = "\n".join(lines[at + 4:])
+    assert stats.startswith("planner statistics:") and "layouts evaluated" in stats
+    assert "sharding ILPs" in stats and "solves in" in stats and "largest gap" in stats
+    assert main(["show", str(path), "--grid"]) == 0
+    assert "schedule:" in capsys.readouterr().out
+
+
+def test_show_groups_identical_layer_shardings(tmp_path, capsys):
+    import dataclasses
+
+    from autopp.planner import LayerSharding, Plan
+
+    plan = Plan.from_json(json.dumps(json.loads(SAVED_PLAN)))
+
+    def block(i, wq="S(1)", comm=True):
+        p = f"args[0]['blocks'][{i}]"
+        return LayerSharding(index=i + 1, name=f"block {i}", params={
+            f"{p}['attn']['wq']": wq, f"{p}['attn']['wo']": "S(0)", f"{p}['norm']['scale']": "R"},
+            collectives=[["all-reduce", 3 * 2**20, 2e-4, "forward"], ["all-gather", 2**20, 1e-4, "forward"],
+                         ["all-reduce", 4 * 2**20, 3e-4, "backward"]] if comm else [])
+
+    shardings = (LayerSharding(index=0, name="embed", params={"args[0]['embed']": "S(1)"},
+                               collectives=[["all-to-all", 2048, 5e-6, "backward"]]),
+                 *(block(i) for i in range(3)), block(3, wq="R", comm=False), block(4), block(5),
+                 LayerSharding(index=7, name="head", params={"args[0]['lm_head']": "R"}, collectives=[]))
+    path = tmp_path / "plan.json"
+    dataclasses.replace(plan, layer_shardings=shardings).to_json(path)
+    assert main(["show", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("layer sharding (8 layers, 4 distinct; tensor axis of 1"))
+    assert lines[at + 1:at + 5] == [
+        "  embed: S(1) embed | forward: none | backward: 1 all-to-all, 2.0 KiB, 5 us",
+        "  block 0-2, block 4-5: blocks[*]: S(0) attn.wo, S(1) attn.wq, R norm.scale | forward: 1 all-reduce + "
+        "1 all-gather, 4.0 MiB, 300 us | backward: 1 all-reduce, 4.0 MiB, 300 us",
+        "  block 3: blocks[3]: S(0) attn.wo, R attn.wq norm.scale | forward: none | backward: none",
+        "  head: R lm_head | forward: none | backward: none",
+    ]
+
+
+SAVED_PLAN = json.dumps({
+    "schema_version": 3, "model_fingerprint": "x", "num_microbatches": 2, "microbatch_size": 1, "schedule": "1f1b",
+    "virtual_stages": 1, "schedule_text": "0F0 0F1 0B0 0B1", "loss_reduction": "mean", "cluster": None,
+    "predicted": None, "planner": None, "zero1": False, "sequence_parallel": False, "layer_shardings": [],
+    "stages": [{"index": 0, "devices": [0], "mesh_shape": {"data": 1}, "equations": None, "num_equations": None,
+                "flops": 1.0, "param_bytes": 1, "cut_bytes_after": 0}]})
+
+
+def test_simulate_step_is_simulate_of_the_steps_profile(repo_root, capsys):
+    from autopp.planner import simulate
+    from autopp.profiler import profile
+
+    assert main(["simulate", "--step", "examples.planning_step:tiny", "--global-batch", "16", "--cluster",
+                 "2x8xA100-80GB", "--tp", "2", "--pp", "2", "--microbatch-size", "2", "--zero1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from examples.planning_step import tiny
+
+    assert out["model"]["step"] == "examples.planning_step:tiny" and out["layout"]["dp"] == 4
+    step, args, batch_argnums = tiny()
+    prof = profile(step, *args, cluster="2x8xA100-80GB", batch_argnums=batch_argnums)
+    est = simulate(prof, "2x8xA100-80GB", global_batch=16, tp=2, pp=2, dp=4, microbatch_size=2, zero1=True)
+    assert out["predicted"] == est.to_dict()
+    assert main(["simulate", "--step", "examples.planning_step:tiny", "--global-batch", "16", "--cluster",
+                 "1x8xH100", "--tp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("step examples.planning_step:tiny") and "layout: tp 2 x pp 1 x dp 4" in text
+
+
+BAD_STEPS = '''
+import jax
+
+def step(params, batch):
+    return params
+
+def not_a_tuple():
+    return 42
+
+def one():
+    return (step,)
+
+def args_not_a_tuple():
+    return step, {"w": jax.ShapeDtypeStruct((2,), "float32")}
+
+def step_not_callable():
+    return 1, (jax.ShapeDtypeStruct((2,), "float32"),)
+
+def bad_argnums():
+    return step, (jax.ShapeDtypeStruct((2,), "float32"),), "batch"
+
+def needs_args(size):
+    return step, ()
+
+def raises():
+    raise ValueError("no such checkpoint")
+
+value = 3
+'''
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("examples.planning_step", "expected package.module:function"),
+    ("examples.planning_step:", "expected package.module:function"),
+    (":tiny", "expected package.module:function"),
+    ("examples/planning_step.py:tiny", "is a file path; name the module as Python imports it, e.g. --step "
+                                       "examples.planning_step:tiny"),
+    ("no_such_package.steps:tiny", "no module named 'no_such_package.steps' in the current directory"),
+    ("examples.planning_step:llama_7b", "module 'examples.planning_step' has no attribute 'llama_7b'; its functions:"),
+    ("bad_steps:value", "bad_steps.value is int 3, not a function"),
+    ("bad_steps:needs_args", "needs arguments, but --step calls it with none"),
+    ("bad_steps:not_a_tuple", "returned int 42; expected (step, args) or (step, args, batch_argnums)"),
+    ("bad_steps:one", "returned a 1-tuple; expected (step, args)"),
+    ("bad_steps:args_not_a_tuple", "(the step's arguments) is dict {'w': ShapeDtypeStruct"),
+    ("bad_steps:step_not_callable", "(the step) is int 1, not a function"),
+    ("bad_steps:bad_argnums", "batch_argnums 'batch'"),
+    ("bad_steps:raises", "bad_steps.raises() raised ValueError: no such checkpoint"),
+])
+def test_bad_step_is_an_error_naming_it(repo_root, tmp_path, monkeypatch, capsys, spec, message):
+    (tmp_path / "bad_steps.py").write_text(BAD_STEPS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bad_steps", raising=False)
+    assert main(["plan", "--step", spec, "--global-batch", "8", "--cluster", "1x8xH100"]) == 2
+    err = capsys.readouterr().err
+    assert f"--step {spec!r}" in err and message in err, err
+
+
+def test_step_imports_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad_steps.py").write_text(BAD_STEPS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "bad_steps", raising=False)
+    assert main(["simulate", "--step", "bad_steps:one", "--global-batch", "8", "--cluster", "1x8xH100"]) == 2
+    assert "returned a 1-tuple" in capsys.readouterr().err  # imported: the module was found
+
+
+def test_step_excludes_the_zoo_flags(capsys):
+    assert main(["plan", "--step", "examples.planning_step:tiny", "--layers", "2", "--dtype", "float32",
+                 "--global-batch", "8", "--cluster", "1x8xH100"]) == 2
+    assert "--layers, --dtype describe a zoo model (--model)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--step", "examples.planning_step:tiny", "--model", "gpt", "--global-batch", "8",
+              "--cluster", "1x8xH100"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -41,12 +41,12 @@ def test_compare_for_a_cluster_prints_the_simulators_predictions(capsys, tmp_pat
     assert "predicted; speedup vs" in text and png.stat().st_size > 10_000
     assert main(["compare", *SMALL, "--global-batch", "64", "--cluster", "2x8xH100", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    config = GPTConfig(layers=4, hidden=256, heads=8, seq=256, vocab=1024, dtype="bfloat16")
+    config = GPTConfig(layers=4, hidden=256, heads=8, seq=256, vocab=1024, dtype="bfloat16", param_dtype="float32")
     rows = {r["name"]: r for r in out["rows"]}
     assert rows["autopp"]["step_time_s"] == plan_model(config, "2x8xH100", global_batch=64).predicted.step_time_s
     for name in ("data-parallel", "fsdp", "tensor-parallel"):
         kw = rows[name]["simulate_kwargs"]
-        assert kw["pp"] == 1 and kw["tp"] * kw["dp"] == 16
+        assert kw["pp"] == 1 and kw["tp"] * kw["dp"] == 16 and not kw["zero1"] and not kw["sequence_parallel"]
         est = simulate(config, "2x8xH100", **kw)
         assert (rows[name]["step_time_s"], rows[name]["tflops_per_device"], rows[name]["mfu"],
                 rows[name]["peak_memory_bytes"]) == (est.step_time_s, est.tflops_per_gpu, est.mfu,
@@ -61,8 +61,45 @@ def test_compare_for_a_cluster_prints_the_simulators_predictions(capsys, tmp_pat
     (["--cluster", "2x8xH100", "--steps", "3"], "--steps apply to --cluster local only"),
     (["--cluster", "2x8xH100", "--global-batch", "12"], "use a multiple of 16"),
     (["--global-batch", "8", "--batch-size", "4"], "disagree"),
-    (["--model", "mlp", "--global-batch", "8"], "GPTs only"),
+    (["--step", "examples.planning_step:tiny", "--global-batch", "8"], "needs a target --cluster"),
+    (["--cluster", "2x8xH100", "--step", "examples.planning_step"], "expected package.module:function"),
 ])
 def test_compare_refuses_what_it_cannot_honour(capsys, extra, message):
-    assert main(["compare", *SMALL, *extra] + ([] if "--global-batch" in extra else ["--global-batch", "64"])) == 2
+    model = [] if "--step" in extra else SMALL
+    assert main(["compare", *model, *extra] + ([] if "--global-batch" in extra else ["--global-batch", "64"])) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compare_predicts_a_llama_and_a_users_step_for_a_cluster(capsys, monkeypatch):
+    import pathlib
+    import sys
+
+    from autopp.models import LlamaConfig
+    from autopp.planner import plan_model, simulate
+    from autopp.profiler import profile
+
+    assert main(["compare", "--model", "llama", "--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "2",
+                 "--ffn", "512", "--seq", "256", "--vocab", "1024", "--global-batch", "16", "--cluster", "1x8xH100",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    config = LlamaConfig(layers=2, hidden=256, heads=8, kv_heads=2, ffn=512, seq=256, vocab=1024, dtype="bfloat16",
+                         param_dtype="float32")
+    assert out["model"] == config.to_dict()
+    rows = {r["name"]: r for r in out["rows"]}
+    assert rows["autopp"]["step_time_s"] == plan_model(config, "1x8xH100", global_batch=16).predicted.step_time_s
+    assert rows["tensor-parallel"]["step_time_s"] == simulate(
+        config, "1x8xH100", **rows["tensor-parallel"]["simulate_kwargs"]).step_time_s
+
+    # --step: the step's profile on the cluster's device, planned and simulated like a zoo model
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["compare", "--step", "examples.planning_step:tiny", "--global-batch", "16", "--cluster",
+                 "1x8xH100"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("step examples.planning_step:tiny (") and "predicted; speedup vs" in text
+    from examples.planning_step import tiny
+
+    step, args, batch_argnums = tiny()
+    prof = profile(step, *args, cluster="1x8xH100", batch_argnums=batch_argnums)
+    plan = plan_model(prof, "1x8xH100", global_batch=16)
+    assert f"{plan.predicted.step_time_s * 1e3:.1f} ms" in text.split("\nautopp ")[1].split("\n")[0]
