@@ -22,6 +22,7 @@ from autopp._trace import (
     trace_microbatch_forward,
     trace_step,
 )
+from autopp.planner._estimate import RECOMPUTE_MODES
 from autopp.planner._local import LocalPlan, plan_local
 from autopp.planner._plan import Plan, PlannerStats, StagePlan
 from autopp.planner._search import CONFIG_FINGERPRINT
@@ -36,7 +37,6 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 LOSS_REDUCTIONS = ("mean", "sum")
-RECOMPUTE_MODES = ("none", "full", "selective")
 _ACTION_TOKEN = re.compile(r"\b\d+[FBIW]\d+\b")
 
 

@@ -57,7 +57,7 @@ from autopp.planner._sharding import LayerCost, collective_seconds, layer_cost, 
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._profile import Profile
 from autopp.profiler._strategies import REPLICATED, boundary_options, build_graph
-from autopp.profiler._timemodel import KernelTimeModel, collective_time
+from autopp.profiler._timemodel import KernelTimeModel, ring_seconds
 
 STAGE_INSTRUCTIONS = 12
 """Instructions the runtime issues per stage and step besides forwards, backwards and activation transfers
@@ -175,18 +175,20 @@ class StepModel:
         hit = self._solutions.get(key)
         if hit is None:
             graph = build_graph(self.profile.programs[fingerprint], tensor, boundary)
-            sol = solve(graph, self.tm, self.cluster)
+            # solved for one example per microbatch, whatever batch the step was traced at
+            sol = solve(graph, self.tm, self.cluster, scale=1.0 / self.profile.batch_size)
             hit = self._solutions[key] = layer_cost(sol)
             self.solve_stats.append((fingerprint, tensor, boundary, sol.status, sol.gap, sol.wall_time_s))
         return hit
 
     def terms(self, index: int, tensor: int, sequence_parallel: bool, scale: float, recompute: str) -> LayerTerms:
-        key = (index, tensor, sequence_parallel, scale, recompute if index in self.recomputable else "none")
+        lay = self.layers[index]
+        mode = recompute if index in self.recomputable else "none"
+        # identical layers (one fingerprint) have identical terms
+        key = (lay.fingerprint, lay.measured, tensor, sequence_parallel, scale, mode)
         hit = self._terms.get(key)
         if hit is not None:
             return hit
-        lay = self.layers[index]
-        mode = key[-1]
         lc = self.layer_cost(lay.fingerprint, tensor, self.boundary(lay.fingerprint, tensor, sequence_parallel))
         tm, cluster = self.tm, self.cluster
         if lay.measured and tensor == 1:
@@ -289,7 +291,10 @@ class StepModel:
         pr = self.params(t, sp)
         f_sh = L.fsdp
         replicas = d // f_sh
-        group_state = pr.group_state(span, groups, P)  # per group: (param, grad, optimizer) bytes per device
+        gkey = ("group_state", t, sp, tuple(span), tuple(groups))
+        group_state = self._terms.get(gkey)
+        if group_state is None:  # per group: (param, grad, optimizer) bytes per device
+            group_state = self._terms[gkey] = pr.group_state(span, groups, P)
 
         # FSDP: every microbatch gathers a chunk's parameters for its forward and backward and reduce-scatters its
         # gradients; prefetching hides what the chunk's compute covers
@@ -298,8 +303,8 @@ class StepModel:
             spans = f_sh * t > cluster.devices_per_node
             for c, (a, b) in enumerate(span):
                 pb, gb, _ = pr.chunk_state(a, b)
-                comm = (2 * collective_time("all-gather", pb, f_sh, cluster, spans_nodes=spans)
-                        + collective_time("reduce-scatter", gb, f_sh, cluster, spans_nodes=spans))
+                comm = (2 * ring_seconds("all-gather", pb, f_sh, cluster, spans_nodes=spans)
+                        + ring_seconds("reduce-scatter", gb, f_sh, cluster, spans_nodes=spans))
                 hidden = compute[c] if "param-gather" in self.overlap else 0.0
                 fsdp_exposed[c] = max(0.0, comm - hidden)
                 f[c] += fsdp_exposed[c] / 2
@@ -315,7 +320,7 @@ class StepModel:
             nbytes = self.layers[chunk_layers[c][1]].output_bytes * scale / (t if sp else 1)
             spans = cluster.num_nodes > 1 and (g0 * group_devices) // cluster.devices_per_node != (
                 g1 * group_devices) // cluster.devices_per_node
-            send = max(send, collective_time("send-recv", nbytes, 2, cluster, spans_nodes=spans))
+            send = max(send, ring_seconds("send-recv", nbytes, 2, cluster, spans_nodes=spans))
         dispatch = self.dispatch_s
         if dispatch and C > 1:  # every action is a program the host issues (one program for a single stage)
             f = [x + dispatch for x in f]
@@ -347,7 +352,7 @@ class StepModel:
             else:  # zero-bubble: the input-gradient chain (Qi et al. 2023)
                 ws = sum(w[c] for c in range(C) if groups[c] == slow)
                 bubble = (P - 1) * max(fs + bs - 2 * ws, bs - ws)
-            pp_comm = 2 * M * send if P > 1 else 0.0
+            pp_comm = 2 * (P - 1) * send  # the fill and the drain wait for transfers; the steady state overlaps them
             makespan = M * (fs + bs) + bubble + pp_comm + (dispatch if C == 1 else 0.0)
             # in the cool-down, group g finishes its last backward g backward-slots before group 0
             ends = [makespan - g * bs / v for g in range(P)]
@@ -370,7 +375,10 @@ class StepModel:
         makespan += shift
         for g in range(P):
             pb, gb, _ = group_state[g]
-            red = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
+            rkey = ("reduce", gb, pb, replicas, t, f_sh, L.zero1)
+            red = self._terms.get(rkey)
+            if red is None:
+                red = self._terms[rkey] = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
             last_b = max((bw[c] for c in range(C) if groups[c] == g), default=0.0)
             if "grad-reduce" in self.overlap:
                 red = max(0.0, red - last_b)
@@ -462,10 +470,10 @@ class StepModel:
 
         def allreduce_like(nbytes, kind):
             if nodes == 1:
-                return collective_time(kind, nbytes, replicas, cluster, spans_nodes=False)
-            inter = collective_time(kind, nbytes / local, nodes, cluster, spans_nodes=True)
+                return ring_seconds(kind, nbytes, replicas, cluster, spans_nodes=False)
+            inter = ring_seconds(kind, nbytes / local, nodes, cluster, spans_nodes=True)
             if local > 1:
-                intra = collective_time("reduce-scatter" if kind != "all-gather" else "all-gather", nbytes, local,
+                intra = ring_seconds("reduce-scatter" if kind != "all-gather" else "all-gather", nbytes, local,
                                         cluster, spans_nodes=False)
                 if kind == "all-reduce":
                     intra *= 2
@@ -565,15 +573,13 @@ class _Params:
         for k, users in self.shared.items():
             gs = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b}
             if len(gs) > 1:
-                total += collective_time("all-reduce", self.bytes_of[k][1], len(gs), cluster,
+                total += ring_seconds("all-reduce", self.bytes_of[k][1], len(gs), cluster,
                                          spans_nodes=cluster.num_nodes > 1)
         return total
 
 
 @functools.lru_cache(maxsize=256)
 def _schedule(name: str, chunks: int, M: int, v: int, P: int) -> Schedule:
-    if name == "dualpipev":
-        return get_schedule(name, P, M)
     return get_schedule(name, chunks, M, virtual_stages=v if name == "interleaved-1f1b" else 1)
 
 

@@ -6,8 +6,10 @@ import dataclasses
 import numbers
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev")
-"""Pipeline schedules the cost model describes (every schedule the runtime runs; :func:`autopp.planner.plan_model`
+from autopp.planner._schedule import SCHEDULE_NAMES
+
+SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES
+"""Pipeline schedules the cost model describes: every schedule the runtime runs (:func:`autopp.planner.plan_model`
 searches all but ``dualpipev`` by default)."""
 
 RECOMPUTE_MODES = ("none", "full", "selective")

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from autopp.planner._estimate import Estimate
+from autopp.planner._estimate import RECOMPUTE_MODES, Estimate
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
@@ -67,7 +67,7 @@ class StagePlan:
         if size != len(self.devices):
             raise ValueError(f"stage {self.index}: mesh shape {self.mesh_shape} has {size} devices but the stage "
                              f"lists {len(self.devices)}; make the product of the axis sizes the device count.")
-        if self.recompute not in ("none", "full", "selective"):
+        if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"stage {self.index}: unknown recompute {self.recompute!r}; use none, full or selective.")
 
     def to_dict(self) -> dict[str, Any]:

@@ -126,41 +126,46 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
             sizes = microbatch_sizes
             if num_microbatches is not None:
                 sizes = [global_batch // (dp * num_microbatches)] if global_batch % (dp * num_microbatches) == 0 else []
+            # GPipe takes as long as 1F1B in the closed form and holds more microbatches: screen it only alone
+            screen_schedules = [s for s in schedules if s != "gpipe" or "1f1b" not in schedules]
             for mbs in [b for b in sizes if b >= 1 and (global_batch // dp) % b == 0]:
                 M = global_batch // (dp * mbs)
-                for schedule in (schedules if pp > 1 else ("1f1b",)):
+                for schedule in (screen_schedules if pp > 1 else ("1f1b",)):
                     vs = [1]
                     if schedule == "interleaved-1f1b":
                         vs = [v for v in range(2, max_virtual_stages + 1) if blocks % (pp * v) == 0 and M % pp == 0]
                     if schedule == "dualpipev" and M < 2 * pp:
                         continue
                     for v in vs:
-                        for f_deg in fsdps:
-                            for z1 in ((True,) if dp // f_deg > 1 and zero1 else (False,)):
-                                for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                                    layout = Layout(tensor=tp, pipeline=pp, data=dp, fsdp=f_deg, zero1=z1,
-                                                    microbatch_size=mbs, schedule=schedule, virtual_stages=v,
-                                                    sequence_parallel=sp)
-                                    split = chunk_split(prof, layout.num_chunks)
-                                    if split is None:
-                                        split = _even_layers(prof, layout.num_chunks)
-                                        if split is None:
-                                            continue
-                                    best = None
-                                    for r in recompute:
-                                        ev = sm.evaluate(layout, global_batch, split, [r] * layout.num_chunks,
-                                                         exact=False)
-                                        evaluated += 1
-                                        est = ev.estimate
-                                        if est.peak_memory_bytes_per_gpu < least[0]:
-                                            least = (est.peak_memory_bytes_per_gpu, (layout, r))
-                                        if est.fits and (best is None or est.step_time_s < best.step):
-                                            best = _Candidate(layout, tuple(split), (r,) * layout.num_chunks, ev)
-                                    if best is not None:
-                                        screened.append(best)
-                                    elif layout.schedule in ("1f1b", "gpipe", "zb-h1") and pp > 1:
-                                        # nothing fits the equal split: the CP-SAT split may still find room
-                                        screened.append(_Candidate(layout, tuple(split), ("full",) * pp, None))
+                        for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
+                            # Memory-only knobs, least sharding first: recomputation and FSDP only cost time, so
+                            # the first (FSDP degree, mode) that fits is the fastest of them in the closed form.
+                            best = None
+                            for f_deg in fsdps:
+                                z1 = dp // f_deg > 1 and zero1
+                                layout = Layout(tensor=tp, pipeline=pp, data=dp, fsdp=f_deg, zero1=z1,
+                                                microbatch_size=mbs, schedule=schedule, virtual_stages=v,
+                                                sequence_parallel=sp)
+                                split = chunk_split(prof, layout.num_chunks) or _even_layers(prof, layout.num_chunks)
+                                if split is None:
+                                    break
+                                for r in _by_memory(recompute):
+                                    ev = sm.evaluate(layout, global_batch, split, [r] * layout.num_chunks,
+                                                     exact=False)
+                                    evaluated += 1
+                                    est = ev.estimate
+                                    if est.peak_memory_bytes_per_gpu < least[0]:
+                                        least = (est.peak_memory_bytes_per_gpu, (layout, r))
+                                    if est.fits:
+                                        best = _Candidate(layout, tuple(split), (r,) * layout.num_chunks, ev)
+                                        break
+                                if best is not None:
+                                    break
+                            if best is not None:
+                                screened.append(best)
+                            elif split is not None and schedule in ("1f1b", "gpipe", "zb-h1") and pp > 1:
+                                # nothing fits the equal split: the CP-SAT split may still find room
+                                screened.append(_Candidate(layout, tuple(split), ("full",) * pp, None))
     fitting = sorted((c for c in screened if c.evaluation is not None), key=lambda c: c.step)
     pool: list[_Candidate] = []
     for c in fitting[:refine_top]:  # the best equal splits, ranked by the event simulation of their schedule
@@ -184,6 +189,12 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                          sharding_solve_s=sum(x[5] for x in sm.solve_stats),
                          sharding_max_gap=max((x[4] for x in sm.solve_stats), default=0.0))
     return to_plan(sm, best.layout, global_batch, best.split, best.recompute, best.evaluation, stats)
+
+
+def _by_memory(modes: Sequence[str]) -> list[str]:
+    """Recomputation modes from the fastest (keeps the most) to the leanest."""
+    order = {"none": 0, "selective": 1, "full": 2}
+    return sorted(modes, key=lambda m: order.get(m, 3))
 
 
 def _even_layers(prof: Profile, chunks: int):
@@ -229,15 +240,22 @@ def _refine(sm: StepModel, layout: Layout, global_batch: int, recompute: Sequenc
     static = [(o[0] + o[1]) / layout.fsdp + o[2] / layout.fsdp / (replicas if layout.zero1 else 1) for o in pr.owned]
     cuttable = _cuttable(prof)
     starts_hint = [a for a, _ in hint] if hint is not None and len(hint) == P else None
-    got = assign_stages(times, acts, static, P, in_flight, sm.cluster.device.memory_capacity,
-                        recompute_options=tuple(recompute), cuttable=cuttable, hint=starts_hint,
-                        time_limit_s=time_limit_s, workers=1)
-    if got is None:
-        return None
-    ends = list(got.stage_starts[1:]) + [len(prof.layers)]
-    split = tuple((a, b - 1) for a, b in zip(got.stage_starts, ends))
-    ev = _exact(sm, layout, global_batch, split, got.recompute)
-    return _Candidate(layout, split, tuple(got.recompute), ev, status=got.status, gap=got.gap)
+    capacity = sm.cluster.device.memory_capacity
+    for _ in range(8):
+        got = assign_stages(times, acts, static, P, in_flight, capacity, recompute_options=tuple(recompute),
+                            cuttable=cuttable, hint=starts_hint, time_limit_s=time_limit_s, workers=1)
+        if got is None:
+            return None
+        ends = list(got.stage_starts[1:]) + [len(prof.layers)]
+        split = tuple((a, b - 1) for a, b in zip(got.stage_starts, ends))
+        ev = _exact(sm, layout, global_batch, split, got.recompute)
+        if ev.estimate.fits:
+            return _Candidate(layout, split, tuple(got.recompute), ev, status=got.status, gap=got.gap)
+        # The CP-SAT model's memory is linear per layer; the exact model also holds the recomputed layer's residuals
+        # and copies of parameters shared with another stage. Solve again below what this answer needs in CP-SAT's
+        # terms, so that it and anything as large are excluded.
+        capacity = min(capacity, max(got.stage_memory_bytes)) - 1
+    return None
 
 
 def _cuttable(prof: Profile) -> list[bool]:
@@ -328,7 +346,7 @@ def to_plan(sm: StepModel, layout: Layout, global_batch: int, split, recompute, 
             forward_time_s=evaluation.stage_forward_s[c], backward_time_s=evaluation.stage_backward_s[c],
             param_specs=specs,
         ))
-    sched = get_schedule(layout.schedule, P if layout.schedule == "dualpipev" else layout.num_chunks, M,
+    sched = get_schedule(layout.schedule, layout.num_chunks, M,
                          virtual_stages=layout.virtual_stages if layout.schedule == "interleaved-1f1b" else 1)
     return Plan(model_fingerprint=prof.structure_fingerprint, stages=tuple(stages), num_microbatches=M,
                 schedule=layout.schedule, schedule_text=sched.to_text(), loss_reduction="mean",

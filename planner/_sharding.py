@@ -40,7 +40,7 @@ from autopp.profiler._strategies import (
     output_spec,
     spec_name,
 )
-from autopp.profiler._timemodel import KernelTimeModel, collective_time
+from autopp.profiler._timemodel import KernelTimeModel, ring_seconds
 
 Literal = jex_core.Literal
 _NS = 1e-9
@@ -88,20 +88,38 @@ def collective_seconds(kind: str, nbytes: float, t: int, cluster: Cluster) -> fl
         dev = cluster.device
         return ((t - 1) / t * nbytes / t / (dev.intra_node_bandwidth * dev.intra_node_efficiency)
                 + (t - 1) * dev.intra_node_latency)
-    return collective_time(kind, nbytes, t, cluster, spans_nodes=False)
+    return ring_seconds(kind, nbytes, t, cluster, False)
 
 
-def _eqn_seconds(eqn, tm: KernelTimeModel) -> float:
+class _Scale:
+    """Bytes and FLOPs at ``scale`` times the traced batch: batch-sized values and batch-dependent equations scale,
+    the rest does not."""
+
+    def __init__(self, graph: StrategyGraph, scale: float):
+        self.prog, self.scale = graph.program, scale
+
+    def bytes(self, v) -> float:
+        return aval_bytes(v.aval) * (self.scale if v in self.prog.batch_vars else 1.0)
+
+    def flops(self, i: int) -> float:
+        return self.scale if i in self.prog.dependent_eqns else 1.0
+
+
+def _eqn_seconds(eqn, i: int, tm: KernelTimeModel, sc: _Scale) -> float:
     c = eqn_cost(eqn)
+    io = sum(sc.bytes(a) for a in eqn.invars if not isinstance(a, Literal)) + sum(sc.bytes(v) for v in eqn.outvars)
+    c = OpCost(c.flops * sc.flops(i), c.transcendentals * sc.flops(i), io, 0.0)
     if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
         return tm.kernel_time("matmul", c, matmul_dtype(eqn), floor=False)
     return tm.kernel_time("fused", c, None, floor=False)
 
 
-def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeModel, cluster: Cluster) -> float:
-    """Compute time of a node under a strategy at the traced batch (its work divided by t where split), plus the
-    reshardings inside a fused group."""
+def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeModel, cluster: Cluster,
+                 scale: float = 1.0) -> float:
+    """Compute time of a node under a strategy at ``scale`` times the traced batch (its work divided by t where
+    split), plus the reshardings inside a fused group."""
     t = graph.t
+    sc = _Scale(graph, scale)
     if node.kind == "group":
         j = graph.program.closed.jaxpr
         ext, outs = set(node.invars), set(node.outvars)
@@ -110,15 +128,15 @@ def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeMod
             e = j.eqns[i]
             share = 1.0 / t if split else 1.0
             c = eqn_cost(e)
-            flops += c.flops * share
-            trans += c.transcendentals * share
-            traffic += share * (sum(aval_bytes(a.aval) for a in e.invars if not isinstance(a, Literal) and a in ext)
-                                + sum(aval_bytes(v.aval) for v in e.outvars if v in outs))
+            flops += c.flops * share * sc.flops(i)
+            trans += c.transcendentals * share * sc.flops(i)
+            traffic += share * (sum(sc.bytes(a) for a in e.invars if not isinstance(a, Literal) and a in ext)
+                                + sum(sc.bytes(v) for v in e.outvars if v in outs))
         sec = tm.kernel_time("fused", OpCost(flops, trans, traffic, 0.0), None, floor=False)
         for var, a, b in strategy.internal:
             kind = reshard_kind(a, b)
             if kind is not None:
-                sec += collective_seconds(kind, aval_bytes(var.aval), t, cluster)
+                sec += collective_seconds(kind, sc.bytes(var), t, cluster)
         return sec
     if node.kind not in ("op", "attention"):
         return 0.0
@@ -134,34 +152,35 @@ def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeMod
                 ks = program_kernels(j, part, is_batch=lambda v: True, dependent=lambda i: True,
                                      regions=[tuple(part)],
                                      causal=[0] if causal else [], backward_eqns=graph.program.backward_eqns)
-                total += sum(tm.kernel_time(k.kind, k.at(1.0), k.dtype, work=k.work, floor=False) for k in ks)
+                total += sum(tm.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work, floor=False) for k in ks)
     else:
-        total = _eqn_seconds(j.eqns[node.eqns[0]], tm)
+        total = _eqn_seconds(j.eqns[node.eqns[0]], node.eqns[0], tm, sc)
     return total / t if strategy.split else total
 
 
 class _Costs:
     """Integer costs (nanoseconds) of a graph's nodes and edges."""
 
-    def __init__(self, graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster):
+    def __init__(self, graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, scale: float = 1.0):
         self.graph, t = graph, graph.t
         self.node: list[list[int]] = []
+        sc = _Scale(graph, scale)
         for node in graph.nodes:
             row = []
             full = None
             for s in node.strategies:
                 if node.kind == "group":
-                    sec = node_seconds(graph, node, s, tm, cluster)
+                    sec = node_seconds(graph, node, s, tm, cluster, scale)
                 else:
                     if full is None:
-                        full = node_seconds(graph, node, dataclasses.replace(s, split=False), tm, cluster)
+                        full = node_seconds(graph, node, dataclasses.replace(s, split=False), tm, cluster, scale)
                     sec = full / t if s.split else full
                 mem = 0
                 if node.kind == "param":
                     mem = aval_bytes(node.outvars[0].aval) / (t if s.out >= 0 else 1)
                 row.append(int(round(sec / _NS)) + int(round(mem / _MB)))
             self.node.append(row)
-        self.var_bytes = {v: aval_bytes(v.aval) for v in graph.producer}
+        self.var_bytes = {v: int(sc.bytes(v)) for v in graph.producer}
         self._cache: dict = {}
         self.t, self.cluster = t, cluster
 
@@ -216,9 +235,10 @@ def _reads(graph: StrategyGraph) -> dict:
 
 
 def total_seconds(graph: StrategyGraph, choice: Sequence[int], tm: KernelTimeModel, cluster: Cluster,
-                  costs: _Costs | None = None) -> float:
-    """The ILP's objective for an assignment, in seconds (memory tie-break included)."""
-    costs = costs or _Costs(graph, tm, cluster)
+                  costs: _Costs | None = None, scale: float = 1.0) -> float:
+    """The ILP's objective for an assignment, in seconds (memory tie-break included), at ``scale`` times the traced
+    batch."""
+    costs = costs or _Costs(graph, tm, cluster, scale)
     total = sum(costs.node[k][c] for k, c in enumerate(choice))
     for (var, _), uses in _reads(graph).items():
         p = uses[0][0]
@@ -228,12 +248,12 @@ def total_seconds(graph: StrategyGraph, choice: Sequence[int], tm: KernelTimeMod
     return total * _NS
 
 
-def solve(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, time_limit_s: float = 10.0,
-          workers: int = 1) -> ShardingSolution:
-    """The cheapest strategy per node (CP-SAT)."""
+def solve(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, scale: float = 1.0,
+          time_limit_s: float = 10.0, workers: int = 1) -> ShardingSolution:
+    """The cheapest strategy per node (CP-SAT), with costs at ``scale`` times the traced batch."""
     t0 = time.perf_counter()
     nodes = graph.nodes
-    costs = _Costs(graph, tm, cluster)
+    costs = _Costs(graph, tm, cluster, scale)
     if graph.t == 1 or all(len(n.strategies) == 1 for n in nodes):
         choice = tuple(0 for _ in nodes)
         return ShardingSolution(graph, choice, total_seconds(graph, choice, tm, cluster, costs), "TRIVIAL", 0.0,
@@ -321,11 +341,11 @@ def solve(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, time_l
                             (obj - bound) / obj if obj else 0.0, time.perf_counter() - t0)
 
 
-def brute_force(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *,
+def brute_force(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, scale: float = 1.0,
                 limit: int = 2_000_000) -> ShardingSolution:
     """The cheapest assignment by enumerating every combination of strategies (small graphs only)."""
     t0 = time.perf_counter()
-    costs = _Costs(graph, tm, cluster)
+    costs = _Costs(graph, tm, cluster, scale)
     sizes = [len(n.strategies) for n in graph.nodes]
     if math.prod(sizes) > limit:
         raise ValueError(f"brute_force: {math.prod(sizes)} combinations exceed limit={limit}.")

@@ -99,14 +99,19 @@ def collective_time(kind: str, bytes: float, group_size: int, cluster: Cluster, 
         )
     if spans_nodes and cluster.num_nodes == 1:
         raise ValueError(f"{who}: spans_nodes=True but the cluster has one node ({cluster}); pass spans_nodes=False.")
+    return ring_seconds(canon, nbytes, n, cluster, spans_nodes)
+
+
+def ring_seconds(kind: str, nbytes: float, n: int, cluster: Cluster, spans_nodes: bool) -> float:
+    """:func:`collective_time` without argument checks, for the planner's inner loops (``kind`` canonical)."""
     if n == 1 or nbytes == 0:
         return 0.0
     dev = cluster.device
     bw, alpha = ((dev.inter_node_bandwidth * dev.inter_node_efficiency, dev.inter_node_latency) if spans_nodes
                  else (dev.intra_node_bandwidth * dev.intra_node_efficiency, dev.intra_node_latency))
-    if canon == "all-reduce":
+    if kind == "all-reduce":
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
-    if canon in ("all-gather", "reduce-scatter"):
+    if kind in ("all-gather", "reduce-scatter"):
         return (n - 1) / n * nbytes / bw + (n - 1) * alpha
     return nbytes / bw + alpha
 

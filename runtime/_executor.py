@@ -26,6 +26,7 @@ from autopp._trace import eval_jaxpr_with
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import place_outer
+from autopp.planner._estimate import RECOMPUTE_MODES
 from autopp.planner._schedule import Schedule, dispatch_order
 from autopp.profiler._costs import aval_bytes
 from autopp.profiler._optstate import optimizer_state_owners
@@ -1153,7 +1154,7 @@ def build_executable(traced, forward, split, stage_devices, *, num_microbatches,
     tensor axis from a plan (default: Megatron's rule); ``zero1`` shards optimizer state over the data axis."""
     meshes = StageMeshes(stage_devices, layouts)
     recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
-    if len(recompute) != split.num_stages or not set(recompute) <= {"none", "full", "selective"}:
+    if len(recompute) != split.num_stages or not set(recompute) <= set(RECOMPUTE_MODES):
         raise ValueError(f"recompute={recompute!r}: give one of 'none', 'full', 'selective' per stage "
                          f"({split.num_stages} stages).")
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,

@@ -1,249 +1,384 @@
-"""``plan_model``: never slower than an enumeration of equal splits, CP-SAT stage split equal to brute force of the
-same cost model, JSON round trip, infeasibility explained."""
+"""``plan_model``: never slower than an enumeration of equal splits (costed by the public ``simulate``), the CP-SAT
+stage split equal to a brute force of the same cost model, exact JSON round trip, infeasibility explained, and a
+plan for a traced step that replays to plain ``jax.jit``'s result and agrees with ``simulate``."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
+import re
 
+import jax
 import pytest
 
+import autopp
 from autopp.models import GPTConfig
-from autopp.planner import Estimate, Plan, plan_model, simulate
-from autopp.planner._search import _LayoutKey, _refine
-from autopp.planner._simulate import _Layout, _layer_costs
-from autopp.profiler import Cluster
+from autopp.planner import Estimate, Plan, Schedule, plan_model, simulate
+from autopp.planner._costmodel import Layout, StepModel
+from autopp.planner._cpsat import _MEM_UNIT, _TIME_UNIT
+from autopp.planner._search import _refine
+from autopp.profiler import Cluster, profile
+from autopp.profiler._devices import DEVICE_KINDS
+from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
 
-# Plans in about a second. The slow links between nodes (10 Gbit/s) make data parallelism and FSDP across nodes
-# expensive, so the best plan pipelines; the 51k-word head makes its stage the slowest under an equal split.
-MODEL = GPTConfig(layers=12, hidden=2048, heads=16, seq=1024, vocab=51200, dtype="bfloat16")
-CLUSTER = Cluster.parse("4x2xA100-40GB").with_device_overrides(inter_node_bandwidth=1.25e9)
-BATCH = 32
+# Plans in about a second. The slow links between nodes (10 Gbit/s) make data parallelism across nodes expensive,
+# so the best plan pipelines over the two nodes.
+MODEL = GPTConfig(layers=4, hidden=512, heads=8, seq=128, vocab=1024, dtype="bfloat16")
+CLUSTER = Cluster.parse("2x4xA100-80GB").with_device_overrides(inter_node_bandwidth=1.25e9)
+BATCH = 16
+# A head as heavy as two blocks and six blocks over four device groups: the best plan splits unevenly.
+HEAVY_HEAD = GPTConfig(layers=6, hidden=256, heads=4, seq=128, vocab=8192, dtype="bfloat16")
+HEAVY_CLUSTER = Cluster.parse("4x2xA100-80GB").with_device_overrides(inter_node_bandwidth=1.25e9)
+HEAVY_BATCH = 32
+
+
+def _traced(config, cluster, batch_size=1):
+    step, args, batch_argnums = config.abstract_step(batch_size=batch_size)
+    return profile(step, *args, cluster=cluster, batch_argnums=batch_argnums)
 
 
 @pytest.fixture(scope="module")
-def plan():
-    return plan_model(MODEL, CLUSTER, global_batch=BATCH)
+def prof():
+    return _traced(MODEL, CLUSTER)
 
 
-def _uniform_estimates(model, cluster, global_batch):
-    """Every equal-split layout of the documented search space, costed by the public ``simulate``."""
-    n, dpn = cluster.num_devices, cluster.devices_per_node
-    for tp in (1, 2, 4, 8):
-        if dpn % tp or model.heads % tp:
-            continue
-        for pp in range(1, model.layers + 1):
-            if n % (tp * pp) or model.layers % pp:
-                continue
+@pytest.fixture(scope="module")
+def plan(prof):
+    return plan_model(prof, CLUSTER, global_batch=BATCH)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _equal_split_estimates(prof, config, cluster, global_batch):
+    """Every equal-split layout of plan_model's documented search space that ``simulate`` can cost (the blocks
+    divide evenly over the model chunks): tensor degrees dividing a node, pipeline degrees, data-parallel rest,
+    FSDP over none / a node / all replicas, ZeRO-1 over the remaining replicas, sequence parallelism, microbatch
+    sizes 1-8, the four default schedules (interleaved with 2-4 virtual stages) and every recomputation mode."""
+    n, dpn, blocks = cluster.num_devices, cluster.devices_per_node, config.layers
+    for tp in _divisors(dpn):
+        for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if global_batch % dp:
+            if blocks % pp or global_batch % dp:
                 continue
-            fsdps = {1, dp} | ({dpn // tp} if dp % (dpn // tp) == 0 else set())
-            for mbs, fsdp, recompute in itertools.product((1, 2, 4, 8), fsdps, ("none", "full", "selective")):
-                if (global_batch // dp) % mbs:
+            fsdps = {1, dp} | ({dpn // tp} if tp < dpn and dp % (dpn // tp) == 0 else set())
+            for mbs, fsdp, sp, recompute in itertools.product((1, 2, 4, 8), sorted(fsdps), (False, True),
+                                                              ("none", "full", "selective")):
+                if (global_batch // dp) % mbs or (sp and tp == 1):
                     continue
                 M = global_batch // (dp * mbs)
-                for schedule, v in [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + [
-                        ("interleaved-1f1b", v) for v in (2, 3, 4) if model.layers % (pp * v) == 0 and M % pp == 0]:
-                    if pp == 1 and (schedule, v) != ("gpipe", 1):
-                        continue
+                schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + [
+                    ("interleaved-1f1b", v) for v in (2, 3, 4) if blocks % (pp * v) == 0 and M % pp == 0]
+                for schedule, v in (schedules if pp > 1 else [("1f1b", 1)]):
                     kw = dict(global_batch=global_batch, tp=tp, pp=pp, dp=dp, microbatch_size=mbs, schedule=schedule,
-                              recompute=recompute, virtual_stages=v, fsdp=fsdp)
-                    yield kw, simulate(model, cluster, **kw)
+                              recompute=recompute, virtual_stages=v, fsdp=fsdp, zero1=dp // fsdp > 1,
+                              sequence_parallel=sp)
+                    yield kw, simulate(prof, cluster, **kw)
 
 
-def test_plan_is_never_slower_than_the_best_equal_split(plan):
-    feasible = [(e.step_time_s, kw) for kw, e in _uniform_estimates(MODEL, CLUSTER, BATCH) if e.fits]
+@pytest.mark.parametrize("case", ["pipelined", "heavy-head"])
+def test_plan_is_never_slower_than_the_best_equal_split(case, prof, plan):
+    if case == "heavy-head":
+        config, cluster, batch = HEAVY_HEAD, HEAVY_CLUSTER, HEAVY_BATCH
+        prof = _traced(config, cluster)
+        plan = plan_model(prof, cluster, global_batch=batch)
+    else:
+        config, cluster, batch = MODEL, CLUSTER, BATCH
+    feasible = [(e.step_time_s, kw) for kw, e in _equal_split_estimates(prof, config, cluster, batch) if e.fits]
+    assert len(feasible) > 100
     best_time, best_kw = min(feasible, key=lambda x: x[0])
     assert plan.predicted.step_time_s <= best_time * (1 + 1e-9), best_kw
-    assert plan.planner.best_uniform_step_time_s == pytest.approx(best_time)
-    assert plan.predicted.fits and plan.predicted.peak_memory_bytes_per_gpu <= 40e9
+    assert plan.planner.best_uniform_step_time_s <= best_time * (1 + 1e-9)
+    assert plan.predicted.fits and plan.predicted.peak_memory_bytes_per_gpu <= cluster.device.memory_capacity
+    if case == "pipelined":
+        assert plan.num_stages > 1  # the slow links between nodes are not worth data parallelism
+    elif plan.planner.solver_status != "UNIFORM":
+        # a CP-SAT split was chosen: solved to optimality, not an equal split of the blocks, faster than all of them
+        assert plan.planner.solver_status == "OPTIMAL" and plan.planner.optimality_gap == 0
+        blocks = [sum(prof.layers[i].name.startswith("block") for i in range(s.layers[0], s.layers[1] + 1))
+                  for s in plan.stages]
+        assert len(set(blocks)) > 1
+        assert plan.predicted.step_time_s < plan.planner.best_uniform_step_time_s
 
 
-def test_uneven_split_beats_equal_split_when_the_head_is_heavy(plan):
-    """The head costs about a block: the planner gives the last stage fewer blocks than an equal split."""
-    assert plan.planner.solver_status == "OPTIMAL"
-    blocks = [s.layers[1] - s.layers[0] + 1 for s in plan.stages]
-    blocks[0] -= 1  # the embedding
-    blocks[-1] -= 1  # the head
-    assert len(set(blocks)) > 1 and blocks[-1] < max(blocks)
-    assert plan.predicted.step_time_s < plan.planner.best_uniform_step_time_s
-
-
-def test_plan_describes_a_consistent_layout(plan):
+def test_plan_describes_a_consistent_layout(plan, prof):
     n = CLUSTER.num_devices
-    groups = {s.devices for s in plan.stages}
-    assert sorted(d for g in groups for d in g) == list(range(n))  # every device in exactly one group
+    assert sorted(d for s in plan.stages for d in s.devices) == list(range(n))  # every device in one group
     for s in plan.stages:
         assert s.mesh_shape["data"] * s.mesh_shape["fsdp"] * s.mesh_shape["tensor"] == len(s.devices)
+        assert s.equations is None and s.forward_time_s > 0 and s.backward_time_s > 0
     layers = [i for s in plan.stages for i in range(s.layers[0], s.layers[1] + 1)]
-    assert layers == list(range(MODEL.layers + 2))  # embed, blocks, head: each on exactly one stage
+    assert layers == list(range(MODEL.layers + 2))  # embed, blocks, head: each on exactly one stage, in order
     dp = plan.stages[0].mesh_shape["data"] * plan.stages[0].mesh_shape["fsdp"]
     assert plan.microbatch_size * plan.num_microbatches * dp == BATCH
+    assert plan.predicted.num_microbatches == plan.num_microbatches
     assert plan.cluster == CLUSTER.to_dict()
-    assert plan.planner.wall_time_s > 0 and plan.planner.candidates > 100
+    assert plan.model_fingerprint == prof.structure_fingerprint
+    assert [x.index for x in plan.layer_shardings] == list(range(len(prof.layers)))
+    sched = Schedule.from_text(plan.schedule_text, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches)
+    assert sched.num_ranks == plan.num_stages // plan.virtual_stages
+    # every parameter appears in exactly one stage's specs, or in two when shared (the tied embedding)
+    owners = {}
+    for s in plan.stages:
+        for k in s.param_specs:
+            owners.setdefault(k, []).append(s.index)
+    assert set(owners) == {str(k) for k in prof.state_bytes}
+    assert all(len(v) <= 2 for v in owners.values())
+    assert plan.planner.wall_time_s > 0 and plan.planner.candidates > 50 and plan.planner.sharding_solves > 0
 
 
-def test_plan_json_round_trip_is_exact(plan, tmp_path):
+def test_plan_json_round_trip_is_exact(tmp_path):
+    """A tensor-parallel plan: per-parameter layouts and per-layer sharding reports survive JSON exactly."""
+    config = GPTConfig(layers=2, hidden=2048, heads=16, seq=512, vocab=256, dtype="bfloat16")
+    cluster = Cluster.parse("1x8xA100-80GB")
+    plan = plan_model(config, cluster, global_batch=8, tensor_degrees=(2,), pipeline_degrees=(2,))
+    specs = [spec for s in plan.stages for spec in s.param_specs.values()]
+    assert any("tensor" in spec for spec in specs)  # something is split, so the layouts are not all trivial
+    assert any(x.collectives for x in plan.layer_shardings)
     path = tmp_path / "plan.json"
-    plan.to_json(path)
-    again = Plan.from_json(path)
-    assert again == plan
+    text = plan.to_json(path)
+    for again in (Plan.from_json(path), Plan.from_json(str(path)), Plan.from_json(text)):
+        assert again == plan
+        assert [s.param_specs for s in again.stages] == [s.param_specs for s in plan.stages]
+        assert again.layer_shardings == plan.layer_shardings
     data = json.loads(path.read_text())
-    assert set(data["predicted"]) == {f for f in Estimate.__dataclass_fields__}
+    assert data["schema_version"] == 3
+    assert set(data["predicted"]) == {f.name for f in dataclasses.fields(Estimate)}
     assert data["predicted"]["step_time_s"] == plan.predicted.step_time_s
-    assert data["schema_version"] == 2 and data["planner"]["solver_status"] == "OPTIMAL"
+    assert data["sequence_parallel"] == plan.sequence_parallel and data["zero1"] == plan.zero1
 
 
-@pytest.mark.parametrize("schedule, pp, mix_tensor, vocab", [
-    ("1f1b", 3, False, 32768), ("gpipe", 2, False, 32768), ("zb-h1", 4, False, 32768), ("zb-h1", 2, True, 32768),
-    ("1f1b", 3, True, 131072),  # the heavy head's stage takes 4 devices of tensor parallelism, the others 1
-])
-def test_stage_split_equals_brute_force_of_the_same_cost_model(schedule, pp, mix_tensor, vocab):
-    """CP-SAT's blocks per stage, recomputation per stage (and tensor degree per stage, the stages' devices adding
-    up to the cluster's), against every combination costed by the simulator's own per-stage time and memory (not
-    the linear coefficients the solver sees)."""
-    model = GPTConfig(layers=7, hidden=512, heads=8, seq=256, vocab=vocab, dtype="bfloat16")
-    tp, dp = 2, 2
-    cluster = Cluster.parse(f"{pp * tp * dp // 4}x4xA100-80GB")
-    costs = _layer_costs(model, 2, cluster)
-    modes = ("none", "full", "selective")
-    key = _LayoutKey(tp, pp, dp, 1, 2, schedule, 1)
-    tps = (1, 2, 4) if mix_tensor else (tp,)
+# ---------------------------------------------------------------- CP-SAT against brute force
 
-    def layout_for(t, capacity):
-        c = cluster.with_device_overrides(memory_capacity=int(capacity))
-        return _Layout(model, c, costs, global_batch=16, tp=t, dp=dp, fsdp=1, microbatch_size=2, schedule=schedule,
-                       virtual_stages=1, num_stages=pp)
+_MODES = ("none", "full", "selective")
+BRUTE_MODEL = GPTConfig(layers=4, hidden=256, heads=4, seq=128, vocab=2048, dtype="bfloat16")
 
-    roomy = layout_for(tp, 80e9).stage_memory(0, 3, "none")[0]
-    for cap in (80e9, roomy * 0.9):  # the second rules out keeping every activation on the first stage
-        lay = {t: layout_for(t, cap) for t in tps}
-        best = None
-        for blocks in itertools.product(range(model.layers + 1), repeat=pp):
-            if sum(blocks) != model.layers or any(b < 1 for b in blocks[1:-1]):
-                continue
-            for opts in itertools.product(itertools.product(tps, modes), repeat=pp):
-                if sum(t for t, _ in opts) * dp != cluster.num_devices:
-                    continue
-                if all(lay[t].stage_memory(i, b, r)[0] <= cap for i, (b, (t, r)) in enumerate(zip(blocks, opts))):
-                    worst = max(sum(lay[t].stage_time(i, b, r)[k] for k in "fb")
-                                for i, (b, (t, r)) in enumerate(zip(blocks, opts)))
-                    best = worst if best is None else min(best, worst)
-        got = _refine(lay[tp], key, modes, time_limit_s=10.0, mix_tensor=mix_tensor)
-        if best is None:
-            assert got is None
+
+@pytest.fixture(scope="module")
+def brute_prof():
+    return _traced(BRUTE_MODEL, "1x8xA100-80GB")
+
+
+def _bottleneck(ev):
+    """What the stage split minimises: the slowest stage's forward + backward of one microbatch."""
+    return max(f + b for f, b in zip(ev.stage_forward_s, ev.stage_backward_s))
+
+
+def _all_splits(sm, layout, gb):
+    """(bottleneck, peak memory, split, recomputation) of every contiguous split of the layers into the layout's
+    stages and every per-stage recomputation mode, costed by StepModel.evaluate(exact=True)."""
+    n = len(sm.layers)
+    out = []
+    for cuts in itertools.combinations(range(1, n), layout.pipeline - 1):
+        starts = (0, *cuts)
+        split = tuple((a, b - 1) for a, b in zip(starts, cuts + (n,)))
+        for modes in itertools.product(_MODES, repeat=layout.pipeline):
+            ev = sm.evaluate(layout, gb, split, modes, exact=True)
+            out.append((_bottleneck(ev), max(ev.group_memory_bytes), split, modes))
+    return out
+
+
+_BRUTE_CASES = [("1f1b", 2), ("gpipe", 2), ("zb-h1", 3), ("gpipe", 3), ("1f1b", 4)]
+
+
+def _brute_case(prof, schedule, pp):
+    layout = Layout(tensor=1, pipeline=pp, data=2, microbatch_size=2, schedule=schedule)
+    gb = 8 * layout.data  # 4 microbatches
+    base = Cluster.parse(f"1x{layout.devices}xA100-80GB")
+    return layout, gb, base, _all_splits(StepModel(prof, base), layout, gb)
+
+
+@pytest.mark.parametrize("schedule, pp", _BRUTE_CASES)
+def test_stage_split_equals_brute_force_of_the_same_cost_model(brute_prof, schedule, pp):
+    """_refine (CP-SAT: where each stage begins and its recomputation) against every contiguous split and every
+    per-stage recomputation mode costed by StepModel.evaluate(exact=True), for a roomy device and for every
+    capacity between two memory levels of the combinations (so that recomputation is needed) that is farther from
+    both than CP-SAT's rounding of memory to 64 KiB units per layer and microbatch."""
+    prof = brute_prof
+    n = len(prof.layers)
+    layout, gb, base, combos = _brute_case(prof, schedule, pp)
+    M = gb // (layout.microbatch_size * layout.data)
+    slack = n * (1 + M) * _MEM_UNIT
+    levels = sorted({m for _, m, _, _ in combos})
+    caps = [base.device.memory_capacity] + [(a + b) / 2 for a, b in zip(levels, levels[1:]) if b - a > 2 * slack]
+    assert len(caps) >= 4
+    recomputing = 0
+    for cap in caps:
+        sm = StepModel(prof, base.with_device_overrides(memory_capacity=int(cap)))
+        feasible = [(t, split, modes) for t, m, split, modes in combos if m <= cap]
+        got = _refine(sm, layout, gb, _MODES, time_limit_s=10.0)
+        if not feasible:
+            assert got is None, cap
             continue
-        stage_lay = got.stage_layouts or (lay[tp],) * pp
-        assert sum(s.tp for s in stage_lay) * dp == cluster.num_devices
-        worst = max(sum(s.stage_time(i, b, r)[k] for k in "fb")
-                    for i, (s, b, r) in enumerate(zip(stage_lay, got.stage_blocks, got.recompute)))
-        assert worst == pytest.approx(best, rel=1e-5), (schedule, pp, cap)
-        if vocab == 131072 and cap == 80e9:
-            assert [s.tp for s in stage_lay] == [1, 1, 4]
-        assert all(s.stage_memory(i, b, r)[0] <= cap
-                   for i, (s, b, r) in enumerate(zip(stage_lay, got.stage_blocks, got.recompute)))
+        best = min(feasible, key=lambda x: x[0])
+        recomputing += best[2] != ("none",) * pp
+        assert got is not None, (cap, best)
+        ev = sm.evaluate(layout, gb, got.split, got.recompute, exact=True)
+        assert max(ev.group_memory_bytes) <= cap, (cap, got.split, got.recompute, best)
+        # optimal up to the solver's integer time unit per layer
+        assert best[0] * (1 - 1e-12) <= _bottleneck(ev) <= best[0] + n * _TIME_UNIT, (cap, got.split, best)
+        assert got.status == "OPTIMAL"
+        assert got.evaluation.estimate == ev.estimate
+    assert recomputing > 0  # some capacity needed recomputation
+
+
+@pytest.mark.parametrize("schedule, pp", [("1f1b", 2), ("gpipe", 3)])
+def test_the_refined_split_fits_the_cost_models_memory(brute_prof, schedule, pp):
+    """Whatever the capacity, a split _refine returns fits by StepModel.evaluate's own memory (CP-SAT's rounding
+    of memory up to 64 KiB units may only make it more careful)."""
+    layout, gb, base, combos = _brute_case(brute_prof, schedule, pp)
+    for level in sorted({m for _, m, _, _ in combos}):
+        cap = level - 1  # the combinations at this level no longer fit
+        sm = StepModel(brute_prof, base.with_device_overrides(memory_capacity=int(cap)))
+        got = _refine(sm, layout, gb, _MODES, time_limit_s=10.0)
+        if got is not None:
+            ev = sm.evaluate(layout, gb, got.split, got.recompute, exact=True)
+            assert max(ev.group_memory_bytes) <= cap, (cap, got.split, got.recompute, max(ev.group_memory_bytes))
+
+
+# ---------------------------------------------------------------- errors
+
+
+_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
+
+
+def _bytes_after(msg: str, prefix: str) -> float:
+    """The quantity written as ``<number> GiB|MiB|KiB`` right after ``prefix`` in ``msg``, in bytes."""
+    match = re.search(re.escape(prefix) + r"\s*([0-9.]+(?:e[+-]?[0-9]+)?) (GiB|MiB|KiB)", msg)
+    assert match, (prefix, msg)
+    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 def test_infeasible_request_says_what_it_needs_and_what_would_fit():
-    gpt3 = GPTConfig(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, dtype="bfloat16")
+    # 6.9e9 parameters with fp32 master weights, fp32 gradients and Adam in fp32: 16 bytes each, 110 GB
+    gpt = GPTConfig(layers=8, hidden=8192, heads=64, seq=2048, vocab=51200, dtype="bfloat16", param_dtype="float32")
+    cluster = Cluster.parse("1x2xA100-40GB")
     with pytest.raises(ValueError) as info:
-        plan_model(gpt3, "1x8xA100-40GB", global_batch=8, microbatch_sizes=(1,))
+        plan_model(gpt, cluster, global_batch=8, microbatch_sizes=(1,))
     msg = str(info.value)
-    assert "least memory any option needs is" in msg and "A100-40GB has 37.3 GiB" in msg
-    need = float(msg.split("needs is ")[1].split(" GiB")[0])
-    # the least: full sharding over all 8 devices: weights, gradients and Adam state (18 bytes per parameter)
-    assert need > 175e9 * 18 / 8 / 2**30
-    assert "It would fit with" in msg and "x the nodes" in msg
+    assert msg.startswith("plan_model: no layout of the step")
+    assert _bytes_after(msg, "(") == pytest.approx(4 * gpt.num_params, rel=5e-3)  # the fp32 parameters
+    cap = cluster.device.memory_capacity
+    assert _bytes_after(msg, "but a A100-40GB has") == pytest.approx(cap, rel=5e-3)
+    need = _bytes_after(msg, "least memory any option needs is")
+    # the least any layout can need: the whole state split over both devices (3 significant digits printed)
+    assert need >= 16 * gpt.num_params / 2 * (1 - 5e-3)
+    assert need > cap
+    named = re.search(r"It would fit with a device with more memory \(([^)]*)\)", msg).group(1).split(", ")
+    assert {n for n, spec in DEVICE_KINDS.items() if spec.memory_capacity >= need * 1.01} <= set(named)
+    assert all(DEVICE_KINDS[n].memory_capacity >= need * 0.99 for n in named)
+    assert "more nodes" in msg
+
+
+def test_a_layer_too_big_for_any_strategy_is_named():
+    gpt = GPTConfig(layers=2, hidden=24576, heads=192, seq=128, vocab=128, dtype="bfloat16", param_dtype="float32")
+    h = gpt.hidden
+    block_params = 12 * h * h + 13 * h  # qkv, out, fc, proj weights and their biases, two LayerNorms
+    cluster = Cluster.parse("1x2xA100-40GB")
+    with pytest.raises(ValueError) as info:
+        plan_model(gpt, cluster, global_batch=8)
+    msg = str(info.value)
+    assert "layer 1 (block 0) holds" in msg and "of parameters, gradients and optimizer state" in msg
+    assert _bytes_after(msg, "holds") == pytest.approx(16 * block_params, rel=5e-3)
+    assert _bytes_after(msg, "node's 2 devices that is") == pytest.approx(16 * block_params / 2, rel=5e-3)
+    assert _bytes_after(msg, "more than a A100-40GB's") == pytest.approx(cluster.device.memory_capacity, rel=5e-3)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(global_batch=0), r"global_batch must be a positive int"),
-    (dict(global_batch=8, schedules=("pipedream",)), r"schedules=\('pipedream',\) must be a non-empty tuple of"),
-    (dict(global_batch=8, recompute=()), r"recompute=\(\) must be a non-empty tuple"),
-    (dict(global_batch=8, microbatch_sizes=[]), r"microbatch_sizes=\[\] must be a non-empty tuple"),
+    (dict(global_batch=0), r"plan_model: global_batch must be a positive int, got global_batch=0"),
+    (dict(global_batch=8, schedules=("pipedream",)),
+     r"schedules=\('pipedream',\) must be a non-empty tuple of gpipe, 1f1b, interleaved-1f1b, zb-h1, dualpipev "
+     r"\(not \['pipedream'\]\)"),
+    (dict(global_batch=8, schedules="1f1b"), r"schedules='1f1b' must be a non-empty tuple"),
+    (dict(global_batch=8, recompute=()), r"recompute=\(\) must be a non-empty tuple of none, full, selective"),
+    (dict(global_batch=8, microbatch_sizes=[]), r"microbatch_sizes=\[\] must be a non-empty tuple of positive ints"),
+    (dict(global_batch=8, microbatch_sizes=(0, 1)), r"microbatch_sizes entry must be a positive int"),
+    (dict(global_batch=8, pipeline_degrees=(1.5,)), r"pipeline_degrees entry must be a positive int"),
+    (dict(global_batch=8, tensor_degrees=2), r"tensor_degrees=2 must be a non-empty tuple of positive ints"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_model(MODEL, CLUSTER, **kwargs)
-    with pytest.raises(TypeError, match=r"model must be an autopp.models.GPTConfig"):
+
+
+def test_bad_model_cluster_and_overlap(prof):
+    with pytest.raises(TypeError, match=r"plan_model: model must be the Profile of a traced step"):
         plan_model("gpt", CLUSTER, global_batch=8)
+    with pytest.raises(TypeError, match=r"plan_model: cluster must be a Cluster or a string"):
+        plan_model(MODEL, 8, global_batch=8)
+    with pytest.raises(ValueError, match=r"overlap: unknown kinds \['magic'\]"):
+        plan_model(prof, CLUSTER, global_batch=8, overlap=("magic",))
 
 
-def test_stages_of_different_sizes_get_disjoint_devices_with_tensor_groups_inside_nodes():
-    from autopp.planner._plan import PlannerStats
-    from autopp.planner._search import _to_plan
-
-    model = GPTConfig(layers=7, hidden=512, heads=8, seq=256, vocab=131072, dtype="bfloat16")
-    cluster = Cluster.parse("3x4xA100-80GB")
-    layout = _Layout(model, cluster, _layer_costs(model, 2, cluster), global_batch=16, tp=2, dp=2, fsdp=1,
-                     microbatch_size=2, schedule="1f1b", virtual_stages=1, num_stages=3)
-    got = _refine(layout, _LayoutKey(2, 3, 2, 1, 2, "1f1b", 1), ("none",), 10.0, mix_tensor=True)
-    assert [s.tp for s in got.stage_layouts] == [1, 1, 4]
-    stats = PlannerStats(wall_time_s=0.0, solver_status=got.status, optimality_gap=0.0, candidates=1,
-                         best_uniform_step_time_s=1.0)
-    plan = _to_plan(model, cluster, got, layout, stats)
-    assert [len(s.devices) for s in plan.stages] == [2, 2, 8]
-    assert sorted(d for s in plan.stages for d in s.devices) == list(range(12))
-    for s in plan.stages:
-        tp = s.mesh_shape["tensor"]
-        for k in range(0, len(s.devices), tp):  # consecutive devices form a tensor group: one node each
-            assert len({d // 4 for d in s.devices[k:k + tp]}) == 1
-    assert Plan.from_json(plan.to_json()) == plan
+# ---------------------------------------------------------------- a traced step
 
 
-def test_plan_for_a_traced_step_replays_and_matches_plain_jit(tmp_path):
-    """plan_model of a step's Profile: pipeline x data parallelism over the profiled layers, replayable."""
-    import jax
-
-    import autopp
-    from autopp.profiler import profile
-    from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt
-
+@pytest.fixture(scope="module")
+def traced_gpt():
     model, tx = tiny_gpt(), make_optimizer()
     params = model.init(jax.random.key(0))
     state = (params, tx.init(params))
     batch = model.batch(jax.random.key(1), 8)
     step = make_step(model, tx)
     cluster = Cluster.local(jax.devices()[:4])
-    prof = profile(step, *state, batch, cluster=cluster)
-    # a cluster whose links are slow makes data parallelism expensive, so the plan pipelines
-    slow = cluster.with_device_overrides(intra_node_bandwidth=1e6)
-    plan = plan_model(dataclasses.replace(prof, cluster=slow), slow, global_batch=8)
-    assert plan.model_fingerprint == prof.fingerprint and plan.num_stages > 1
+    return step, state, batch, cluster, profile(step, *state, batch, cluster=cluster)
+
+
+def _simulate_plan(prof, cluster, plan):
+    """``simulate`` of a plan's layout (its stages must be the equal split with one recomputation mode)."""
+    mesh = plan.stages[0].mesh_shape
+    dp = mesh["data"] * mesh["fsdp"]
+    (recompute,) = {s.recompute for s in plan.stages}
+    chunks_per_group = 2 if plan.schedule == "dualpipev" else plan.virtual_stages
+    return simulate(prof, cluster, global_batch=plan.microbatch_size * plan.num_microbatches * dp,
+                    tp=mesh["tensor"], pp=plan.num_stages // chunks_per_group, dp=dp, fsdp=mesh["fsdp"],
+                    microbatch_size=plan.microbatch_size, schedule=plan.schedule,
+                    virtual_stages=plan.virtual_stages, recompute=recompute, zero1=plan.zero1,
+                    sequence_parallel=plan.sequence_parallel)
+
+
+def test_plan_for_a_traced_step_replays_and_matches_plain_jit(traced_gpt, tmp_path):
+    """plan_model of a step's Profile (pipeline x data parallelism over the profiled layers) replays through
+    autopp.parallelize and trains exactly like jax.jit."""
+    step, state, batch, cluster, prof = traced_gpt
+    assert prof.batch_size == 8
+    plan = plan_model(prof, cluster, global_batch=8, pipeline_degrees=(2,), tensor_degrees=(1,))
+    assert plan.num_stages == 2 and plan.model_fingerprint == prof.structure_fingerprint
     assert all(s.equations is None and s.layers is not None for s in plan.stages)
     plan.to_json(tmp_path / "plan.json")
     replay = autopp.parallelize(step, plan=str(tmp_path / "plan.json"), devices=jax.devices()[:4])
-    got, _ = run_steps(replay, state, batch)
-    reference, _ = run_steps(jax.jit(step), state, batch)
+    got, losses = run_steps(replay, state, batch, n=2)
+    reference, reference_losses = run_steps(jax.jit(step), state, batch, n=2)
     assert_trees_close(got, reference)
+    assert_trees_close(losses, reference_losses)
     ran = replay.plan_for(*state, batch)
     assert [s.layers for s in ran.stages] == [s.layers for s in plan.stages]
     assert [s.devices for s in ran.stages] == [s.devices for s in plan.stages]
-    with pytest.raises(ValueError, match=r"profile's times are for cpu devices but the cluster is"):
-        plan_model(prof, "1x8xH100", global_batch=8)
+    assert (ran.schedule, ran.num_microbatches) == (plan.schedule, plan.num_microbatches)
 
 
-def test_simulate_a_traced_step_agrees_with_its_plan():
-    """simulate(Profile) of the layout plan_model(Profile) chose predicts the same step (equal split chosen) or a
-    slower one (the planner's split beats the equal split)."""
-    import jax
+@pytest.mark.parametrize("pipeline_degrees", [(1,), (2,), (4,)])
+def test_simulate_a_traced_step_agrees_with_its_plan(traced_gpt, pipeline_degrees):
+    """simulate of a traced step predicts what its plan predicts, for the plan's own layout (an equal split)."""
+    *_, cluster, prof = traced_gpt
+    plan = plan_model(prof, cluster, global_batch=8, pipeline_degrees=pipeline_degrees, tensor_degrees=(1,))
+    assert plan.planner.solver_status in ("UNIFORM", "OPTIMAL")
+    if len({s.recompute for s in plan.stages}) > 1 or plan.planner.solver_status != "UNIFORM":
+        pytest.skip(f"the plan is not an equal split: {[s.layers for s in plan.stages]}")
+    est = _simulate_plan(prof, cluster, plan)
+    for name, value in est.to_dict().items():
+        assert value == pytest.approx(getattr(plan.predicted, name), rel=1e-9), name
 
-    from autopp.profiler import profile
-    from tests._helpers import make_optimizer, make_step, tiny_mlp
 
-    model, tx = tiny_mlp(), make_optimizer()
-    params = model.init(jax.random.key(0))
-    prof = profile(make_step(model, tx), params, tx.init(params), model.batch(jax.random.key(1), 64),
-                   cluster="1x8xA100-80GB")
-    plan = plan_model(prof, "1x8xA100-80GB", global_batch=64)
-    d = plan.stages[0].mesh_shape["data"]
-    est = simulate(prof, "1x8xA100-80GB", global_batch=64, tp=1, pp=plan.num_stages, dp=d,
-                   microbatch_size=plan.microbatch_size, schedule=plan.schedule, recompute="none")
+def test_simulate_agrees_with_the_plan_of_a_model_description(plan, prof):
+    """The same for the pipelined plan of the zoo GPT: simulate of its layout is its prediction when it is an
+    equal split; otherwise the equal split of that layout is no faster."""
     if plan.planner.solver_status == "UNIFORM":
-        assert est.step_time_s == pytest.approx(plan.predicted.step_time_s)
+        est = _simulate_plan(prof, CLUSTER, plan)
+        assert est == plan.predicted
     else:
+        stages = [dataclasses.replace(s, recompute="none") for s in plan.stages]
+        est = _simulate_plan(prof, CLUSTER, dataclasses.replace(plan, stages=tuple(stages)))
         assert est.step_time_s >= plan.predicted.step_time_s * (1 - 1e-9)
-    with pytest.raises(ValueError, match=r"tp=2 is not modelled for a traced step"):
-        simulate(prof, "1x8xA100-80GB", global_batch=64, tp=2, pp=1, dp=4, microbatch_size=1, recompute="none")
