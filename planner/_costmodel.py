@@ -334,9 +334,12 @@ class StepModel:
             makespan = max(e for _, e in times.values())
             pp_comm = makespan - max(e for _, e in plain.values())
             ends = [0.0] * P
+            chunk_end = [0.0] * C  # when each model chunk's last backward (or weight gradient) ends
             rank_of = {a: r for r, row in enumerate(sched.rows) for a in row if a is not None}
             for a, (_, e) in times.items():
                 ends[rank_of[a]] = max(ends[rank_of[a]], e)
+                if a.kind in ("B", "W"):
+                    chunk_end[a.stage] = max(chunk_end[a.stage], e)
         else:
             per_group_f = [sum(f[c] for c in range(C) if groups[c] == g) for g in range(P)]
             per_group_b = [sum(bw[c] for c in range(C) if groups[c] == g) for g in range(P)]
@@ -354,13 +357,22 @@ class StepModel:
                 bubble = (P - 1) * max(fs + bs - 2 * ws, bs - ws)
             pp_comm = 2 * (P - 1) * send  # the fill and the drain wait for transfers; the steady state overlaps them
             makespan = M * (fs + bs) + bubble + pp_comm + (dispatch if C == 1 else 0.0)
-            # in the cool-down, group g finishes its last backward g backward-slots before group 0
+            # in the cool-down, group g finishes its last backward g backward-slots before group 0; its chunks one
+            # chunk-backward apart, the first chunk last
             ends = [makespan - g * bs / v for g in range(P)]
+            chunk_end = [0.0] * C
+            for g in range(P):
+                mine = [c for c in range(C) if groups[c] == g]
+                for k, c in enumerate(sorted(mine, reverse=True)):
+                    chunk_end[c] = ends[g] - (len(mine) - 1 - k) * (bw[c] if k else 0.0)
         # the host issues every program from one thread: the pipeline takes at least that long
+        if C == 1:
+            chunk_end = list(ends)
         if dispatch and C > 1:
             controller = dispatch * (2 * C * M + 2 * (C - 1) * M + STAGE_INSTRUCTIONS * C)
             if controller > makespan:
                 ends = [e + controller - makespan for e in ends]
+                chunk_end = [e + controller - makespan for e in chunk_end]
                 makespan = controller
 
         # data-parallel reduction and the optimizer, per device group
@@ -372,16 +384,29 @@ class StepModel:
         per_step = [sum(arr[c].sum("per_step", *span[c]) for c in range(C) if groups[c] == g) for g in range(P)]
         shift = max(per_step)
         ends = [e + shift for e in ends]
+        chunk_end = [e + shift for e in chunk_end]
         makespan += shift
         for g in range(P):
             pb, gb, _ = group_state[g]
             rkey = ("reduce", gb, pb, replicas, t, f_sh, L.zero1)
-            red = self._terms.get(rkey)
-            if red is None:
-                red = self._terms[rkey] = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
-            last_b = max((bw[c] for c in range(C) if groups[c] == g), default=0.0)
+            hit = self._terms.get(rkey)
+            if hit is None:
+                hit = self._terms[rkey] = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
+            red, gather = hit
+            mine = sorted((c for c in range(C) if groups[c] == g), key=lambda c: chunk_end[c])
             if "grad-reduce" in self.overlap:
-                red = max(0.0, red - last_b)
+                # bucket by bucket: a chunk's gradients are reduced from the start of its last backward (each
+                # chunk's share in turn, as its buckets fill), behind whatever the group still computes
+                share = [pr.chunk_state(*span[c])[1] for c in mine]
+                total = sum(share) or 1.0
+                clock = 0.0
+                for c, s_ in zip(mine, share):
+                    clock = max(clock, chunk_end[c] - bw[c]) + red * s_ / total
+                red = max(0.0, clock - ends[g])
+            if "param-gather" in self.overlap:  # ZeRO-1's gather of the updated parameters, layer by layer during
+                first_f = min((f[c] for c in range(C) if groups[c] == g), default=0.0)  # the next step's forward
+                gather = max(0.0, gather - first_f)
+            red += gather
             upd = ratio * pb / f_sh / (replicas if L.zero1 else 1) / self.tm.bytes_per_s
             update_s.append(upd)
             finish.append(ends[g] + red + upd)
@@ -458,12 +483,13 @@ class StepModel:
         return total / pbytes
 
     def _grad_reduce(self, grad_bytes: float, param_bytes: float, replicas: int, t: int, fsdp: int,
-                     zero1: bool) -> float:
+                     zero1: bool) -> tuple[float, float]:
         """Seconds to reduce a device's gradient shard over the ``replicas`` holding the same shard, hierarchically
-        when they span nodes (reduce-scatter in the node, all-reduce across nodes, all-gather in the node); with
-        ``zero1`` a reduce-scatter of the gradients and an all-gather of the updated parameters."""
+        when they span nodes (reduce-scatter in the node, all-reduce across nodes, all-gather in the node), and to
+        gather the updated parameters back: with ``zero1`` a reduce-scatter of the gradients, then an all-gather of
+        the parameters (the second number); without, an all-reduce and nothing."""
         if replicas == 1:
-            return 0.0
+            return 0.0, 0.0
         cluster = self.cluster
         local = max(1, min(replicas, cluster.devices_per_node // (t * fsdp)))
         nodes = -(-replicas // local)
@@ -481,8 +507,8 @@ class StepModel:
             return inter
 
         if zero1:
-            return allreduce_like(grad_bytes, "reduce-scatter") + allreduce_like(param_bytes, "all-gather")
-        return allreduce_like(grad_bytes, "all-reduce")
+            return allreduce_like(grad_bytes, "reduce-scatter"), allreduce_like(param_bytes, "all-gather")
+        return allreduce_like(grad_bytes, "all-reduce"), 0.0
 
 
 

@@ -18,9 +18,10 @@ forward); drop the attention core's residuals (Korthikanti et al. 2022) and re-r
 
 OVERLAPS = ("grad-reduce", "param-gather", "tensor")
 """Communication the cost model may hide behind compute: the data-parallel gradient reduction behind the last
-microbatch's backward (bucketed, as Megatron's ``--overlap-grad-reduce`` and XLA's asynchronous collectives do),
-FSDP's parameter gathers behind the previous layer's compute (prefetching), and tensor-parallel collectives behind
-their matmuls (collective matmul, Megatron's ``--tp-comm-overlap``, XLA's windowed einsum)."""
+microbatch's backward (bucketed, as Megatron's ``--overlap-grad-reduce`` and XLA's asynchronous collectives do);
+parameter gathers behind compute: FSDP's behind the previous layer's (prefetching), ZeRO-1's gather of the updated
+parameters behind the next step's first forward (Megatron's ``--overlap-param-gather``); and tensor-parallel
+collectives behind their matmuls (collective matmul, Megatron's ``--tp-comm-overlap``, XLA's windowed einsum)."""
 
 DEFAULT_OVERLAP = ("grad-reduce", "param-gather")
 """What XLA overlaps by itself on GPUs: asynchronous all-gathers and reductions that do not feed the next operation;
