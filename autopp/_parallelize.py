@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from autopp._progress import phase
 from autopp._trace import (
@@ -330,6 +332,7 @@ class Parallelized(Generic[_P, _R]):
                 f"{self._plan.model_fingerprint}, this step {traced.fingerprint}): the computation, shapes or "
                 "dtypes differ. Make a new plan with step.plan_for(...) for these arguments."
             )
+        sequence_vars = frozenset()
         if self._auto:
             local, prof, planning_s = self._plan_locally(args, traced)
             num_mb, name = local.num_microbatches, local.schedule
@@ -355,6 +358,8 @@ class Parallelized(Generic[_P, _R]):
                 if made_offline:
                     _check_offline_plan(self._plan, prof, self._batch_size(traced))
                 starts = _stage_start_equations(prof, traced, forward, [st.layers for st in self._plan.stages])
+                if self._plan.sequence_parallel:
+                    sequence_vars = _layer_boundary_activations(prof, traced, forward)
             split = split_at(forward, traced.microbatched_grad_inputs, starts)
             stage_devices = self._plan_devices
         else:
@@ -373,7 +378,8 @@ class Parallelized(Generic[_P, _R]):
             exe = build_executable(traced, forward, split, stage_devices, num_microbatches=num_mb,
                                    loss_reduction=self.loss_reduction, schedule=sched,
                                    recompute=self._stage_recompute(sched.num_stages), layouts=layouts,
-                                   param_specs=param_specs, zero1=bool(planned is not None and planned.zero1))
+                                   param_specs=param_specs, zero1=bool(planned is not None and planned.zero1),
+                                   sequence_vars=sequence_vars)
             ph.done(f"built {exe.num_programs} program(s) for {sched.num_stages} stage(s); they compile in the "
                     "background and the first step runs each as soon as it is ready")
         plan = self._make_plan(traced, forward, split, stage_devices, num_mb, name, sched)
@@ -570,6 +576,25 @@ def _stage_start_equations(prof: Profile, traced: TracedStep, forward,
                             f"{a}-{b - 1}), which has no batch-dependent equation after the previous stage's start")
         starts.append(eq)
     return starts
+
+
+def _layer_boundary_activations(prof: Profile, traced: TracedStep, forward) -> frozenset:
+    """The activations passed from one profile layer to the next in the per-microbatch forward ``forward``
+    (batch-dependent floating values of rank >= 3, ``(batch, sequence, ...)``, defined before a layer's equations and
+    read by them): what sequence parallelism splits along the sequence (their indices match the profile's, see
+    :func:`_stage_start_equations`)."""
+    eqns = forward.jaxpr.eqns
+    dep = batch_dependent_vars(forward.jaxpr, traced.microbatched_grad_inputs)
+    defined_at = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    out = set()
+    for lay in prof.layers[1:]:
+        a, b = prof.graph.nodes[lay.index]["eqn_range"]
+        for e in eqns[a:b]:
+            for v in e.invars:
+                if (not isinstance(v, jex_core.Literal) and defined_at.get(v, a) < a and v in dep
+                        and len(v.aval.shape) >= 3 and jnp.issubdtype(v.aval.dtype, jnp.floating)):
+                    out.add(v)
+    return frozenset(out)
 
 
 @overload

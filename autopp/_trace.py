@@ -57,14 +57,28 @@ class TracedStep:
     def fingerprint(self) -> str:
         """A stable hash of the traced computation: the step's and the loss's operations and types."""
         h = hashlib.sha256()
+        dtype_names: dict = {}
+
+        def sig(a) -> tuple:
+            aval = getattr(a, "aval", None)
+            if aval is None:
+                return (repr(a),)
+            dt = getattr(aval, "dtype", None)
+            name = dtype_names.get(dt)
+            if name is None:
+                name = dtype_names[dt] = str(dt)
+            return (getattr(aval, "shape", None), name,
+                    repr(a.val) if isinstance(a, jex_core.Literal) else None)
+
         for jaxpr in (self.jaxpr.jaxpr, self.spec.forward.jaxpr):
-            h.update(repr([v.aval.str_short() for v in jaxpr.invars]).encode())
+            parts = [repr([sig(v) for v in jaxpr.invars])]
             for eqn in jaxpr.eqns:
-                h.update(eqn.primitive.name.encode())
-                h.update(repr([getattr(a, "aval", a) for a in eqn.invars]).encode())
-                h.update(repr([v.aval for v in eqn.outvars]).encode())
-                h.update(repr(sorted((k, v if isinstance(v, (int, float, str, tuple, type(None))) else type(v).__name__)
-                                     for k, v in eqn.params.items())).encode())
+                parts.append(eqn.primitive.name)
+                parts.append(repr([sig(a) for a in eqn.invars]))
+                parts.append(repr([sig(v) for v in eqn.outvars]))
+                parts.append(repr(sorted((k, v if isinstance(v, (int, float, str, tuple, type(None)))
+                                          else type(v).__name__) for k, v in eqn.params.items())))
+            h.update("\n".join(parts).encode())
         return h.hexdigest()[:16]
 
 

@@ -158,6 +158,7 @@ class StepModel:
         self.recomputable = frozenset(blocks) if blocks else frozenset(l.index for l in self.layers)
         self._solutions: dict[tuple, LayerCost] = {}
         self._terms: dict[tuple, LayerTerms] = {}
+        self._graph_parts: dict[str, dict] = {}
         self.solve_stats: list[tuple[str, int, int, str, float, float]] = []
         """(fingerprint, tensor degree, boundary, status, gap, seconds) of every ILP solved."""
 
@@ -174,7 +175,8 @@ class StepModel:
         key = (fingerprint, tensor, boundary)
         hit = self._solutions.get(key)
         if hit is None:
-            graph = build_graph(self.profile.programs[fingerprint], tensor, boundary)
+            graph = build_graph(self.profile.programs[fingerprint], tensor, boundary,
+                                cache=self._graph_parts.setdefault(fingerprint, {}))
             # solved for one example per microbatch, whatever batch the step was traced at
             sol = solve(graph, self.tm, self.cluster, scale=1.0 / self.profile.batch_size)
             hit = self._solutions[key] = layer_cost(sol)
@@ -280,6 +282,7 @@ class StepModel:
         M = global_batch // (L.microbatch_size * d)
         scale = L.microbatch_size / prof.batch_size
         groups = self.chunk_groups(L)
+        members = self._members(L)  # per device group: its chunks
         sp = L.sequence_parallel
         arr = [self.arrays(t, sp, scale, mode) for mode in chunk_recompute]
         span = [(a, b + 1) for a, b in chunk_layers]
@@ -291,10 +294,7 @@ class StepModel:
         pr = self.params(t, sp)
         f_sh = L.fsdp
         replicas = d // f_sh
-        gkey = ("group_state", t, sp, tuple(span), tuple(groups))
-        group_state = self._terms.get(gkey)
-        if group_state is None:  # per group: (param, grad, optimizer) bytes per device
-            group_state = self._terms[gkey] = pr.group_state(span, groups, P)
+        group_state = self._group_state(L, span, groups)
 
         # FSDP: every microbatch gathers a chunk's parameters for its forward and backward and reduce-scatters its
         # gradients; prefetching hides what the chunk's compute covers
@@ -341,8 +341,8 @@ class StepModel:
                 if a.kind in ("B", "W"):
                     chunk_end[a.stage] = max(chunk_end[a.stage], e)
         else:
-            per_group_f = [sum(f[c] for c in range(C) if groups[c] == g) for g in range(P)]
-            per_group_b = [sum(bw[c] for c in range(C) if groups[c] == g) for g in range(P)]
+            per_group_f = [sum(f[c] for c in members[g]) for g in range(P)]
+            per_group_b = [sum(bw[c] for c in members[g]) for g in range(P)]
             slow = max(range(P), key=lambda g: per_group_f[g] + per_group_b[g])
             fs, bs = per_group_f[slow], per_group_b[slow]
             v = C // P
@@ -353,7 +353,7 @@ class StepModel:
             elif L.schedule == "interleaved-1f1b":
                 bubble = (P - 1) * (fs + bs) / v
             else:  # zero-bubble: the input-gradient chain (Qi et al. 2023)
-                ws = sum(w[c] for c in range(C) if groups[c] == slow)
+                ws = sum(w[c] for c in members[slow])
                 bubble = (P - 1) * max(fs + bs - 2 * ws, bs - ws)
             pp_comm = 2 * (P - 1) * send  # the fill and the drain wait for transfers; the steady state overlaps them
             makespan = M * (fs + bs) + bubble + pp_comm + (dispatch if C == 1 else 0.0)
@@ -362,7 +362,7 @@ class StepModel:
             ends = [makespan - g * bs / v for g in range(P)]
             chunk_end = [0.0] * C
             for g in range(P):
-                mine = [c for c in range(C) if groups[c] == g]
+                mine = members[g]
                 for k, c in enumerate(sorted(mine, reverse=True)):
                     chunk_end[c] = ends[g] - (len(mine) - 1 - k) * (bw[c] if k else 0.0)
         # the host issues every program from one thread: the pipeline takes at least that long
@@ -379,9 +379,9 @@ class StepModel:
         finish = []
         dp_exposed = 0.0
         update_s = []
-        ratio = self._update_bytes_per_param_byte()
+        ratio = self._update_ratio
         # parameter-only work (casting master weights) runs once per step before a group's first microbatch
-        per_step = [sum(arr[c].sum("per_step", *span[c]) for c in range(C) if groups[c] == g) for g in range(P)]
+        per_step = [sum(arr[c].sum("per_step", *span[c]) for c in members[g]) for g in range(P)]
         shift = max(per_step)
         ends = [e + shift for e in ends]
         chunk_end = [e + shift for e in chunk_end]
@@ -393,7 +393,7 @@ class StepModel:
             if hit is None:
                 hit = self._terms[rkey] = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
             red, gather = hit
-            mine = sorted((c for c in range(C) if groups[c] == g), key=lambda c: chunk_end[c])
+            mine = sorted(members[g], key=lambda c: chunk_end[c])
             if "grad-reduce" in self.overlap:
                 # bucket by bucket: a chunk's gradients are reduced from the start of its last backward (each
                 # chunk's share in turn, as its buckets fill), behind whatever the group still computes
@@ -404,7 +404,7 @@ class StepModel:
                     clock = max(clock, chunk_end[c] - bw[c]) + red * s_ / total
                 red = max(0.0, clock - ends[g])
             if "param-gather" in self.overlap:  # ZeRO-1's gather of the updated parameters, layer by layer during
-                first_f = min((f[c] for c in range(C) if groups[c] == g), default=0.0)  # the next step's forward
+                first_f = min((f[c] for c in members[g]), default=0.0)  # the next step's forward
                 gather = max(0.0, gather - first_f)
             red += gather
             upd = ratio * pb / f_sh / (replicas if L.zero1 else 1) / self.tm.bytes_per_s
@@ -415,30 +415,15 @@ class StepModel:
         step = max(finish) + shared
         pp_comm += shared
 
-        # memory per device group
-        mem, details = [], []
-        for g in range(P):
-            act = transient = 0.0
-            for c in range(C):
-                if groups[c] == g:
-                    act += in_flight[c] * arr[c].sum("act", *span[c])
-                    transient = max(transient, arr[c].max("transient", *span[c]))
-            pb, gb, ob = group_state[g]
-            static_w = (pb + gb) / f_sh
-            static_o = ob / f_sh / (replicas if L.zero1 else 1)
-            working = 0.0
-            if f_sh > 1:  # two gathered layers (the one computing, the one prefetched) and one layer's gradients
-                working = 3 * max(pr.layer_bytes(i) for c in range(C) if groups[c] == g for i in range(*span[c]))
-            mem.append(static_w + static_o + act + transient + working)
-            details.append((static_w, static_o, act + transient))
+        mem, details = self._memory(L, span, members, arr, in_flight, group_state)
 
         model_flops = (prof.forward_flops + prof.backward_flops) * global_batch / prof.batch_size
         extra = sum(x.sum("extra", *ab) for x, ab in zip(arr, span)) * M * d
         n = layout.devices
         worst = max(range(P), key=lambda g: mem[g])
-        comp = M * max(sum(compute[c] for c in range(C) if groups[c] == g) for g in range(P))
-        tp_s = M * max(sum(tp[c] for c in range(C) if groups[c] == g) for g in range(P))
-        fsdp_s = M * max(sum(fsdp_exposed[c] for c in range(C) if groups[c] == g) for g in range(P))
+        comp = M * max(sum(compute[c] for c in mine) for mine in members)
+        tp_s = M * max(sum(tp[c] for c in mine) for mine in members)
+        fsdp_s = M * max(sum(fsdp_exposed[c] for c in mine) for mine in members)
         dev = cluster.device
         est = Estimate(
             step_time_s=step,
@@ -457,6 +442,69 @@ class StepModel:
         return Evaluation(estimate=est, stage_forward_s=tuple(f), stage_backward_s=tuple(bw),
                           group_memory_bytes=tuple(mem))
 
+    def peak_memory(self, layout: Layout, global_batch: int, chunk_layers: Sequence[tuple[int, int]],
+                    recompute: str) -> float:
+        """The most bytes any device holds in :meth:`evaluate`'s closed form with every chunk recomputing
+        ``recompute`` (its ``peak_memory_bytes_per_gpu`` with ``exact=False``), without pricing time."""
+        L = layout
+        M = global_batch // (L.microbatch_size * L.data)
+        arr = self.arrays(L.tensor, L.sequence_parallel, L.microbatch_size / self.profile.batch_size, recompute)
+        span = [(a, b + 1) for a, b in chunk_layers]
+        groups = self.chunk_groups(L)
+        mem, _ = self._memory(L, span, self._members(L), [arr] * L.num_chunks, self._in_flight(L, M, False),
+                              self._group_state(L, span, groups))
+        return max(mem)
+
+    def _group_state(self, L: Layout, span, groups) -> list[tuple[float, float, float]]:
+        """Per device group: (parameter, gradient, optimizer) bytes per device before FSDP and ZeRO-1."""
+        key = ("group_state", L.tensor, L.sequence_parallel, tuple(span), tuple(groups))
+        hit = self._terms.get(key)
+        if hit is None:
+            hit = self._terms[key] = self.params(L.tensor, L.sequence_parallel).group_state(span, groups, L.pipeline)
+        return hit
+
+    def _memory(self, L: Layout, span, members, arr, in_flight, group_state) -> tuple[list[float], list[tuple]]:
+        """Bytes per device of each group, and (parameters and gradients, optimizer state, activations) of each."""
+        pr = self.params(L.tensor, L.sequence_parallel)
+        f_sh = L.fsdp
+        replicas = L.data // f_sh
+        mem, details = [], []
+        for g, mine in enumerate(members):
+            act = transient = 0.0
+            for c in mine:
+                act += in_flight[c] * arr[c].sum("act", *span[c])
+                transient = max(transient, arr[c].max("transient", *span[c]))
+            pb, gb, ob = group_state[g]
+            static_w = (pb + gb) / f_sh
+            static_o = ob / f_sh / (replicas if L.zero1 else 1)
+            working = 0.0
+            if f_sh > 1:  # two gathered layers (the one computing, the one prefetched) and one layer's gradients
+                working = 3 * max(pr.layer_bytes(i) for c in mine for i in range(*span[c]))
+            mem.append(static_w + static_o + act + transient + working)
+            details.append((static_w, static_o, act + transient))
+        return mem, details
+
+    def lower_bound(self, layout: Layout, global_batch: int, chunk_layers: Sequence[tuple[int, int]],
+                    recompute: str) -> float:
+        """A lower bound on :meth:`evaluate`'s closed-form step time for this split with every chunk recomputing
+        ``recompute``, from compute alone (no communication, memory or schedule simulation): the busiest device
+        group's compute for all microbatches, the closed form's fill and drain at that group's pace, and the
+        once-per-step parameter-only work. Ranks layouts before they are evaluated; a layout whose bound exceeds
+        what is already found need not be."""
+        L = layout
+        M = global_batch // (L.microbatch_size * L.data)
+        arr = self.arrays(L.tensor, L.sequence_parallel, L.microbatch_size / self.profile.batch_size, recompute)
+        spans = [(a, b + 1) for a, b in chunk_layers]
+        compute = [arr.sum("f", a, b) + arr.sum("b", a, b) for a, b in spans]
+        members = self._members(L)
+        busiest = max(sum(compute[c] for c in mine) for mine in members)
+        P = L.pipeline
+        fill = 0.0
+        if P > 1 and L.schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+            fill = (P - 1) * busiest / (L.num_chunks // P)
+        per_step = max(sum(arr.sum("per_step", *spans[c]) for c in mine) for mine in members)
+        return M * busiest + fill + per_step
+
     # -- pieces ------------------------------------------------------------------------------------------------
     def _in_flight(self, L: Layout, M: int, exact: bool) -> list[float]:
         """Microbatches whose activations each chunk keeps at its peak."""
@@ -474,6 +522,21 @@ class StepModel:
         if L.schedule in ("zb-h1", "dualpipev"):
             return [float(min(M, P))] * C
         return [float(min(M, P - groups[c])) for c in range(C)]
+
+    def _members(self, L: Layout) -> list[list[int]]:
+        """Per device group, its model chunks in order."""
+        key = ("members", L.schedule, L.pipeline, L.num_chunks)
+        hit = self._terms.get(key)
+        if hit is None:
+            hit = [[] for _ in range(L.pipeline)]
+            for c, g in enumerate(self.chunk_groups(L)):
+                hit[g].append(c)
+            self._terms[key] = hit
+        return hit
+
+    @functools.cached_property
+    def _update_ratio(self) -> float:
+        return self._update_bytes_per_param_byte()
 
     def _update_bytes_per_param_byte(self) -> float:
         """Memory traffic of the traced update per byte of parameters (e.g. 7 for Adam over fp32 parameters: read
@@ -644,10 +707,15 @@ def chunk_split(profile: Profile, chunks: int) -> list[tuple[int, int]] | None:
             last = len(layers) - 1 if c == chunks - 1 else blocks[(c + 1) * per] - 1
             out.append((first, last))
         return out
-    n = len(layers)
-    if n < chunks:
+    return even_layers(len(layers), chunks)
+
+
+def even_layers(num_layers: int, chunks: int) -> list[tuple[int, int]] | None:
+    """``num_layers`` layers in ``chunks`` contiguous runs of equal counts (the first ones one longer when they do not
+    divide), as (first, last) pairs; None when there are fewer layers than chunks."""
+    if num_layers < chunks:
         return None
-    base, extra = divmod(n, chunks)
+    base, extra = divmod(num_layers, chunks)
     out, at = [], 0
     for c in range(chunks):
         size = base + (1 if c < extra else 0)

@@ -104,6 +104,9 @@ class PlannerStats:
     """Layouts (tensor, pipeline, data, FSDP degrees x microbatch size x schedule x recomputation) evaluated."""
     best_uniform_step_time_s: float
     """Predicted step time of the best equal-split layout found by enumeration (the plan is never slower)."""
+    bounded: int = 0
+    """Layouts not evaluated because a lower bound on their step time (their compute alone) showed they could not
+    be among the best kept."""
     sharding_solves: int = 0
     """Intra-operator sharding ILPs solved (one per distinct layer, tensor degree and boundary layout)."""
     sharding_solve_s: float = 0.0
@@ -306,7 +309,7 @@ class Plan:
         if self.planner is not None:
             st = self.planner
             lines.append(
-                f"planner: {st.wall_time_s:.2f} s, {st.candidates} layouts, stage split {st.solver_status} "
+                f"planner: {st.wall_time_s:.2f} s, {st.candidates} layouts evaluated ({st.bounded} bounded out), stage split {st.solver_status} "
                 f"(gap {100 * st.optimality_gap:.2g}%), best equal split {st.best_uniform_step_time_s:.4g} s")
         return "\n".join(lines)
 

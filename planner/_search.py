@@ -8,7 +8,9 @@ The search decomposes the way the cost model does (:mod:`autopp.planner._costmod
 2. **The outer choices, screened.** Every tensor degree (a divisor of the node size), pipeline degree, data degree
    (the rest), FSDP degree (none, a node's worth, all), ZeRO-1, sequence parallelism, microbatch size, schedule
    (interleaved with its virtual stages) and recomputation mode is costed with the equal split of the blocks by
-   the closed forms (microseconds each).
+   the closed forms. Bound before evaluating: the layouts are taken in order of a lower bound on their step time
+   (their compute alone, :meth:`~autopp.planner._costmodel.StepModel.lower_bound`), a layout whose bound cannot
+   enter the best kept is skipped, and one whose memory does not fit is dropped before its time is priced.
 3. **The stage split, by CP-SAT.** The most promising layouts get a CP-SAT stage assignment
    (:func:`~autopp.planner._cpsat.assign_stages`): where each stage begins and its recomputation mode, under
    each stage's memory, minimising the slowest stage.
@@ -23,12 +25,13 @@ that fits no strategy on its own is named.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from autopp.planner._costmodel import Evaluation, Layout, StepModel, chunk_split
+from autopp.planner._costmodel import Evaluation, Layout, StepModel, chunk_split, even_layers
 from autopp.planner._cpsat import assign_stages
 from autopp.planner._estimate import DEFAULT_OVERLAP, RECOMPUTE_MODES, SCHEDULES, divisors, positive_int
 from autopp.planner._plan import LayerSharding, Plan, PlannerStats, StagePlan
@@ -112,9 +115,10 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     n, dpn = cluster.num_devices, cluster.devices_per_node
     blocks = sum(1 for l in prof.layers if l.name.startswith("block")) or len(prof.layers)
     tps = [t for t in divisors(dpn) if tensor_degrees is None or t in tensor_degrees]
-    screened: list[_Candidate] = []
-    least = (math.inf, None)  # least memory any equal split needs, for the error
-    evaluated = 0
+    # Every layout family (degrees, microbatch size, schedule, virtual stages, sequence parallelism) with its
+    # memory-only options in the order tried: recomputation and FSDP only cost time, so the first (FSDP degree,
+    # mode) that fits is the fastest of them in the closed form.
+    families: list[list[tuple[Layout, list, str]]] = []
     for tp in tps:
         for pp in divisors(n // tp) if n % tp == 0 else []:
             if pp > blocks or (pipeline_degrees is not None and pp not in pipeline_degrees):
@@ -138,34 +142,65 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                         continue
                     for v in vs:
                         for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                            # Memory-only knobs, least sharding first: recomputation and FSDP only cost time, so
-                            # the first (FSDP degree, mode) that fits is the fastest of them in the closed form.
-                            best = None
+                            options = []
                             for f_deg in fsdps:
-                                z1 = dp // f_deg > 1 and zero1
-                                layout = Layout(tensor=tp, pipeline=pp, data=dp, fsdp=f_deg, zero1=z1,
-                                                microbatch_size=mbs, schedule=schedule, virtual_stages=v,
-                                                sequence_parallel=sp)
-                                split = chunk_split(prof, layout.num_chunks) or _even_layers(prof, layout.num_chunks)
+                                layout = Layout(tensor=tp, pipeline=pp, data=dp, fsdp=f_deg,
+                                                zero1=dp // f_deg > 1 and zero1, microbatch_size=mbs,
+                                                schedule=schedule, virtual_stages=v, sequence_parallel=sp)
+                                split = chunk_split(prof, layout.num_chunks) or even_layers(len(prof.layers), layout.num_chunks)
                                 if split is None:
                                     break
-                                for r in _by_memory(recompute):
-                                    ev = sm.evaluate(layout, global_batch, split, [r] * layout.num_chunks,
-                                                     exact=False)
-                                    evaluated += 1
-                                    est = ev.estimate
-                                    if est.peak_memory_bytes_per_gpu < least[0]:
-                                        least = (est.peak_memory_bytes_per_gpu, (layout, r))
-                                    if est.fits:
-                                        best = _Candidate(layout, tuple(split), (r,) * layout.num_chunks, ev)
-                                        break
-                                if best is not None:
-                                    break
-                            if best is not None:
-                                screened.append(best)
-                            elif split is not None and schedule in ("1f1b", "gpipe", "zb-h1") and pp > 1:
-                                # nothing fits the equal split: the CP-SAT split may still find room
-                                screened.append(_Candidate(layout, tuple(split), ("full",) * pp, None))
+                                options += [(layout, split, r) for r in _by_memory(recompute)]
+                            if options:
+                                families.append(options)
+    # Screen the families in order of their lower bound (compute alone); skip an option that cannot enter the
+    # layouts kept for the exact simulation and the CP-SAT split (the refine_top best, and the refine_top best
+    # pipelined ones), which the bound proves without evaluating it.
+    bounds = [[sm.lower_bound(lay, global_batch, split, r) for lay, split, r in options] for options in families]
+    screened: list[_Candidate] = []
+    least = (math.inf, None)  # least memory any equal split needs, for the error
+    evaluated = bounded = 0
+    kept_all: list[float] = []  # negated steps of the refine_top best (a max-heap)
+    kept_refinable: list[float] = []
+
+    def kth(heap):
+        return -heap[0] if len(heap) >= refine_top else math.inf
+
+    def keep(heap, step):
+        heapq.heappush(heap, -step)
+        if len(heap) > refine_top:
+            heapq.heappop(heap)
+
+    capacity = cluster.device.memory_capacity
+    for k in sorted(range(len(families)), key=lambda k: min(bounds[k])):
+        options = families[k]
+        first = options[0][0]
+        refinable = first.pipeline > 1 and first.schedule != "dualpipev"
+        best, skipped = None, False
+        for (layout, split, r), lb in zip(options, bounds[k]):
+            if lb >= kth(kept_all) and (not refinable or lb >= kth(kept_refinable)):
+                skipped = True
+                bounded += 1
+                continue
+            need = sm.peak_memory(layout, global_batch, split, r)
+            if need < least[0]:
+                least = (need, (layout, r))
+            if need > capacity:
+                continue
+            ev = sm.evaluate(layout, global_batch, split, [r] * layout.num_chunks, exact=False)
+            evaluated += 1
+            if ev.estimate.fits:  # the same memory model: always
+                best = _Candidate(layout, tuple(split), (r,) * layout.num_chunks, ev)
+                break
+        if best is not None:
+            screened.append(best)
+            keep(kept_all, best.step)
+            if refinable:
+                keep(kept_refinable, best.step)
+        elif not skipped and first.schedule in ("1f1b", "gpipe", "zb-h1") and first.pipeline > 1:
+            # nothing fits the equal split: the CP-SAT split may still find room
+            layout, split, _ = options[-1]
+            screened.append(_Candidate(layout, tuple(split), ("full",) * layout.pipeline, None))
     fitting = sorted((c for c in screened if c.evaluation is not None), key=lambda c: c.step)
     pool: list[_Candidate] = []
     for c in fitting[:refine_top]:  # the best equal splits, ranked by the event simulation of their schedule
@@ -184,7 +219,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     best_uniform = min((c.step for c in pool if c.status == "UNIFORM"), default=best_uniform)
     best = min(pool, key=lambda c: (c.step, c.layout.pipeline, c.layout.tensor))
     stats = PlannerStats(wall_time_s=time.perf_counter() - t0, solver_status=best.status,
-                         optimality_gap=best.gap, candidates=evaluated, best_uniform_step_time_s=best_uniform,
+                         optimality_gap=best.gap, candidates=evaluated, bounded=bounded,
+                         best_uniform_step_time_s=best_uniform,
                          sharding_solves=len(sm.solve_stats),
                          sharding_solve_s=sum(x[5] for x in sm.solve_stats),
                          sharding_max_gap=max((x[4] for x in sm.solve_stats), default=0.0))
@@ -195,20 +231,6 @@ def _by_memory(modes: Sequence[str]) -> list[str]:
     """Recomputation modes from the fastest (keeps the most) to the leanest."""
     order = {"none": 0, "selective": 1, "full": 2}
     return sorted(modes, key=lambda m: order.get(m, 3))
-
-
-def _even_layers(prof: Profile, chunks: int):
-    """Equal layer counts (used when the blocks do not divide evenly, as a CP-SAT seed)."""
-    n = len(prof.layers)
-    if n < chunks:
-        return None
-    base, extra = divmod(n, chunks)
-    out, at = [], 0
-    for c in range(chunks):
-        size = base + (1 if c < extra else 0)
-        out.append((at, at + size - 1))
-        at += size
-    return out
 
 
 def _exact(sm: StepModel, layout: Layout, global_batch: int, split, recompute) -> Evaluation:

@@ -10,7 +10,7 @@ same path as a user's own step.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -192,10 +192,8 @@ def simulate(model: Any, cluster: Cluster | str, *, global_batch: int, tp: int, 
         raise TypeError(f"{who}: zero1 and sequence_parallel must be True or False, got zero1={zero1!r}, "
                         f"sequence_parallel={sequence_parallel!r}.")
     fp32_warning(prof, cluster, who)
-    import dataclasses
-
     layout = dataclasses.replace(layout, zero1=zero1, sequence_parallel=sequence_parallel)
     sm = step_model(prof, cluster, tuple(overlap))
     M = global_batch // (layout.microbatch_size * dp)
-    exact = M * layout.num_chunks <= 20_000 or math.inf == 0
+    exact = M * layout.num_chunks <= 20_000
     return sm.evaluate(layout, global_batch, split, [recompute] * layout.num_chunks, exact=exact).estimate

@@ -180,10 +180,31 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
         kernels.append(ScaledKernel(FUSED, None, _ZERO, OpCost(*fixed), per_step=True))
     ids = [i for i in ids if i not in hoisted_set]
 
+    def add_traffic(members, inside: set, b: list, f: list) -> None:
+        """Add to ``b``/``f`` (batch and fixed [flops, transcendentals, bytes accessed, output bytes]) what the fused
+        kernel of ``members`` reads from outside (``inside``: values already in the kernel) and writes for later."""
+        read = set()
+        for x in members:
+            for a in _reads(eqns[x]):
+                if a not in inside and a not in read:
+                    read.add(a)
+                    xb, xf = nbytes(a)
+                    b[2] += xb
+                    f[2] += xf
+            inside.update(eqns[x].outvars)
+        end = members[-1]
+        for x in members:
+            for v in eqns[x].outvars:
+                if used_after(v, end):
+                    xb, xf = nbytes(v)
+                    b[2] += xb
+                    f[2] += xf
+                    b[3] += xb
+                    f[3] += xf
+
     def close_run():
         if not run:
             return
-        inside, read = set(), set()
         b, f = [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]
         for i in run:
             cb, cf = cost_pair(i, eqns[i])
@@ -191,22 +212,7 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
             b[1] += cb.transcendentals
             f[0] += cf.flops
             f[1] += cf.transcendentals
-            for a in _reads(eqns[i]):
-                if a not in inside and a not in read:
-                    read.add(a)
-                    xb, xf = nbytes(a)
-                    b[2] += xb
-                    f[2] += xf
-            inside.update(eqns[i].outvars)
-        end = run[-1]
-        for i in run:
-            for v in eqns[i].outvars:
-                if used_after(v, end):
-                    xb, xf = nbytes(v)
-                    b[2] += xb
-                    f[2] += xf
-                    b[3] += xb
-                    f[3] += xf
+        add_traffic(run, set(), b, f)
         kernels.append(ScaledKernel(FUSED, None, OpCost(*b), OpCost(*f)))
         run.clear()
 
@@ -234,23 +240,7 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
                 f[2] -= xf
                 b[3] -= xb
                 f[3] -= xf
-        read = set()
-        for x in epi:
-            for a in _reads(eqns[x]):
-                if a not in inside and a not in read:
-                    read.add(a)
-                    xb, xf = nbytes(a)
-                    b[2] += xb
-                    f[2] += xf
-            inside.update(eqns[x].outvars)
-        for x in epi:
-            for v in eqns[x].outvars:
-                if used_after(v, end):
-                    xb, xf = nbytes(v)
-                    b[2] += xb
-                    f[2] += xf
-                    b[3] += xb
-                    f[3] += xf
+        add_traffic(epi, inside, b, f)
         kernels[k_idx] = dataclasses.replace(k, batch=OpCost(*b), fixed=OpCost(*f))
         epi.clear()
 

@@ -35,6 +35,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import networkx as nx
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -228,14 +229,8 @@ def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
     marked = [i for i, e in enumerate(jaxpr.eqns) if _compat.FUSED_ATTENTION_SCOPE in _compat.name_stack(e)]
     if not marked:
         return (), []
-    parent = {i: i for i in marked}
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    links = nx.Graph()
+    links.add_nodes_from(marked)
     owner: dict = {}
     for i in marked:
         e = jaxpr.eqns[i]
@@ -243,13 +238,10 @@ def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
             if isinstance(a, Literal):
                 continue
             if a in owner:
-                parent[find(i)] = find(owner[a])
+                links.add_edge(i, owner[a])
             else:
                 owner[a] = i
-    groups: dict[int, list[int]] = {}
-    for i in marked:
-        groups.setdefault(find(i), []).append(i)
-    regions = tuple(tuple(sorted(g)) for g in sorted(groups.values()))
+    regions = tuple(sorted(tuple(sorted(g)) for g in nx.connected_components(links)))
     causal = [k for k, g in enumerate(regions)
               if any(_compat.FUSED_ATTENTION_SCOPE + "_causal" in _compat.name_stack(jaxpr.eqns[i]) for i in g)]
     return regions, causal
@@ -666,9 +658,11 @@ def boundary_options(program: LayerProgram, t: int) -> list[int]:
 
 
 def build_graph(program: LayerProgram, t: int, boundary_in: int = REPLICATED,
-                boundary_out: int | None = None) -> StrategyGraph:
+                boundary_out: int | None = None, *, cache: dict | None = None) -> StrategyGraph:
     """The strategy graph of ``program`` over ``t`` devices with the given boundary layouts (a layer's batch
-    inputs arrive as ``boundary_in``; its forward outputs leave as ``boundary_out``, default the same)."""
+    inputs arrive as ``boundary_in``; its forward outputs leave as ``boundary_out``, default the same).
+    ``cache``: a dict kept per program across calls, for the fused groups' strategies (they do not depend on the
+    boundary)."""
     if boundary_out is None:
         boundary_out = boundary_in
     j = program.closed.jaxpr
@@ -753,8 +747,13 @@ def build_graph(program: LayerProgram, t: int, boundary_in: int = REPLICATED,
                         ext_in.append(a)
             outs = [v for x in members for v in j.eqns[x].outvars
                     if v in program_outs or used_by.get(v, set()) - inside]
-            node = new("group", members, ext_in, outs,
-                       _group_strategies(j, members, ext_in, outs, t, program.dependent_eqns),
+            key = ("group", t, members)
+            strategies = None if cache is None else cache.get(key)
+            if strategies is None:
+                strategies = _group_strategies(j, members, ext_in, outs, t, program.dependent_eqns)
+                if cache is not None:
+                    cache[key] = strategies
+            node = new("group", members, ext_in, outs, strategies,
                        backward=any(x in program.backward_eqns for x in members))
             node.defined = tuple(v for x in members for v in j.eqns[x].outvars)
             for x in members:
@@ -779,14 +778,8 @@ def _fused_groups(j, region_of: dict, backward: frozenset = frozenset()) -> list
     """Connected groups of non-matmul equations outside attention regions (connected through a value one of them
     defines and another reads, both in the forward or both in the backward pass), in program order."""
     free = [i for i, e in enumerate(j.eqns) if e.primitive.name not in ANCHORS and i not in region_of]
-    parent = {i: i for i in free}
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    links = nx.Graph()
+    links.add_nodes_from(free)
     defined_by = {}
     for i in free:
         for v in j.eqns[i].outvars:
@@ -794,11 +787,8 @@ def _fused_groups(j, region_of: dict, backward: frozenset = frozenset()) -> list
     for i in free:
         for a in j.eqns[i].invars:
             if not isinstance(a, Literal) and a in defined_by and (i in backward) == (defined_by[a] in backward):
-                parent[find(i)] = find(defined_by[a])
-    groups: dict[int, list[int]] = {}
-    for i in free:
-        groups.setdefault(find(i), []).append(i)
-    return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
+                links.add_edge(i, defined_by[a])
+    return sorted((tuple(sorted(g)) for g in nx.connected_components(links)), key=lambda g: g[0])
 
 
 _REDUCE_WEIGHT = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}

@@ -87,6 +87,15 @@ class StageMeshes:
                     return NamedSharding(self.meshes[loc], P(axes if len(axes) > 1 else axes[0]))
         return self.replicated[loc]
 
+    def sequence_sharding(self, loc: int, shape) -> NamedSharding | None:
+        """Sequence parallelism: the batch dimension as :meth:`batch_sharding` lays it out, the second (sequence)
+        dimension over the tensor axis; None when the stage has no tensor axis or it does not divide the sequence."""
+        t = self.layouts[loc]["tensor"]
+        if t == 1 or len(shape) < 2 or shape[1] % t:
+            return None
+        batch = self.batch_sharding(loc, shape).spec
+        return NamedSharding(self.meshes[loc], P(batch[0] if len(batch) else None, "tensor"))
+
     def state_sharding(self, loc: int, shape, tensor_spec=None, zero: bool = False) -> NamedSharding:
         """Parameters, gradients and optimizer state on stage ``loc``: ``tensor_spec`` (the parameter's split over
         the tensor axis, from the plan or Megatron's column/row rule, see :mod:`autopp.runtime._tensor`), and the
@@ -203,6 +212,9 @@ class PipelineConfig:
     stage's tensor axis) from a plan, or None for Megatron's rule (:mod:`autopp.runtime._tensor`)."""
     zero1: bool = False
     """Optimizer state sharded over each stage's data axis too (ZeRO-1)."""
+    sequence_vars: frozenset = frozenset()
+    """Forward activations laid out along their sequence (second) dimension over the stage's tensor axis (sequence
+    parallelism: the values between layers); their cotangents follow."""
 
 
 class _Deferred:
@@ -736,10 +748,18 @@ class _Builder:
                        if p and g.diff_inputs[g.inputs.index(v)]]
             act_ct_sh = [meshes.batch_sharding(s, v.aval.shape)
                          for v, p, d in zip(g.inputs, is_param, g.diff_inputs) if d and not p]
+            constraints = {}
+            for e in g.jaxpr.eqns:
+                for v in e.outvars:
+                    if v in self.config.sequence_vars:
+                        sh = meshes.sequence_sharding(s, v.aval.shape)
+                        if sh is not None:
+                            constraints[v] = sh
             progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
                                        out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
                                        residual_sharding=functools.partial(meshes.batch_sharding, s),
-                                       flag_sharding=rep, recompute=self.config.recompute[s]))
+                                       flag_sharding=rep, recompute=self.config.recompute[s],
+                                       constraints=constraints))
         self.progs = progs
 
         # Per-step inputs of each stage that do not change across microbatches.
@@ -1147,11 +1167,12 @@ def _sum_program(n, sharding):
 def build_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
                      schedule, recompute: Sequence[str] | None = None,
                      layouts: Sequence[dict[str, int]] | None = None, param_specs: Sequence | None = None,
-                     zero1: bool = False) -> Executable:
+                     zero1: bool = False, sequence_vars=frozenset()) -> Executable:
     """Build the step's instruction list. ``forward`` is the loss's forward jaxpr at microbatch size;
     ``recompute`` gives each stage's recomputation mode (default none); ``layouts`` each stage's mesh axis sizes
     (``data``, ``fsdp``, ``tensor``; default all data); ``param_specs`` each stage's parameter layouts over its
-    tensor axis from a plan (default: Megatron's rule); ``zero1`` shards optimizer state over the data axis."""
+    tensor axis from a plan (default: Megatron's rule); ``zero1`` shards optimizer state over the data axis;
+    ``sequence_vars``: forward activations split along their sequence over the tensor axis (sequence parallelism)."""
     meshes = StageMeshes(stage_devices, layouts)
     recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
     if len(recompute) != split.num_stages or not set(recompute) <= set(RECOMPUTE_MODES):
@@ -1159,5 +1180,5 @@ def build_executable(traced, forward, split, stage_devices, *, num_microbatches,
                          f"({split.num_stages} stages).")
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
                             recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
-                            zero1=bool(zero1))
+                            zero1=bool(zero1), sequence_vars=frozenset(sequence_vars))
     return _Builder(traced, forward, split, meshes, config).build()

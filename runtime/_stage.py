@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from autopp import _compat
+from autopp._trace import eval_jaxpr_with
 from autopp.profiler._partition import differentiable_vars
 
 Literal = jex_core.Literal
@@ -126,11 +127,14 @@ class StagePrograms:
       cotangents need; the weight-gradient part is the rest, reading ``stash`` (values the input part computed
       that it also needs: the output gradients of the stage's layers) and the ``bwd`` arguments listed in
       :attr:`weight_args` (positions among ``residuals, forwarded_inputs, cotangents``).
+
+    ``constraints``: forward variable -> sharding, applied where the stage's forward defines the value (its
+    cotangent takes the same layout): sequence parallelism's activations between layers.
     """
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
                  in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
-                 flag_sharding, recompute: str = "none"):
+                 flag_sharding, recompute: str = "none", constraints: dict | None = None):
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -142,8 +146,20 @@ class StagePrograms:
         self.seed_of_output = dict(seed_of_output)
         closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
 
+        constraints = dict(constraints or {})
+
         def run(inputs):
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *inputs)
+            if not constraints:
+                return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *inputs)
+
+            def constrain(_, eqn, invals):  # lay the chosen activations out as planned (sequence parallelism)
+                outs = _compat.bind_eqn(eqn, invals)
+                many = eqn.primitive.multiple_results
+                outs = [jax.lax.with_sharding_constraint(o, constraints[v]) if v in constraints else o
+                        for v, o in zip(eqn.outvars, outs if many else [outs])]
+                return outs
+
+            return eval_jaxpr_with(closed.jaxpr, closed.consts, inputs, constrain)
 
         diff_in_idx, diff_out_idx = self.diff_in_idx, self.diff_out_idx
 

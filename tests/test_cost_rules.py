@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import itertools
 import math
 import pathlib
@@ -197,7 +199,20 @@ CASES = {
     "llama_style_block-float32": lambda: _llama_style(F32),
     "llama_style_block-bfloat16": lambda: _llama_style(BF16),
 }
-for _path in sorted(EXAMPLES.glob("*.py")):
+def _planning_step(dtype):
+    """``examples/planning_step.py`` (a module with functions, not a script): its loss at the tiny shape."""
+    spec = importlib.util.spec_from_file_location("_autopp_example_planning_step", EXAMPLES / "planning_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    _, (params, _, batch), _ = mod.abstract_step(mod.TINY, batch_size=2)
+    cast = None if dtype == F32 else dtype
+    return functools.partial(mod.loss_fn, shape=mod.TINY), _abstract(params, cast), batch
+
+
+CASES["example_planning_step-float32"] = lambda: _planning_step(F32)
+CASES["example_planning_step-bfloat16"] = lambda: _planning_step(BF16)
+for _path in sorted(p for p in EXAMPLES.glob("*.py") if p.stem != "planning_step"):
     for _dt in (F32, BF16):
         CASES[f"example_{_path.stem}-{jnp.dtype(_dt).name}"] = lambda p=_path, d=_dt: _example(p, d)
 

@@ -300,7 +300,8 @@ def _old_gpt_block(model, p, x):
 
     a = p["attn"]
     qkv = ln(p["ln1"], x) @ a["qkv_w"] + a["qkv_b"]
-    q, k, v = (t.reshape(b, s, nh, hd) for t in jnp.split(qkv, 3, axis=-1))
+    qkv = qkv.reshape(b, s, nh, 3, hd)  # the columns ordered head by head, q, k, v within each
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
     scores = jnp.where(jnp.tril(jnp.ones((s, s), dtype=bool)), scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)

@@ -46,8 +46,8 @@ def _np_gpt_logits(params, tokens, heads):
         x = np.stack([p["wte"][tokens[b, t]] + p["wpe"][t] for t in range(s)])
         for blk in p["blocks"]:
             y = _np_layer_norm(blk["ln1"], x)
-            qkv = y @ blk["attn"]["qkv_w"] + blk["attn"]["qkv_b"]
-            q, k, v = qkv[:, :h], qkv[:, h : 2 * h], qkv[:, 2 * h :]
+            qkv = (y @ blk["attn"]["qkv_w"] + blk["attn"]["qkv_b"]).reshape(s, heads, 3, d)  # head by head
+            q, k, v = (qkv[:, :, j].reshape(s, h) for j in range(3))
             ctx = np.zeros((s, h))
             for n in range(heads):
                 sl = slice(n * d, (n + 1) * d)
@@ -217,7 +217,7 @@ def test_flops_per_step_matches_hand_computed_formula():
 
 def test_gpt_config_to_dict_round_trips():
     cfg = GPTConfig(**TINY, dtype="bfloat16")
-    assert cfg.to_dict() == {**TINY, "dtype": "bfloat16"}
+    assert cfg.to_dict() == {**TINY, "dtype": "bfloat16", "param_dtype": None}
     assert GPTConfig(**cfg.to_dict()) == cfg
 
 

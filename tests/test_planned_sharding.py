@@ -4,6 +4,7 @@ by ``plan_model`` from the traced step, replays with every parameter laid out as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -120,3 +121,61 @@ def test_planned_tensor_parallel_layout_runs_as_planned_and_equals_jit(which):
             checked += 1
     assert checked >= len(by_name) - 2
     assert math.isfinite(float(plan.predicted.step_time_s))
+
+
+def test_planned_zero1_shards_optimizer_state_over_data_and_equals_jit():
+    """A plan with ZeRO-1 (the distributed optimizer): the optimizer state (SGD's momentum, linear like SGD itself,
+    so the strict tolerance holds) lives sharded over the data axis, the parameters do not, and 3 steps equal plain
+    jit."""
+    model = Llama(LlamaConfig(layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, seq=32, vocab=128))
+    tx = optax.sgd(0.05, momentum=0.9)
+    params = model.init(jax.random.key(0))
+    step, state, batch = make_train_step(model.loss, tx), (params, tx.init(params)), model.batch(jax.random.key(1), 16)
+    devices = jax.devices()[:8]
+    cluster = Cluster.local(devices)
+    prof = profile(step, *state, batch, cluster=cluster)
+    plan = plan_model(prof, cluster, global_batch=16, pipeline_degrees=(2,), tensor_degrees=(1,),
+                      schedules=("1f1b",), recompute=("none",), fsdp=False, zero1=True)
+    assert plan.zero1 and all(st.mesh_shape == {"data": 4, "fsdp": 1, "tensor": 1} for st in plan.stages)
+    assert plan.predicted.optimizer_bytes * 4 == pytest.approx(
+        plan_model(prof, cluster, global_batch=16, pipeline_degrees=(2,), tensor_degrees=(1,), schedules=("1f1b",),
+                   recompute=("none",), fsdp=False, zero1=False).predicted.optimizer_bytes, rel=0.02)
+    plan = Plan.from_json(plan.to_json())
+    reference = run_steps(jax.jit(step), state, batch)[0]
+    got, _ = run_steps(autopp.parallelize(step, plan=plan, devices=devices), state, batch)
+    assert_trees_close(got, reference, rtol=1e-6, atol=1e-7)
+
+    def data_split(leaf):
+        return any(a == "data" or (isinstance(a, tuple) and "data" in a) for a in leaf.sharding.spec)
+
+    momentum = [x for x in jax.tree.leaves(got[1]) if getattr(x, "ndim", 0) >= 1]
+    assert momentum and all(data_split(x) for x in momentum if any(n % 4 == 0 for n in x.shape))
+    assert not any(data_split(x) for x in jax.tree.leaves(got[0]))
+
+
+def test_planned_sequence_parallelism_splits_the_activations_between_layers(monkeypatch):
+    """A plan with sequence parallelism: the activations passed between layers inside each stage are laid out along
+    the sequence over the tensor axis (and their cotangents with them), and 3 SGD steps equal plain jit."""
+    step, state, batch = _case("zoo")
+    devices = jax.devices()[:8]
+    cluster = Cluster.local(devices)
+    prof = profile(step, *state, batch, cluster=cluster)
+    plan = plan_model(prof, cluster, global_batch=16, pipeline_degrees=(2,), tensor_degrees=(2,),
+                      schedules=("1f1b",), recompute=("none",))
+    plan = Plan.from_json(dataclasses.replace(plan, sequence_parallel=True).to_json())
+    applied = []
+    real = jax.lax.with_sharding_constraint
+
+    def spy(x, sharding):
+        applied.append((tuple(x.shape), tuple(sharding.spec), dict(sharding.mesh.shape)))
+        return real(x, sharding)
+
+    monkeypatch.setattr(jax.lax, "with_sharding_constraint", spy)
+    reference = run_steps(jax.jit(step), state, batch)[0]
+    got, _ = run_steps(autopp.parallelize(step, plan=plan, devices=devices), state, batch)
+    assert_trees_close(got, reference, rtol=1e-6, atol=1e-7)
+    # the microbatch (16 / num_microbatches examples, split over the 2 data replicas) x 32 positions x hidden 128: the
+    # embedding's and each block's output, the sequence split over the stage's 2 tensor devices
+    boundary = {(shape, spec) for shape, spec, mesh in applied if mesh["tensor"] == 2}
+    assert boundary == {((16 // plan.num_microbatches, 32, 128), (("data", "fsdp"), "tensor"))}, boundary
+    assert len(applied) >= 3  # embedding -> block 0 -> block 1 -> head, wherever the stage boundary falls

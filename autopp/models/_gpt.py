@@ -20,8 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
+from autopp.models._lm import Batch, Params, TokenLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _LN_EPS = 1e-5
@@ -142,7 +141,7 @@ def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-class GPT:
+class GPT(TokenLM):
     """Megatron-style GPT as pure functions over a dict pytree of params.
 
     ``apply`` runs the blocks in an unrolled Python loop (no ``lax.scan``) so that
@@ -247,24 +246,3 @@ class GPT:
         ln_f, wte = self._cast((params["ln_f"], params["wte"]))
         y = _layer_norm(ln_f, x)
         return jnp.einsum("bsh,vh->bsv", y, wte, preferred_element_type=jnp.float32)
-
-    def apply(self, params: Params, tokens: jax.Array) -> jax.Array:
-        """int ``(B, s)`` tokens -> float32 ``(B, s, V)`` logits."""
-        x = self.embed(params, tokens)
-        for block_params in params["blocks"]:
-            x = self.block(block_params, x)
-        return self.head(params, x)
-
-    def loss(self, params: Params, batch: Batch) -> jax.Array:
-        """Mean next-token cross-entropy over all ``B * s`` positions."""
-        logits = self.apply(params, batch["tokens"])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-        return jnp.mean(nll)
-
-    def batch(self, key: jax.Array, batch_size: int) -> Batch:
-        """Random int32 ``{"tokens": (B, s), "targets": (B, s)}``; targets are the
-        tokens shifted left by one, wrapping around (last target = first token)."""
-        c = self.config
-        tokens = jax.random.randint(key, (batch_size, c.seq), 0, c.vocab, dtype=jnp.int32)
-        return {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1)}

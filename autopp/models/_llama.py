@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
+from autopp.models._lm import Batch, Params, TokenLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _INIT_STD = 0.02
@@ -237,7 +236,7 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-class Llama:
+class Llama(TokenLM):
     """Llama 2 as pure functions over a dict pytree of params.
 
     ``apply`` runs the blocks in an unrolled Python loop over ``params["blocks"]``
@@ -337,24 +336,3 @@ class Llama:
         y = _rms_norm(params["norm"], x, self.config.norm_eps)
         w = params["lm_head"].astype(self.dtype)
         return jnp.einsum("bsh,hv->bsv", y, w, preferred_element_type=jnp.float32)
-
-    def apply(self, params: Params, tokens: jax.Array) -> jax.Array:
-        """int ``(B, s)`` tokens -> float32 ``(B, s, V)`` logits."""
-        x = self.embed(params, tokens)
-        for block_params in params["blocks"]:
-            x = self.block(block_params, x)
-        return self.head(params, x)
-
-    def loss(self, params: Params, batch: Batch) -> jax.Array:
-        """Mean next-token cross-entropy over all ``B * s`` positions (log-softmax in float32)."""
-        logits = self.apply(params, batch["tokens"])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-        return jnp.mean(nll)
-
-    def batch(self, key: jax.Array, batch_size: int) -> Batch:
-        """Random int32 ``{"tokens": (B, s), "targets": (B, s)}``; targets are the
-        tokens shifted left by one, wrapping around (last target = first token)."""
-        c = self.config
-        tokens = jax.random.randint(key, (batch_size, c.seq), 0, c.vocab, dtype=jnp.int32)
-        return {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
