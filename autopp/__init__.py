@@ -5,10 +5,9 @@ The public surface: :func:`parallelize`, :func:`grad`, :func:`value_and_grad`, :
 """
 
 from autopp import checkpoint
-from autopp._grad import grad, value_and_grad
+from autopp.core import Plan, StagePlan, grad, value_and_grad
 from autopp._parallelize import Parallelized, parallelize
-from autopp.planner._plan import Plan, StagePlan
-from autopp.profiler._cluster import Cluster
+from autopp.profiler import Cluster
 
 __version__ = "0.1.0"
 

@@ -107,7 +107,7 @@ class SpmdStep:
         self.name = name or str(self.layout)
         self._step_fn = step_fn
         self._batch_argnums = batch_argnums
-        from autopp.runtime._executor import StageMeshes
+        from autopp.runtime import StageMeshes
 
         self._meshes = StageMeshes([devices], [self.layout.to_dict()])
         self.mesh = self._meshes.meshes[0]
@@ -117,9 +117,9 @@ class SpmdStep:
     # -- shardings -------------------------------------------------------------------------------
     def _tensor_specs(self, args: tuple) -> dict[int, tuple]:
         """Megatron specs per flat argument index: the parameters the rule splits and their optimizer state."""
-        from autopp._trace import normalize_batch_argnums, trace_step
-        from autopp.profiler._optstate import optimizer_state_owners
-        from autopp.runtime._tensor import tensor_specs
+        from autopp.core import normalize_batch_argnums, trace_step
+        from autopp.profiler import optimizer_state_owners
+        from autopp.runtime import tensor_specs
 
         try:
             traced = trace_step(self._step_fn, args, normalize_batch_argnums(self._batch_argnums, len(args)))
@@ -153,7 +153,7 @@ class SpmdStep:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        from autopp._trace import normalize_batch_argnums
+        from autopp.core import normalize_batch_argnums
 
         argnums = normalize_batch_argnums(self._batch_argnums, len(args))
         paths = jax.tree_util.tree_flatten_with_path(args)[0]

@@ -29,7 +29,7 @@ import jax
 from autopp._baselines import BASELINES
 from autopp._metrics import format_bytes, known_peak_flops
 
-from autopp.planner._search import DEFAULT_MICROBATCH_SIZES as MICROBATCH_SIZES  # noqa: E402 - what plan_model searches
+from autopp.planner import DEFAULT_MICROBATCH_SIZES as MICROBATCH_SIZES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +227,7 @@ def compare_local(model, global_batch: int, *, devices: Sequence[jax.Device] | N
                                mfu=None if peak is None else flops / (t * n * peak), peak_memory_bytes=mem,
                                fits=True))
     rows, ref = _with_speedups(rows, "measured")
-    from autopp.profiler._cluster import Cluster
+    from autopp.profiler import Cluster
 
     try:
         cluster = str(Cluster.local(devices))
@@ -261,7 +261,7 @@ def predict_baseline(name: str, config, cluster, global_batch: int, *, tensor: i
     microbatch size, recomputation (and the tensor degree when ``tensor`` is None): the fastest that fits, else
     the one needing the least memory."""
     from autopp.planner import simulate
-    from autopp.planner._simulate import RECOMPUTE_MODES
+    from autopp.planner import RECOMPUTE_MODES
 
     best = None
     for deg in _baseline_degrees(name, config, cluster, tensor):
@@ -297,8 +297,8 @@ def compare_cluster(model, cluster, global_batch: int, *, tensor: int | None = N
     its config (``GPTConfig``, ``LlamaConfig``, anything with ``abstract_step()``) or the
     :class:`~autopp.profiler.Profile` of a traced step (made for ``cluster``'s device)."""
     from autopp.planner import plan_model
-    from autopp.profiler._cluster import Cluster
-    from autopp.profiler._profile import Profile
+    from autopp.profiler import Cluster
+    from autopp.profiler import Profile
 
     if isinstance(model, Profile) or hasattr(model, "abstract_step"):
         config = model
@@ -394,7 +394,7 @@ def cmd_compare(args) -> int:
             raise ValueError(f"autopp compare: {', '.join(given)} apply to --cluster local only (a target cluster "
                              "is predicted: autopp's layout is planned, the baselines tuned); drop them.")
         from autopp._cli import _parse_overrides
-        from autopp.profiler._cluster import Cluster
+        from autopp.profiler import Cluster
 
         cluster = Cluster.parse(args.cluster)
         if args.override:

@@ -17,6 +17,8 @@ import time
 
 import jax
 
+from autopp.core import distributed_client
+
 _HEARTBEAT_PREFIX = "autopp/heartbeat/"
 _DONE_PREFIX = "autopp/done/"
 DEFAULT_FAILURE_TIMEOUT_S = 20.0
@@ -111,9 +113,7 @@ def is_initialized() -> bool:
 
 
 def _client():
-    from jax._src import distributed as jax_distributed  # the coordination service's key-value store
-
-    return jax_distributed.global_state.client
+    return distributed_client()
 
 
 def _lost(message: str) -> None:

@@ -25,7 +25,7 @@ def known_peak_flops(devices: Sequence[jax.Device], dtype: Any = "bfloat16") -> 
     """Peak FLOP/s of one of ``devices`` when their kind is in the device table with a datasheet figure; None
     for CPUs (the table's ``cpu`` entry is a conservative placeholder, not this machine's peak) and unknown
     kinds, so that no MFU is made up."""
-    from autopp.profiler._cluster import Cluster
+    from autopp.profiler import Cluster
 
     try:
         device = Cluster.local(list(devices)).device

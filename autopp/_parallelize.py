@@ -16,24 +16,25 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from autopp._progress import phase
-from autopp._trace import (
+from autopp.core import (
+    Plan,
+    RECOMPUTE_MODES,
+    SCHEDULE_NAMES,
+    Schedule,
+    StagePlan,
     TracedStep,
+    batch_dependent_vars,
     check_array_leaves,
     check_batch_divisible,
+    get_schedule,
     normalize_batch_argnums,
     trace_microbatch_forward,
     trace_step,
+    validate,
 )
-from autopp.planner._estimate import RECOMPUTE_MODES
-from autopp.planner._local import LocalPlan, plan_local
-from autopp.planner._plan import Plan, PlannerStats, StagePlan
-from autopp.planner._search import CONFIG_FINGERPRINT
-from autopp.profiler._cluster import Cluster
-from autopp.profiler._partition import StageSplit, batch_dependent_vars, split_at, split_stages
-from autopp.profiler._costs import aval_bytes
-from autopp.profiler._profile import Profile, profile
-from autopp.runtime._executor import Executable, build_executable
-from autopp.planner._schedule import SCHEDULE_NAMES, Schedule, get_schedule, validate
+from autopp.planner import CONFIG_FINGERPRINT, LocalPlan, plan_local
+from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
+from autopp.runtime import Executable, build_executable
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -480,7 +481,7 @@ class Parallelized(Generic[_P, _R]):
         ``(outputs, timeline)`` (an :class:`autopp.runtime.Timeline`: events, wall time, host issue time, critical
         path, bubble fraction). ``trace_json`` writes a Chrome/Perfetto trace, ``gantt_png`` a Gantt chart with
         the plan's predicted timeline beside the measured one when the plan has stage times."""
-        from autopp.runtime._timeline import run_with_timeline
+        from autopp.runtime import run_with_timeline
 
         _, _, exe, plan = self._build(args)
         outputs, timeline = run_with_timeline(exe, jax.tree_util.tree_leaves(args))

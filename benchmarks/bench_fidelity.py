@@ -11,7 +11,7 @@ import statistics
 import jax
 import optax
 
-from autopp._trace import trace_step
+from autopp.core._trace import trace_step
 from autopp.models import GPT, MLP, GPTConfig, MLPConfig
 from autopp.profiler import group_layers
 from autopp.profiler._costs import kernel_costs

@@ -34,8 +34,8 @@ model then prices, per layer and microbatch, on one device:
   optimizer update (the traced update's memory traffic per parameter byte, at the device's bandwidth, over the
   parameters each device updates), plus the gradient all-reduce of parameters shared between device groups (a
   tied embedding).
-* **Overlap** (:data:`~autopp.planner._estimate.OVERLAPS`): what is hidden behind compute is only what XLA and JAX
-  hide on GPUs by default (:data:`~autopp.planner._estimate.DEFAULT_OVERLAP`) unless the caller says more.
+* **Overlap** (:data:`~autopp.core._estimate.OVERLAPS`): what is hidden behind compute is only what XLA and JAX
+  hide on GPUs by default (:data:`~autopp.core._estimate.DEFAULT_OVERLAP`) unless the caller says more.
 * **Local devices**: ``dispatch_s`` charges the runtime's host cost per issued program (the host issues every
   program from one thread); zero for a cluster one does not run on.
 
@@ -51,13 +51,18 @@ import functools
 import math
 from collections.abc import Sequence
 
-from autopp.planner._estimate import DEFAULT_OVERLAP, OVERLAPS, RECOMPUTE_MODES, SCHEDULES, Estimate
-from autopp.planner._schedule import Schedule, get_schedule, simulate_times
-from autopp.planner._sharding import LayerCost, collective_seconds, layer_cost, solve
-from autopp.profiler._cluster import Cluster
-from autopp.profiler._profile import Profile
-from autopp.profiler._strategies import REPLICATED, boundary_options, build_graph
-from autopp.profiler._timemodel import KernelTimeModel, ring_seconds
+from autopp.core import (
+    DEFAULT_OVERLAP,
+    Estimate,
+    OVERLAPS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    Schedule,
+    get_schedule,
+    simulate_times,
+)
+from autopp.planner._sharding import LayerCost, layer_cost, solve
+from autopp.profiler import Cluster, KernelTimeModel, Profile, REPLICATED, boundary_options, build_graph, ring_seconds
 
 STAGE_INSTRUCTIONS = 12
 """Instructions the runtime issues per stage and step besides forwards, backwards and activation transfers
@@ -82,7 +87,7 @@ class Layout:
     microbatch_size: int = 1
     """Examples per microbatch per data-parallel replica."""
     schedule: str = "1f1b"
-    """One of :data:`~autopp.planner._estimate.SCHEDULES`."""
+    """One of :data:`~autopp.core._estimate.SCHEDULES`."""
     virtual_stages: int = 1
     """Model chunks per device group (``interleaved-1f1b``; ``dualpipev`` always has 2)."""
     sequence_parallel: bool = False

@@ -15,11 +15,9 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from autopp.planner._estimate import Estimate, divisors
-from autopp.planner._plan import Plan
+from autopp.core import Estimate, Plan, divisors
 from autopp.planner._search import plan_model
-from autopp.profiler._cluster import Cluster
-from autopp.profiler._profile import Profile
+from autopp.profiler import Cluster, Profile
 
 DISPATCH_S = 45e-6
 """Seconds the runtime's controller spends per instruction it dispatches (a stage program or a transfer), also

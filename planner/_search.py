@@ -33,14 +33,20 @@ from typing import Any
 
 from autopp.planner._costmodel import Evaluation, Layout, StepModel, chunk_split, even_layers
 from autopp.planner._cpsat import assign_stages
-from autopp.planner._estimate import DEFAULT_OVERLAP, RECOMPUTE_MODES, SCHEDULES, divisors, positive_int
-from autopp.planner._plan import LayerSharding, Plan, PlannerStats, StagePlan
-from autopp.planner._schedule import get_schedule
+from autopp.core import (
+    DEFAULT_OVERLAP,
+    LayerSharding,
+    Plan,
+    PlannerStats,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    StagePlan,
+    divisors,
+    get_schedule,
+    positive_int,
+)
 from autopp.planner._simulate import as_cluster, as_profile, fp32_warning, step_model
-from autopp.profiler._cluster import Cluster
-from autopp.profiler._devices import DEVICE_KINDS
-from autopp.profiler._profile import Profile
-from autopp.profiler._strategies import spec_name
+from autopp.profiler import Cluster, DEVICE_KINDS, Profile, spec_name
 
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
 """Microbatch sizes searched by default (Megatron-LM's published runs use 1 to 16)."""
@@ -83,7 +89,7 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     ``microbatch_sizes``, ``pipeline_degrees`` (e.g. ``(1,)`` for the best plan without pipelining) and
     ``tensor_degrees`` restrict the search; ``refine_top`` layouts get a CP-SAT stage split (each within
     ``time_limit_s``). ``overlap``: communication the runtime hides behind compute (see
-    :data:`~autopp.planner._estimate.OVERLAPS`). ``dispatch_s``: host seconds per issued program (local
+    :data:`~autopp.core._estimate.OVERLAPS`). ``dispatch_s``: host seconds per issued program (local
     devices only). ``fsdp``, ``zero1`` and ``sequence_parallel`` say whether those layouts are searched;
     ``num_microbatches`` fixes the microbatches per step.
 
@@ -336,7 +342,7 @@ def to_plan(sm: StepModel, layout: Layout, global_batch: int, split, recompute, 
     """The :class:`Plan` of a layout and split: stages with devices, mesh, layers, recomputation and each
     parameter's layout over the tensor axis; per-layer sharding reports; the prediction."""
     prof = sm.profile
-    t, P, d = layout.tensor, layout.pipeline, layout.data
+    t, d = layout.tensor, layout.data
     groups = sm.chunk_groups(layout)
     per_group = t * d
     M = global_batch // (layout.microbatch_size * d)

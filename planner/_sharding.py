@@ -29,18 +29,23 @@ from ortools.sat.python import cp_model
 
 from jax.extend import core as jex_core
 
-from autopp.profiler._cluster import Cluster
-from autopp.profiler._costs import OpCost, aval_bytes, eqn_cost
-from autopp.profiler._kernels import ATTENTION, ScaledKernel, matmul_dtype, program_kernels
-from autopp.profiler._strategies import (
+from autopp.profiler import (
+    Cluster,
+    KernelTimeModel,
+    OpCost,
+    OpNode,
     PARTIAL,
     REPLICATED,
-    OpNode,
+    ScaledKernel,
     StrategyGraph,
+    aval_bytes,
+    eqn_cost,
+    matmul_dtype,
     output_spec,
+    program_kernels,
+    ring_seconds,
     spec_name,
 )
-from autopp.profiler._timemodel import KernelTimeModel, ring_seconds
 
 Literal = jex_core.Literal
 _NS = 1e-9

@@ -16,17 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopp.planner._costmodel import Layout, StepModel, chunk_split
-from autopp.planner._estimate import (
-    DEFAULT_OVERLAP,
-    OVERLAPS,
-    RECOMPUTE_MODES,
-    SCHEDULES,
-    Estimate,
-    divisors,
-    positive_int,
-)
-from autopp.profiler._cluster import Cluster
-from autopp.profiler._profile import Profile, profile
+from autopp.core import DEFAULT_OVERLAP, OVERLAPS, RECOMPUTE_MODES, SCHEDULES, Estimate, divisors, positive_int
+from autopp.profiler import Cluster, Profile, profile
 
 __all__ = ["Estimate", "RECOMPUTE_MODES", "SCHEDULES", "OVERLAPS", "DEFAULT_OVERLAP", "as_profile", "clear_cache",
            "simulate", "step_model"]
@@ -92,12 +83,12 @@ def fp32_warning(prof: Profile, cluster: Cluster, who: str) -> None:
         return
     total = f32 = 0.0
     for fp, prog in prof.programs.items():
-        from autopp.profiler._kernels import matmul_dtype
+        from autopp.profiler import matmul_dtype
 
         j = prog.closed.jaxpr
         for e in j.eqns:
             if e.primitive.name == "dot_general":
-                from autopp.profiler._costs import eqn_cost
+                from autopp.profiler import eqn_cost
 
                 c = eqn_cost(e).flops
                 total += c

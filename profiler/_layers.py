@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import warnings
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from autopp.core import eqn_signature, inner_jaxpr, literal_signature, new_jaxpr, structure_signature
 from autopp.profiler._costs import ZERO, aval_bytes, eqn_cost, jaxpr_cost
 
 __all__ = ["Layer", "group_layers", "repeated_fingerprints"]
@@ -124,88 +124,11 @@ def repeated_fingerprints(layers: Sequence[Layer]) -> dict[str, list[int]]:
 # Signatures
 
 
-_ADDR = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
-_jaxpr_str_cache: dict[int, tuple[object, str]] = {}
-
-
-_aval_sig_cache: dict = {}
-
-
-def _aval_sig(aval) -> str:
-    shape = getattr(aval, "shape", None)
-    dtype = getattr(aval, "dtype", None)
-    if shape is None:
-        return str(aval)
-    key = (shape, dtype)
-    try:
-        hit = _aval_sig_cache.get(key)
-    except TypeError:
-        return f"{dtype}{list(shape)}"
-    if hit is None:
-        hit = _aval_sig_cache[key] = f"{dtype}{list(shape)}"
-    return hit
-
-
-def _literal_sig(val) -> str:
-    try:
-        arr = np.asarray(val)
-        if arr.dtype != object and arr.size <= 64:
-            return f"{arr.dtype}{list(arr.shape)}={arr.tobytes().hex()}"
-    except Exception:  # noqa: BLE001 - fall back to the repr
-        pass
-    return _ADDR.sub("", repr(val))
-
-
-def _jaxpr_str(j) -> str:
-    hit = _jaxpr_str_cache.get(id(j))
-    if hit is not None and hit[0] is j:
-        return hit[1]
-    s = _ADDR.sub("", str(j))
-    if len(_jaxpr_str_cache) > 4096:
-        _jaxpr_str_cache.clear()
-    _jaxpr_str_cache[id(j)] = (j, s)
-    return s
-
-
-def _param_str(v) -> str:
-    if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
-        return _jaxpr_str(v)
-    if isinstance(v, (tuple, list)):
-        return "(" + ",".join(_param_str(x) for x in v) + ")"
-    if callable(v) and not isinstance(v, type):
-        return getattr(v, "__qualname__", type(v).__name__)
-    return _ADDR.sub("", repr(v))
-
-
-def _atom_sig(a) -> str:
-    if isinstance(a, jex_core.Literal):
-        return f"{_literal_sig(a.val)}:{_aval_sig(a.aval)}"
-    return _aval_sig(a.aval)
-
-
-def _eqn_sig(eqn) -> str:
-    params = ",".join(f"{k}={_param_str(v)}" for k, v in sorted(eqn.params.items()))
-    ins = ",".join(_atom_sig(a) for a in eqn.invars)
-    outs = ",".join(_aval_sig(v.aval) for v in eqn.outvars)
-    return f"{eqn.primitive.name}[{params}]({ins})->({outs})"
-
-
-def _struct_sig(eqn) -> str:
-    """Shape-agnostic signature: the operation and its arity (and nested operations)."""
-    subs = [_sub(s) for s in jex_core.jaxprs_in_params(eqn.params)]
-    inner = "".join("{" + " ".join(_struct_sig(e) for e in s.eqns) + "}" for s in subs)
-    return f"{eqn.primitive.name}/{len(eqn.invars)}/{len(eqn.outvars)}{inner}"
-
-
-def _sub(j) -> jex_core.Jaxpr:
-    return j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
-
-
 def _weight(eqn) -> int:
     """1 + the number of nested equations (so a remat'd block weighs as much as its inlined twin)."""
     w = 1
     for s in jex_core.jaxprs_in_params(eqn.params):
-        w += sum(_weight(e) for e in _sub(s).eqns)
+        w += sum(_weight(e) for e in inner_jaxpr(s).eqns)
     return w
 
 
@@ -250,7 +173,7 @@ def _canon(eqns, sig_ids, kind, escapes_of):
     esc = []
     for a in escapes:
         if isinstance(a, jex_core.Literal):
-            esc.append(("lit", _literal_sig(a.val)))
+            esc.append(("lit", literal_signature(a.val)))
         elif a in pos:
             esc.append(pos[a])
         else:
@@ -376,17 +299,17 @@ class _Analysis:
         self.sig_interner = _Interner()
         struct_interner = _Interner()
         beqns = [self.eqns[i] for i in self.bidx]
-        self.sig_ids = np.array([self.sig_interner(_eqn_sig(e)) for e in beqns], dtype=np.int64)
+        self.sig_ids = np.array([self.sig_interner(eqn_signature(e)) for e in beqns], dtype=np.int64)
         struct_cache: dict[tuple, int] = {}
         struct_ids = []
         for e in beqns:
             if jex_core.jaxprs_in_params(e.params):
-                struct_ids.append(struct_interner(_struct_sig(e)))
+                struct_ids.append(struct_interner(structure_signature(e)))
             else:
                 key = (e.primitive.name, len(e.invars), len(e.outvars))
                 sid = struct_cache.get(key)
                 if sid is None:
-                    sid = struct_cache[key] = struct_interner(_struct_sig(e))
+                    sid = struct_cache[key] = struct_interner(structure_signature(e))
                 struct_ids.append(sid)
         self.struct_ids = np.array(struct_ids, dtype=np.int64)
         self.weights = np.array([_weight(e) for e in beqns], dtype=np.float64)
@@ -524,10 +447,7 @@ class _Analysis:
 
 
 def _eval_fn(eqns, ext_vars, out_atoms):
-    info = jex_core.DebugInfo("autopp layer", "group_layers", tuple(f"in{k}" for k in range(len(ext_vars))),
-                              tuple(f"out{k}" for k in range(len(out_atoms))))
-    sub = jex_core.Jaxpr(constvars=(), invars=list(ext_vars), outvars=list(out_atoms), eqns=list(eqns),
-                         debug_info=info)
+    sub = new_jaxpr((), list(ext_vars), list(out_atoms), list(eqns), frozenset(), "autopp layer")
 
     def fn(*args):
         return jax.core.eval_jaxpr(sub, (), *args)
@@ -699,7 +619,7 @@ def _scan_body(an: _Analysis, i: int):
     def kind(v):
         return "b" if v in dep else ("p" if v in src else "c")
 
-    sig_ids = [an.sig_interner(_eqn_sig(be)) for be in beqns]
+    sig_ids = [an.sig_interner(eqn_signature(be)) for be in beqns]
     escapes = [a for a in bj.outvars if isinstance(a, jex_core.Literal) or a in dep]
     key, ext_vars, esc = _canon(beqns, sig_ids, kind, lambda pos: escapes)
     fp = an.fingerprint_of_key(key)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp import _compat
+from autopp.core import forward_with_vjp
 from autopp.profiler._costs import OpCost
 
 Literal = jex_core.Literal
@@ -38,40 +38,6 @@ class LayerMeasurement:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], needed_outside) -> tuple:
-    """A jaxpr of the given equations: inputs are what they read from outside, outputs what
-    ``needed_outside(var)`` says is used elsewhere. Returns (ClosedJaxpr, input vars, output vars)."""
-    jaxpr = closed.jaxpr
-    const_of = dict(zip(jaxpr.constvars, closed.consts))
-    eqns = [jaxpr.eqns[i] for i in eqn_ids]
-    defined, ins = set(), []
-    for e in eqns:
-        for a in e.invars:
-            if not isinstance(a, Literal) and a not in defined and a not in ins:
-                ins.append(a)
-        defined.update(e.outvars)
-    outs = [v for e in eqns for v in e.outvars if needed_outside(v)]
-    consts = [v for v in ins if v in const_of]
-    ins = [v for v in ins if v not in const_of]
-    sub = _compat.new_jaxpr(consts, ins, outs, eqns, jaxpr.effects, "layer")
-    return jex_core.ClosedJaxpr(sub, [const_of[v] for v in consts]), ins, outs
-
-
-def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]):
-    """``f(*inputs) -> (outputs, vjp)`` for a jaxpr, differentiating the inputs at ``diff_positions``."""
-
-    def f(*xs):
-        def of_diff(diff_vals):
-            vals = list(xs)
-            for i, d in zip(diff_positions, diff_vals):
-                vals[i] = d
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
-
-        return jax.vjp(of_diff, [xs[i] for i in diff_positions])
-
-    return f
 
 
 def _example(aval, key):

@@ -10,9 +10,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from autopp.core import batch_dependent_vars, eqn_signature
 from autopp.profiler._costs import aval_bytes, eqn_cost
 
 
@@ -37,24 +37,6 @@ class StageSplit:
     def to_dict(self) -> dict:
         return {"stage_eqns": [list(s) for s in self.stage_eqns], "stage_costs": list(self.stage_costs),
                 "cut_bytes": list(self.cut_bytes), "stage_starts": list(self.stage_starts)}
-
-
-def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) -> set:
-    """Variables whose value depends on a batch (microbatched) input."""
-    dep = {v for v, b in zip(jaxpr.invars, batch_invars) if b}
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
-            dep.update(eqn.outvars)
-    return dep
-
-
-def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
-    """Float variables that depend on a differentiated input (only those carry cotangents)."""
-    dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
-            dep.update(v for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.inexact))
-    return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 
 
 def _min_bottleneck(costs: list[float], num_stages: int) -> float:
@@ -131,14 +113,6 @@ _HASH_MOD = (1 << 61) - 1
 _HASH_BASE = 1_000_003
 
 
-def _eqn_signature(eqn) -> tuple:
-    """What makes two equations compile alike: the primitive and the types of what goes in and out."""
-    def atom(a):
-        return repr(a.val) if isinstance(a, jex_core.Literal) else str(a.aval)
-
-    return str(eqn.primitive), tuple(atom(a) for a in eqn.invars), tuple(str(v.aval) for v in eqn.outvars)
-
-
 def _repeating_partition(problem: _CutProblem, num_stages: int, cap: float) -> list[int] | None:
     """Cuts (as :func:`_min_cross_partition`) with every stage's cost <= ``cap`` whose middle stages (all but
     the first and the last, at least two) run the same sequence of equations, fewest crossing bytes first; None
@@ -149,7 +123,7 @@ def _repeating_partition(problem: _CutProblem, num_stages: int, cap: float) -> l
     costs, cross, n = problem.costs, problem.cross, len(problem.costs)
     eqns = problem.forward.jaxpr.eqns
     ids: dict[tuple, int] = {}
-    sig = [ids.setdefault(_eqn_signature(eqns[i]), len(ids) + 1) for i in problem.seq]
+    sig = [ids.setdefault(eqn_signature(eqns[i]), len(ids) + 1) for i in problem.seq]
     prefix_hash, power, prefix = [0], [1], [0.0]
     for k, c in zip(sig, costs):
         prefix_hash.append((prefix_hash[-1] * _HASH_BASE + k) % _HASH_MOD)

@@ -11,15 +11,21 @@ import networkx as nx
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp._trace import TracedStep, normalize_batch_argnums, trace_step
+from autopp.core import (
+    TracedStep,
+    differentiable_vars,
+    forward_with_vjp,
+    normalize_batch_argnums,
+    slice_jaxpr,
+    trace_step,
+)
 from autopp.profiler._cluster import Cluster
-from autopp.profiler._costs import aval_bytes, eqn_cost, jaxpr_cost, kernel_costs
+from autopp.profiler._costs import aval_bytes, eqn_cost, kernel_costs
 from autopp.profiler._graph import cost_graph
 from autopp.profiler._kernels import ScaledKernel, program_kernels
 from autopp.profiler._layers import Layer, group_layers
-from autopp.profiler._measure import ProfileCache, measure_layer, slice_jaxpr
+from autopp.profiler._measure import ProfileCache, measure_layer
 from autopp.profiler._optstate import optimizer_state_owners
-from autopp.profiler._partition import differentiable_vars
 from autopp.profiler._strategies import LayerProgram, layer_program
 from autopp.profiler._timemodel import KernelTimeModel
 
@@ -405,7 +411,6 @@ def _layer_inputs(forward, lay: Layer, layers, sources) -> tuple:
 
 def _ones_vjp(closed: jex_core.ClosedJaxpr, diff: Sequence[bool]) -> jex_core.ClosedJaxpr:
     """Forward plus backward of a layer with cotangents of ones (what measured samples are paired with)."""
-    from autopp.profiler._measure import forward_with_vjp
 
     avals = [v.aval for v in closed.jaxpr.invars]
     forward = forward_with_vjp(closed, [i for i, d in enumerate(diff) if d])

@@ -19,7 +19,7 @@ Strategies are read off the jaxpr's dataflow, never off names: a ``dot_general``
 other dimensions and turn a split of a summed dimension into ``P``; ``gather``/``scatter`` may split the table's
 indexed dimension (a vocabulary-parallel embedding); calls with a body (``jit``, ``custom_jvp_call``, ...) keep a
 split that passes through their body. A *fused attention* region (``jax.nn.dot_product_attention``, marked at
-trace time, see :data:`autopp._compat.FUSED_ATTENTION_SCOPE`) is one node: split by heads (keys and values split
+trace time, see :data:`autopp.core.FUSED_ATTENTION_SCOPE`) is one node: split by heads (keys and values split
 too only when their heads divide), by batch, or replicated.
 
 Sequence parallelism (Korthikanti et al. 2022) is not a special case: the norm and elementwise operations between
@@ -39,7 +39,7 @@ import networkx as nx
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp import _compat
+from autopp.core import FUSED_ATTENTION_SCOPE, name_stack
 from autopp.profiler._costs import aval_bytes
 
 Literal = jex_core.Literal
@@ -226,7 +226,7 @@ def batch_sized_vars(jaxpr, starts: dict, ct_of: dict) -> set:
 
 def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
     """Connected groups of equations under the fused-attention scope."""
-    marked = [i for i, e in enumerate(jaxpr.eqns) if _compat.FUSED_ATTENTION_SCOPE in _compat.name_stack(e)]
+    marked = [i for i, e in enumerate(jaxpr.eqns) if FUSED_ATTENTION_SCOPE in name_stack(e)]
     if not marked:
         return (), []
     links = nx.Graph()
@@ -243,7 +243,7 @@ def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
                 owner[a] = i
     regions = tuple(sorted(tuple(sorted(g)) for g in nx.connected_components(links)))
     causal = [k for k, g in enumerate(regions)
-              if any(_compat.FUSED_ATTENTION_SCOPE + "_causal" in _compat.name_stack(jaxpr.eqns[i]) for i in g)]
+              if any(FUSED_ATTENTION_SCOPE + "_causal" in name_stack(jaxpr.eqns[i]) for i in g)]
     return regions, causal
 
 

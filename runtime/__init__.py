@@ -1,6 +1,6 @@
 """Pipeline runtime: schedules, stage programs, executor (``autopp.runtime``)."""
 
-from autopp.planner._schedule import (
+from autopp.core import (
     SCHEDULE_NAMES,
     Action,
     Schedule,
@@ -16,8 +16,11 @@ from autopp.planner._schedule import (
     zb_h1,
 )
 
+from autopp.runtime._executor import Executable, StageMeshes, build_executable
+from autopp.runtime._tensor import tensor_specs
 from autopp.runtime._timeline import TaskEvent, Timeline, run_with_timeline
 
-__all__ = ["TaskEvent", "Timeline", "run_with_timeline",
+__all__ = ["Executable", "StageMeshes", "TaskEvent", "Timeline", "build_executable", "run_with_timeline",
+           "tensor_specs",
            "SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError", "bubble_fraction", "dispatch_order",
            "get_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "simulate_times", "validate", "zb_h1"]

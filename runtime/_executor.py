@@ -21,17 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp import _compat
-from autopp._trace import eval_jaxpr_with
+from autopp.core import (
+    RECOMPUTE_MODES,
+    RECOMPUTE_POLICIES,
+    Schedule,
+    StagePrograms,
+    copy_shards,
+    device_free_key,
+    dispatch_order,
+    eval_jaxpr_with,
+    is_local,
+    new_jaxpr,
+    retarget,
+    same_shard_positions,
+    stage_graphs,
+)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.runtime._placement import place_outer
-from autopp.planner._estimate import RECOMPUTE_MODES
-from autopp.planner._schedule import Schedule, dispatch_order
-from autopp.profiler._costs import aval_bytes
-from autopp.profiler._optstate import optimizer_state_owners
+from autopp.profiler import aval_bytes, optimizer_state_owners
 from autopp.runtime._tensor import tensor_specs
-from autopp.runtime._stage import RECOMPUTE_POLICIES, StagePrograms, stage_graphs
 
 Literal = jex_core.Literal
 
@@ -185,12 +194,12 @@ def _put(shardings):
 
     def put(*xs):
         if sources and all(getattr(x, "sharding", None) == src for x, src in zip(xs, sources)):
-            return _compat.copy_shards(xs, shardings)
+            return copy_shards(xs, shardings)
         return jax.device_put(list(xs), shardings)
 
     def out_avals(avals):
         if jax.process_count() == 1 and all(
-                getattr(a, "sharding", None) is not None and _compat.same_shard_positions(a.sharding, sh, a.shape)
+                getattr(a, "sharding", None) is not None and same_shard_positions(a.sharding, sh, a.shape)
                 for a, sh in zip(avals, shardings)):
             sources[:] = [a.sharding for a in avals]
         return [_sds(a, sh) for a, sh in zip(avals, shardings)]
@@ -230,7 +239,7 @@ class _Deferred:
         if self.compiled is None:
             done = self.future.result()
             try:
-                self.compiled = _compat.retarget(done, self.lowered)
+                self.compiled = retarget(done, self.lowered)
             except Exception:  # noqa: BLE001 - an executable that cannot move is compiled where it runs
                 self.compiled = self.lowered.compile()
         return self.compiled
@@ -409,10 +418,10 @@ class _Builder:
     def _compile_early(self, lowered) -> None:
         """Start compiling a program as soon as it is lowered (XLA compiles without the GIL, so this overlaps
         the rest of the build), unless an equal program on other devices already is: that one is reused."""
-        key = self._program_keys.setdefault(id(lowered), _compat.device_free_key(lowered))
+        key = self._program_keys.setdefault(id(lowered), device_free_key(lowered))
         if key is not None and key in self._compiling:
             return
-        if not _compat.is_local(lowered):  # another process's stage (multi-process runs): not compiled here
+        if not is_local(lowered):  # another process's stage (multi-process runs): not compiled here
             return
         self._compiling[key if key is not None else id(lowered)] = self._submit(lowered)
 
@@ -425,7 +434,7 @@ class _Builder:
         """Point each task at its program. Each distinct (program, input types) compiles once, concurrently,
         from the moment it was lowered; programs equal up to their devices (equal stages on other devices)
         compile once and the others load that executable onto their own devices
-        (:func:`autopp._compat.retarget`). Nothing waits here: a task whose program is still compiling waits
+        (:func:`autopp.core.retarget`). Nothing waits here: a task whose program is still compiling waits
         when the first step reaches it (:class:`_Deferred`), so the first step's early tasks run while the
         later programs compile."""
         programs = [lo for _, lo in sorted(self.lowered.values(), key=lambda x: x[0])]
@@ -602,7 +611,7 @@ class _Builder:
             return
         const_ins = [v for v in ins if v in self.outer_consts]
         ins = [v for v in ins if v not in self.outer_consts]
-        sub = _compat.new_jaxpr(const_ins, ins, outs, eqns, self.jaxpr.effects, label)
+        sub = new_jaxpr(const_ins, ins, outs, eqns, self.jaxpr.effects, label)
         consts = [self.outer_consts[v] for v in const_ins]
         in_slots = [self.need(v, loc) for v in ins]
         # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,

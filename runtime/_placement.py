@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from jax.extend import core as jex_core
 
-from autopp.profiler._costs import aval_bytes
+from autopp.profiler import aval_bytes
 
 Literal = jex_core.Literal
 

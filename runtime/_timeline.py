@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from autopp.planner._plan import _id_ranges
+from autopp.core import id_ranges
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)(\+(\d+)([FBIW])(\d+))?$")
 
@@ -137,14 +137,14 @@ class Timeline:
 
 def _predicted_events(plan) -> list[TaskEvent]:
     """The plan's predicted timeline (event simulation of its schedule with its stages' predicted times)."""
-    from autopp.planner._schedule import Schedule, simulate_times
+    from autopp.core import Schedule, simulate_times
 
     if any(s.forward_time_s is None or s.backward_time_s is None for s in plan.stages):
         return []
     sched = Schedule.from_text(plan.schedule_text, num_stages=plan.num_stages, num_microbatches=plan.num_microbatches)
     times = simulate_times(sched, [s.forward_time_s for s in plan.stages], [s.backward_time_s for s in plan.stages])
     rank_of = {a: r for r, _, a in sched.actions()}
-    lane = {r: "devices " + _id_ranges(sorted(plan.stages[sched.rank_stages()[r][0]].devices))
+    lane = {r: "devices " + id_ranges(sorted(plan.stages[sched.rank_stages()[r][0]].devices))
             for r in range(sched.num_ranks)}
     return [TaskEvent(label=str(a), lane=lane[rank_of[a]], start_s=s, end_s=e, issued_s=0.0)
             for a, (s, e) in sorted(times.items(), key=lambda x: x[1])]
@@ -153,7 +153,7 @@ def _predicted_events(plan) -> list[TaskEvent]:
 def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     """Run one step of a built executable, recording its timeline; returns (outputs, timeline)."""
     tasks = executable.tasks
-    lane_of = ["devices " + _id_ranges(sorted(t.devices)) if t.devices else "host" for t in tasks]
+    lane_of = ["devices " + id_ranges(sorted(t.devices)) if t.devices else "host" for t in tasks]
     lanes = list(dict.fromkeys(lane_of))
     queues = {lane: queue.SimpleQueue() for lane in lanes}
     issued = [0.0] * len(tasks)

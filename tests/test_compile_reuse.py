@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopp
-from autopp import _compat
+from autopp.core import _compat
 from autopp.runtime import _executor
 
 from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp

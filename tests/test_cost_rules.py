@@ -25,7 +25,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import autopp.models
-from autopp._grad import marking_gradients
+from autopp.core._grad import marking_gradients
 from autopp.models import GPT, MLP, GPTConfig, MLPConfig, make_train_step
 from autopp.profiler import _costs
 from autopp.profiler._costs import COSTED_PRIMITIVES, eqn_cost, has_cost_rule, jaxpr_cost

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import autopp
-from autopp._trace import trace_step
+from autopp.core._trace import trace_step
 from autopp.models import GPT, MLP, GPTConfig, MLPConfig
 from autopp.profiler._costs import jaxpr_cost
 from autopp.profiler._graph import cost_graph, format_layer_table, graph_from_json, graph_to_json

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import autopp
-from autopp._trace import trace_step
+from autopp.core._trace import trace_step
 from autopp.profiler._partition import split_stages
 from _helpers import assert_trees_close, make_optimizer, run_steps
 

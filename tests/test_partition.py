@@ -9,7 +9,7 @@ import math
 import jax
 import pytest
 
-from autopp._trace import trace_step
+from autopp.core._trace import trace_step
 from autopp.models import MLP, MLPConfig
 from autopp.profiler import _partition
 from autopp.profiler._partition import split_stages

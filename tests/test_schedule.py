@@ -1,28 +1,14 @@
-"""Tests for autopp.planner._schedule (pipeline schedule IR)."""
+"""Tests for autopp.core._schedule (pipeline schedule IR)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import pathlib
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:
-    from autopp.planner import _schedule as sched
-except ImportError:  # not installed: load the file directly
-    _PATH = pathlib.Path(__file__).resolve().parents[1] / "planner" / "_schedule.py"
-    _NAME = "autopp_planner__schedule_under_test"
-    if _NAME in sys.modules:
-        sched = sys.modules[_NAME]
-    else:
-        _spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-        sched = importlib.util.module_from_spec(_spec)
-        sys.modules[_NAME] = sched  # dataclasses look the module up while building classes
-        _spec.loader.exec_module(sched)
+from autopp.core import _schedule as sched
 
 Action = sched.Action
 Schedule = sched.Schedule

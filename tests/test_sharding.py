@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import autopp
-from autopp import _compat
+from autopp.core import _compat
 from autopp.models import GPTConfig, LlamaConfig
 from autopp.planner._costmodel import StepModel
 from autopp.planner._sharding import brute_force, solve, total_seconds

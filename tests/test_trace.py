@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopp._trace import _inline_calls
+from autopp.core._trace import _inline_calls
 
 
 def test_inline_calls_removes_nested_jit_and_keeps_values():

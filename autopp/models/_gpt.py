@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autopp.models._lm import Batch, Params, TokenLM
+from autopp.models._lm import Params, TokenLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _LN_EPS = 1e-5

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopp.models._lm import Batch, Params, TokenLM
+from autopp.models._lm import Params, TokenLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _INIT_STD = 0.02

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp import _compat
-from autopp._trace import eval_jaxpr_with
-from autopp.profiler._partition import differentiable_vars
+from autopp.core import _compat
+from autopp.core._trace import eval_jaxpr_with
+from autopp.core._jaxpr import differentiable_vars
 
 Literal = jex_core.Literal
 

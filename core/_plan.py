@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from autopp.planner._estimate import RECOMPUTE_MODES, Estimate
+from autopp.core._estimate import RECOMPUTE_MODES, Estimate
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
@@ -253,7 +253,7 @@ class Plan:
         """The predicted timeline as text, one line per device group: which stage's ``F``/``B``/``I``/``W`` runs
         in each of ``width`` time slices (the letter of the action covering most of the slice; ``.`` idle), from
         the event simulation of the schedule with each stage's predicted times. Empty when the plan has none."""
-        from autopp.planner._schedule import Schedule, simulate_times
+        from autopp.core._schedule import Schedule, simulate_times
 
         if any(s.forward_time_s is None or s.backward_time_s is None for s in self.stages):
             return ""
@@ -292,7 +292,7 @@ class Plan:
             layers = "-" if s.layers is None else f"{s.layers[0]}-{s.layers[1]}"
             layout = " ".join(f"{k}={v}" for k, v in s.mesh_shape.items() if v > 1) or "1 device"
             lines.append(
-                f"{s.index:>5}  {_id_ranges(s.devices):<16} {layout:<22} {layers:>9} {eq:>11}  {s.recompute:<9}  "
+                f"{s.index:>5}  {id_ranges(s.devices):<16} {layout:<22} {layers:>9} {eq:>11}  {s.recompute:<9}  "
                 f"{s.flops / 1e9:>10.4g}  {s.param_bytes / 1e6:>10.4g}  {s.cut_bytes_after / 1e6:>11.4g}"
             )
         if self.predicted is not None:
@@ -314,7 +314,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _id_ranges(ids: tuple[int, ...]) -> str:
+def id_ranges(ids: tuple[int, ...]) -> str:
     """``0,1,2,3,8`` -> ``0-3,8``."""
     runs: list[list[int]] = []
     for i in ids:

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp import _compat
-from autopp._grad import GradSpec, marking_gradients, value_and_grad_p
+from autopp.core import _compat
+from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
+from autopp.core._jaxpr import eqn_signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,27 +58,9 @@ class TracedStep:
     def fingerprint(self) -> str:
         """A stable hash of the traced computation: the step's and the loss's operations and types."""
         h = hashlib.sha256()
-        dtype_names: dict = {}
-
-        def sig(a) -> tuple:
-            aval = getattr(a, "aval", None)
-            if aval is None:
-                return (repr(a),)
-            dt = getattr(aval, "dtype", None)
-            name = dtype_names.get(dt)
-            if name is None:
-                name = dtype_names[dt] = str(dt)
-            return (getattr(aval, "shape", None), name,
-                    repr(a.val) if isinstance(a, jex_core.Literal) else None)
-
         for jaxpr in (self.jaxpr.jaxpr, self.spec.forward.jaxpr):
-            parts = [repr([sig(v) for v in jaxpr.invars])]
-            for eqn in jaxpr.eqns:
-                parts.append(eqn.primitive.name)
-                parts.append(repr([sig(a) for a in eqn.invars]))
-                parts.append(repr([sig(v) for v in eqn.outvars]))
-                parts.append(repr(sorted((k, v if isinstance(v, (int, float, str, tuple, type(None)))
-                                          else type(v).__name__) for k, v in eqn.params.items())))
+            parts = [repr([(tuple(v.aval.shape), str(v.aval.dtype)) for v in jaxpr.invars])]
+            parts += [e.primitive.name if e.primitive is value_and_grad_p else eqn_signature(e) for e in jaxpr.eqns]
             h.update("\n".join(parts).encode())
         return h.hexdigest()[:16]
 

@@ -249,3 +249,11 @@ class marking_fused_attention:
             jax.nn.dot_product_attention = cls._original
             cls._original = None
         return False
+
+
+# -- multi-controller runtime --------------------------------------------------------------------------------
+def distributed_client():
+    """The client of ``jax.distributed``'s coordination service (its key-value store), once initialized."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp import _compat
+from autopp.core import _compat
 
 _state = threading.local()
 

@@ -1,0 +1,83 @@
+"""autopp's core: what every other part builds on (nothing here imports profiler, planner, runtime or the public
+face). JAX compatibility (the only user of ``jax._src``), the gradient marker, tracing, the jaxpr toolkit, the
+schedule IR, per-stage programs, and the plan and estimate types."""
+
+from autopp.core._compat import (
+    CALL_PRIMITIVE_NAMES,
+    FUSED_ATTENTION_SCOPE,
+    SUPPORTED_JAX,
+    bind_eqn,
+    call_body,
+    copy_shards,
+    device_free_key,
+    distributed_client,
+    is_local,
+    is_tracer,
+    marking_fused_attention,
+    name_stack,
+    new_jaxpr,
+    register_fallback_lowering,
+    retarget,
+    same_shard_positions,
+)
+from autopp.core._grad import GradSpec, grad, marking_gradients, value_and_grad, value_and_grad_p
+from autopp.core._jaxpr import (
+    batch_dependent_vars,
+    differentiable_vars,
+    eqn_signature,
+    forward_with_vjp,
+    inner_jaxpr,
+    literal_signature,
+    slice_jaxpr,
+    structure_signature,
+)
+from autopp.core._trace import (
+    TracedStep,
+    check_array_leaves,
+    check_batch_divisible,
+    eval_jaxpr_with,
+    normalize_batch_argnums,
+    trace_microbatch_forward,
+    trace_step,
+)
+from autopp.core._schedule import (
+    KINDS,
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    ScheduleError,
+    bubble_fraction,
+    dependencies,
+    dispatch_order,
+    dualpipe_v,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    simulate_ticks,
+    simulate_times,
+    validate,
+    zb_h1,
+)
+from autopp.core._estimate import (
+    DEFAULT_OVERLAP,
+    OVERLAPS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    Estimate,
+    divisors,
+    positive_int,
+)
+from autopp.core._plan import (
+    MESH_AXES,
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    LayerSharding,
+    Plan,
+    PlannerStats,
+    StagePlan,
+    id_ranges,
+)
+from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs
+
+__all__ = [name for name in dir() if not name.startswith("_")]

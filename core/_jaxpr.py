@@ -1,0 +1,158 @@
+"""The jaxpr toolkit every layer uses: dataflow sets, slicing a jaxpr, its forward with a VJP, and one signature of an
+equation."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from autopp.core._compat import new_jaxpr
+
+Literal = jex_core.Literal
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dataflow
+
+def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) -> set:
+    """Variables whose value depends on a batch (microbatched) input."""
+    dep = {v for v, b in zip(jaxpr.invars, batch_invars) if b}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
+            dep.update(eqn.outvars)
+    return dep
+
+
+def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
+    """Float variables that depend on a differentiated input (only those carry cotangents)."""
+    dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
+            dep.update(v for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.inexact))
+    return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Slicing and differentiating
+
+def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], needed_outside) -> tuple:
+    """A jaxpr of the given equations: inputs are what they read from outside, outputs what
+    ``needed_outside(var)`` says is used elsewhere. Returns (ClosedJaxpr, input vars, output vars)."""
+    jaxpr = closed.jaxpr
+    const_of = dict(zip(jaxpr.constvars, closed.consts))
+    eqns = [jaxpr.eqns[i] for i in eqn_ids]
+    defined, ins = set(), []
+    for e in eqns:
+        for a in e.invars:
+            if not isinstance(a, Literal) and a not in defined and a not in ins:
+                ins.append(a)
+        defined.update(e.outvars)
+    outs = [v for e in eqns for v in e.outvars if needed_outside(v)]
+    consts = [v for v in ins if v in const_of]
+    ins = [v for v in ins if v not in const_of]
+    sub = new_jaxpr(consts, ins, outs, eqns, jaxpr.effects, "layer")
+    return jex_core.ClosedJaxpr(sub, [const_of[v] for v in consts]), ins, outs
+
+
+def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]):
+    """``f(*inputs) -> (outputs, vjp)`` for a jaxpr, differentiating the inputs at ``diff_positions``."""
+
+    def f(*xs):
+        def of_diff(diff_vals):
+            vals = list(xs)
+            for i, d in zip(diff_positions, diff_vals):
+                vals[i] = d
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
+
+        return jax.vjp(of_diff, [xs[i] for i in diff_positions])
+
+    return f
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Signatures
+
+_ADDR = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
+_jaxpr_str_cache: dict[int, tuple[object, str]] = {}
+
+
+_aval_sig_cache: dict = {}
+
+
+def _aval_sig(aval) -> str:
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None:
+        return str(aval)
+    key = (shape, dtype)
+    try:
+        hit = _aval_sig_cache.get(key)
+    except TypeError:
+        return f"{dtype}{list(shape)}"
+    if hit is None:
+        hit = _aval_sig_cache[key] = f"{dtype}{list(shape)}"
+    return hit
+
+
+def literal_signature(val) -> str:
+    """A literal's value as text (small arrays by their bytes)."""
+    try:
+        arr = np.asarray(val)
+        if arr.dtype != object and arr.size <= 64:
+            return f"{arr.dtype}{list(arr.shape)}={arr.tobytes().hex()}"
+    except Exception:  # noqa: BLE001 - fall back to the repr
+        pass
+    return _ADDR.sub("", repr(val))
+
+
+def _jaxpr_str(j) -> str:
+    hit = _jaxpr_str_cache.get(id(j))
+    if hit is not None and hit[0] is j:
+        return hit[1]
+    s = _ADDR.sub("", str(j))
+    if len(_jaxpr_str_cache) > 4096:
+        _jaxpr_str_cache.clear()
+    _jaxpr_str_cache[id(j)] = (j, s)
+    return s
+
+
+def _param_str(v) -> str:
+    if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        return _jaxpr_str(v)
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(_param_str(x) for x in v) + ")"
+    if callable(v) and not isinstance(v, type):
+        return getattr(v, "__qualname__", type(v).__name__)
+    return _ADDR.sub("", repr(v))
+
+
+def _atom_sig(a) -> str:
+    if isinstance(a, jex_core.Literal):
+        return f"{literal_signature(a.val)}:{_aval_sig(a.aval)}"
+    return _aval_sig(a.aval)
+
+
+def eqn_signature(eqn) -> str:
+    """What makes two equations the same computation: the primitive, its parameters (nested jaxprs as text), the
+    types of its inputs (literal values included) and outputs."""
+    params = ",".join(f"{k}={_param_str(v)}" for k, v in sorted(eqn.params.items()))
+    ins = ",".join(_atom_sig(a) for a in eqn.invars)
+    outs = ",".join(_aval_sig(v.aval) for v in eqn.outvars)
+    return f"{eqn.primitive.name}[{params}]({ins})->({outs})"
+
+
+def structure_signature(eqn) -> str:
+    """Shape-agnostic signature: the operation and its arity (and nested operations)."""
+    subs = [inner_jaxpr(s) for s in jex_core.jaxprs_in_params(eqn.params)]
+    inner = "".join("{" + " ".join(structure_signature(e) for e in s.eqns) + "}" for s in subs)
+    return f"{eqn.primitive.name}/{len(eqn.invars)}/{len(eqn.outvars)}{inner}"
+
+
+def inner_jaxpr(j) -> jex_core.Jaxpr:
+    """The open jaxpr of a (closed) jaxpr parameter."""
+    return j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
