@@ -4,7 +4,7 @@ equation."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,19 +59,40 @@ def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], needed_out
     return jex_core.ClosedJaxpr(sub, [const_of[v] for v in consts]), ins, outs
 
 
-def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]):
-    """``f(*inputs) -> (outputs, vjp)`` for a jaxpr, differentiating the inputs at ``diff_positions``."""
+def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int],
+                     diff_outputs: Sequence[int] | None = None, *, recompute: str = "none", policy=None,
+                     run: Callable | None = None):
+    """The one per-stage VJP: ``f(*inputs) -> (outputs, vjp)`` for a jaxpr, differentiating the inputs at
+    ``diff_positions``; ``vjp(cotangents)`` takes one cotangent per output in ``diff_outputs`` (default: every
+    output) and returns the cotangents of the differentiated inputs, as a list. ``recompute`` ``"full"`` or
+    ``"selective"`` wraps the forward in ``jax.checkpoint`` (with ``policy`` for the selective one), so the VJP keeps
+    only what that policy saves. ``run(values) -> outputs`` evaluates the jaxpr (default: ``jax.core.eval_jaxpr``;
+    the runtime passes one that applies sharding constraints)."""
+    if run is None:
+        def run(vals):
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
 
     def f(*xs):
         def of_diff(diff_vals):
             vals = list(xs)
             for i, d in zip(diff_positions, diff_vals):
                 vals[i] = d
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
+            outs = run(vals)
+            chosen = outs if diff_outputs is None else [outs[k] for k in diff_outputs]
+            return chosen, outs
 
-        return jax.vjp(of_diff, [xs[i] for i in diff_positions])
+        if recompute != "none":
+            of_diff = jax.checkpoint(of_diff, policy=policy)
+        _, vjp_fn, outs = jax.vjp(of_diff, [xs[i] for i in diff_positions], has_aux=True)
+        return outs, jax.tree_util.Partial(_call_vjp, vjp_fn)
 
     return f
+
+
+def _call_vjp(vjp_fn, cotangents):
+    """``vjp_fn`` (of a function of one list) on a list of cotangents: the list of input cotangents."""
+    (grads,) = vjp_fn(list(cotangents))
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------------------

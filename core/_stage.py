@@ -11,7 +11,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars
+from autopp.core._jaxpr import differentiable_vars, forward_with_vjp
 
 Literal = jex_core.Literal
 
@@ -161,20 +161,13 @@ class StagePrograms:
 
             return eval_jaxpr_with(closed.jaxpr, closed.consts, inputs, constrain)
 
+        forward = forward_with_vjp(closed, self.diff_in_idx, self.diff_out_idx, recompute=recompute,
+                                   policy=RECOMPUTE_POLICIES.get(recompute), run=run)
+
         diff_in_idx, diff_out_idx = self.diff_in_idx, self.diff_out_idx
 
         def vjp_of(inputs):
-            def f(diff_vals):
-                vals = list(inputs)
-                for i, v in zip(diff_in_idx, diff_vals):
-                    vals[i] = v
-                outs = run(vals)
-                return [outs[i] for i in diff_out_idx], outs
-
-            if recompute != "none":
-                f = jax.checkpoint(f, policy=RECOMPUTE_POLICIES[recompute])
-            _, vjp_fn, outs = jax.vjp(f, [inputs[i] for i in diff_in_idx], has_aux=True)
-            return outs, vjp_fn
+            return forward(*inputs)
 
         holder = {}
 
@@ -224,7 +217,7 @@ class StagePrograms:
 
         def apply_vjp(vjp_leaves, cts, grad_acc, first):
             vjp_fn = jax.tree_util.tree_unflatten(treedef, vjp_leaves)
-            (grads,) = vjp_fn(cts)
+            grads = vjp_fn(cts)
             by_input = dict(zip(diff_in_idx, grads))
             return (*accumulate(grad_acc, first, by_input), *[by_input[i] for i in act_idx])
 
@@ -246,7 +239,7 @@ class StagePrograms:
             first = args[-1] if has_flag else None
             outs, vjp_fn = vjp_of(inputs)
             cts = [jnp.full(a.shape, s, a.dtype) for a, s in zip(out_avals, seeds)]
-            (grads,) = vjp_fn(cts)
+            grads = vjp_fn(cts)
             by_input = dict(zip(diff_in_idx, grads))
             return (*outs, *accumulate(grad_acc, first, by_input), *[by_input[i] for i in act_idx])
 

@@ -21,7 +21,14 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core import eqn_signature, inner_jaxpr, literal_signature, new_jaxpr, structure_signature
+from autopp.core import (
+    eqn_signature,
+    forward_with_vjp,
+    inner_jaxpr,
+    literal_signature,
+    new_jaxpr,
+    structure_signature,
+)
 from autopp.profiler._costs import ZERO, aval_bytes, eqn_cost, jaxpr_cost
 
 __all__ = ["Layer", "group_layers", "repeated_fingerprints"]
@@ -446,20 +453,17 @@ class _Analysis:
 # Residuals of the backward pass
 
 
-def _eval_fn(eqns, ext_vars, out_atoms):
-    sub = new_jaxpr((), list(ext_vars), list(out_atoms), list(eqns), frozenset(), "autopp layer")
-
-    def fn(*args):
-        return jax.core.eval_jaxpr(sub, (), *args)
-
-    return fn
+def _eval_fn(eqns, ext_vars, out_atoms) -> jex_core.ClosedJaxpr:
+    return jex_core.ClosedJaxpr(new_jaxpr((), list(ext_vars), list(out_atoms), list(eqns), frozenset(), "autopp layer"),
+                                ())
 
 
-def _residual_bytes(fn, in_avals, in_kinds) -> int:
-    """Bytes of the residuals of ``jax.vjp(fn, *inputs)`` other than parameters and values computed
-    from parameters only (``in_kinds``: 'b' batch, 'p' parameter, 'c' constant, per input)."""
+def _residual_bytes(layer: jex_core.ClosedJaxpr, in_avals, in_kinds) -> int:
+    """Bytes of the residuals of the layer's VJP (every input differentiated) other than parameters and values
+    computed from parameters only (``in_kinds``: 'b' batch, 'p' parameter, 'c' constant, per input)."""
     sds = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*sds)
+    forward = forward_with_vjp(layer, range(len(in_avals)))
+    closed = jax.make_jaxpr(lambda *a: forward(*a)[1])(*sds)
     j = closed.jaxpr
     dep = {v for v, kd in zip(j.invars, in_kinds) if kd == "b"}
     par = {v for v, kd in zip(j.invars, in_kinds) if kd == "p"}

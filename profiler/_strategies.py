@@ -36,10 +36,9 @@ from collections.abc import Sequence
 
 import jax
 import networkx as nx
-import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core import FUSED_ATTENTION_SCOPE, name_stack
+from autopp.core import FUSED_ATTENTION_SCOPE, forward_with_vjp, name_stack
 from autopp.profiler._costs import aval_bytes
 
 Literal = jex_core.Literal
@@ -148,22 +147,11 @@ def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str]) -> L
     ct_outputs = tuple(k for k, v in enumerate(jaxpr.outvars) if _float(v.aval))
     n_in = len(jaxpr.invars)
 
+    forward = forward_with_vjp(closed, diff, ct_outputs)
+
     def fwd_bwd(*args):
-        xs, cts = list(args[:n_in]), list(args[n_in:])
-
-        def of_diff(dvals):
-            vals = list(xs)
-            for i, d in zip(diff, dvals):
-                vals[i] = d
-            return jax.core.eval_jaxpr(jaxpr, closed.consts, *vals)
-
-        outs, vjp = jax.vjp(of_diff, [xs[i] for i in diff])
-        full_cts = []
-        it = iter(cts)
-        for k, o in enumerate(outs):
-            full_cts.append(next(it) if k in ct_outputs else np.zeros(o.shape, jax.dtypes.float0))
-        (grads,) = vjp(full_cts)
-        return (*outs, *grads)
+        outs, vjp = forward(*args[:n_in])
+        return (*outs, *vjp(list(args[n_in:])))
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
     avals += [jax.ShapeDtypeStruct(jaxpr.outvars[k].aval.shape, jaxpr.outvars[k].aval.dtype) for k in ct_outputs]
