@@ -25,10 +25,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from autopp._config import check_layout_axes
+
 BASELINES = ("data-parallel", "fsdp", "tensor-parallel")
 """The named baseline layouts (:func:`baseline`)."""
-
-_AXES = ("data", "fsdp", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +60,7 @@ def _resolve_layout(layout: dict[str, int] | SpmdLayout | None, n: int, owner: s
     else:
         raise TypeError(f"{owner}: layout must be a dict such as {{'data': 4, 'tensor': 2}} or an SpmdLayout, got "
                         f"{layout!r} ({type(layout).__name__}).")
-    unknown = sorted(set(given) - set(_AXES))
-    if unknown:
-        raise ValueError(f"{owner}: layout {given} has unknown axes {unknown}; the axes are data, fsdp, tensor.")
-    for k, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{owner}: layout {given}: {k} must be a positive int, got {v!r}.")
+    check_layout_axes(given, owner)
     f, t = int(given.get("fsdp", 1)), int(given.get("tensor", 1))
     if "data" not in given:
         if n % (f * t):

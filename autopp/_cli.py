@@ -586,7 +586,20 @@ def _add_cluster_flags(p, *, required: bool = True) -> None:
                    help="override a device field, e.g. --override matmul_efficiency=0.6 (repeatable)")
 
 
+_COMPARE_HELP = ("autopp's plan against SPMD baselines (data parallel, FSDP, tensor parallel): measured on local "
+                 "devices or predicted for a cluster")
+"""``autopp compare``'s line in ``autopp --help`` (its parser is built only for that command: see :func:`main`)."""
+
+
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top-level parser has none that take
+    a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv=None) -> int:
+    """Run the ``autopp`` command line. Everything that imports JAX (the commands, ``compare``'s parser) is imported
+    after the arguments are parsed, so that ``autopp --help`` and argument errors answer at once."""
     parser = argparse.ArgumentParser(prog="autopp", description="Automatic MPMD pipeline parallelism for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the zoo GPT as a pipeline on CPU devices and print what happens")
@@ -652,9 +665,13 @@ def main(argv=None) -> int:
     show.add_argument("plan", help="path of a plan's JSON (plan.to_json(path))")
     show.add_argument("--grid", action="store_true", help="also print the schedule grid")
     show.set_defaults(func=cmd_show)
-    from autopp import _compare
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _subcommand(argv) == "compare":  # its module imports JAX: only for this command
+        from autopp import _compare
 
-    _compare.add_parser(sub, _add_model_flags, _positive)
+        _compare.add_parser(sub, _add_model_flags, _positive)
+    else:  # listed in `autopp --help` without importing it
+        sub.add_parser("compare", help=_COMPARE_HELP)
     from autopp import _launch
 
     _launch.add_parser(sub, _positive)

@@ -18,10 +18,11 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+if TYPE_CHECKING:  # rich is imported only when progress is shown
+    from rich.console import Console
+    from rich.progress import Progress
 
 ENV = "AUTOPP_PROGRESS"
 _OFF = ("0", "false", "off", "no")
@@ -42,6 +43,8 @@ class Phase:
     def update(self, description: str) -> None:
         self.description = description
         if self._progress is not None:
+            from rich.markup import escape
+
             self._progress.update(self._task, description=escape(description))
 
     def done(self, summary: str) -> None:
@@ -56,8 +59,13 @@ def _console() -> Console | None:
         return None
     if _override is not None:
         return _override
-    console = Console(stderr=True)
     isatty = getattr(sys.stderr, "isatty", None)
+    # rich's Jupyter check needs IPython's get_ipython: without IPython loaded, skip importing rich at all
+    if not ((isatty is not None and isatty()) or mode in _ON or "IPython" in sys.modules):
+        return None
+    from rich.console import Console
+
+    console = Console(stderr=True)
     if (isatty is not None and isatty()) or console.is_jupyter or mode in _ON:
         return console
     return None
@@ -85,6 +93,9 @@ def phase(description: str) -> Iterator[Phase]:
     if console is None:
         yield Phase(description)
         return
+    from rich.markup import escape
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     live = outer and (console.is_terminal or console.is_jupyter)  # else only the finished phases' lines
     if live:
         _progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),

@@ -157,7 +157,7 @@ def _sharding_cases():
 def test_sharding_ilp_vs_brute_force(benchmark):
     from autopp.planner._sharding import brute_force, solve
     from autopp.profiler._cluster import Cluster
-    from autopp.profiler._strategies import build_graph
+    from autopp.profiler._strategy_graph import build_graph
     from autopp.profiler._timemodel import KernelTimeModel
 
     cluster = Cluster.parse("1x8xH100")
@@ -192,7 +192,7 @@ def test_gpt3_block_ilp(benchmark):
     from autopp.planner._simulate import as_profile
     from autopp.planner._sharding import solve
     from autopp.profiler._cluster import Cluster
-    from autopp.profiler._strategies import build_graph
+    from autopp.profiler._strategy_graph import build_graph
     from autopp.profiler._timemodel import KernelTimeModel
 
     cluster = Cluster.parse("128x8xH100")

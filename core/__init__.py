@@ -40,23 +40,15 @@ from autopp.core._trace import (
     trace_microbatch_forward,
     trace_step,
 )
-from autopp.core._schedule import (
-    KINDS,
+from autopp.core._schedule import KINDS, Action, Schedule, ScheduleError, dependencies, validate
+from autopp.core._schedule_sim import bubble_fraction, dispatch_order, simulate_ticks, simulate_times
+from autopp.core._schedules import (
     SCHEDULE_NAMES,
-    Action,
-    Schedule,
-    ScheduleError,
-    bubble_fraction,
-    dependencies,
-    dispatch_order,
     dualpipe_v,
     get_schedule,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
-    simulate_ticks,
-    simulate_times,
-    validate,
     zb_h1,
 )
 from autopp.core._estimate import (

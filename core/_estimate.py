@@ -6,7 +6,7 @@ import dataclasses
 import numbers
 from typing import Any
 
-from autopp.core._schedule import SCHEDULE_NAMES
+from autopp.core._schedules import SCHEDULE_NAMES
 
 SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES
 """Pipeline schedules the cost model describes: every schedule the runtime runs (:func:`autopp.planner.plan_model`

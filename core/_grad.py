@@ -55,6 +55,10 @@ class GradSpec:
     aux_tree: Any
     grad_tree: Any  # tree of the gradients (args[argnums]) over the differentiated leaves
     name: str
+    loss_fn: Callable | None = None
+    """The flattened loss (``flat_args -> [loss, *aux_leaves]``) when it closes over nothing traced in the step
+    (``num_lifted == 0``): the loss alone can then be traced again at other shapes (the microbatch forward) without
+    tracing the step again."""
 
     @property
     def num_aux(self) -> int:
@@ -177,6 +181,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         aux_tree=aux_tree,
         grad_tree=grad_tree,
         name=name,
+        loss_fn=flat_fun if not lifted_vars else None,
     )
     outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)
     loss, aux_leaves, grads = outs[0], outs[1 : 1 + spec.num_aux], outs[1 + spec.num_aux :]

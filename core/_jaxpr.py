@@ -40,22 +40,32 @@ def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> s
 # ---------------------------------------------------------------------------------------------------------
 # Slicing and differentiating
 
-def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], needed_outside) -> tuple:
-    """A jaxpr of the given equations: inputs are what they read from outside, outputs what
-    ``needed_outside(var)`` says is used elsewhere. Returns (ClosedJaxpr, input vars, output vars)."""
+def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], outputs, name: str = "slice") -> tuple:
+    """The one jaxpr slicer: a jaxpr of the equations ``eqn_ids`` of ``closed``.
+
+    ``outputs``: the variables it returns, in order, or a predicate ``needed_outside(var)`` that picks them among the
+    equations' results (in equation order). Its inputs are what the equations read from outside, in order of first
+    use, then any output they do not define (passed through); constants of ``closed`` they read stay constants.
+    Returns ``(ClosedJaxpr, input vars, output vars)``. The stages of a pipeline (:func:`autopp.core.stage_graphs`),
+    a profiled layer and the runtime's programs outside the loss are all cut with it."""
     jaxpr = closed.jaxpr
     const_of = dict(zip(jaxpr.constvars, closed.consts))
     eqns = [jaxpr.eqns[i] for i in eqn_ids]
-    defined, ins = set(), []
+    defined, seen, ins = set(), set(), []
     for e in eqns:
         for a in e.invars:
-            if not isinstance(a, Literal) and a not in defined and a not in ins:
+            if not isinstance(a, Literal) and a not in defined and a not in seen:
+                seen.add(a)
                 ins.append(a)
         defined.update(e.outvars)
-    outs = [v for e in eqns for v in e.outvars if needed_outside(v)]
+    outs = [v for e in eqns for v in e.outvars if outputs(v)] if callable(outputs) else list(outputs)
+    for v in outs:
+        if not isinstance(v, Literal) and v not in defined and v not in seen:
+            seen.add(v)
+            ins.append(v)
     consts = [v for v in ins if v in const_of]
     ins = [v for v in ins if v not in const_of]
-    sub = new_jaxpr(consts, ins, outs, eqns, jaxpr.effects, "layer")
+    sub = new_jaxpr(consts, ins, outs, eqns, jaxpr.effects, name)
     return jex_core.ClosedJaxpr(sub, [const_of[v] for v in consts]), ins, outs
 
 

@@ -10,10 +10,11 @@ from typing import Any
 
 from autopp.core._estimate import RECOMPUTE_MODES, Estimate
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Versions :meth:`Plan.from_dict` reads (version 1 plans lack the layout, prediction and planner fields; version 2
-plans the per-parameter layouts, ZeRO-1, sequence parallelism and the per-layer sharding reports)."""
+plans the per-parameter layouts, ZeRO-1, sequence parallelism and the per-layer sharding reports; version 3 plans
+the layers' equations)."""
 
 MESH_AXES = ("data", "fsdp", "tensor")
 """Axes of a stage's sub-mesh: batch split (data), batch split with sharded state (FSDP/ZeRO-3), Megatron
@@ -168,6 +169,10 @@ class Plan:
     """Activations between layers split along their sequence over each stage's tensor axis."""
     layer_shardings: tuple[LayerSharding, ...] = ()
     """Per layer: its parameters' layouts and the tensor-parallel communication it costs (reports)."""
+    layer_equations: tuple[tuple[int, int], ...] = ()
+    """With ``sequence_parallel``: each profile layer's first and last (inclusive) forward equation, in the
+    pipeline's per-microbatch forward; the activations that cross from one layer into the next are the ones split
+    along their sequence. Empty otherwise (and in a plan made offline, which is completed when it is replayed)."""
     schema_version: int = SCHEMA_VERSION
     """Version of this plan's JSON layout."""
 
@@ -192,6 +197,7 @@ class Plan:
             "sequence_parallel": self.sequence_parallel,
             "stages": [s.to_dict() for s in self.stages],
             "layer_shardings": [x.to_dict() for x in self.layer_shardings],
+            "layer_equations": [list(r) for r in self.layer_equations],
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -226,6 +232,7 @@ class Plan:
             _check_fields(LayerSharding, x, "layer sharding")
             shardings.append(LayerSharding(**x))
         d["layer_shardings"] = tuple(shardings)
+        d["layer_equations"] = tuple(tuple(r) for r in d.get("layer_equations") or ())
         return cls(**d)
 
     @classmethod
@@ -253,7 +260,8 @@ class Plan:
         """The predicted timeline as text, one line per device group: which stage's ``F``/``B``/``I``/``W`` runs
         in each of ``width`` time slices (the letter of the action covering most of the slice; ``.`` idle), from
         the event simulation of the schedule with each stage's predicted times. Empty when the plan has none."""
-        from autopp.core._schedule import Schedule, simulate_times
+        from autopp.core._schedule import Schedule
+        from autopp.core._schedule_sim import simulate_times
 
         if any(s.forward_time_s is None or s.backward_time_s is None for s in self.stages):
             return ""

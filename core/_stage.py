@@ -11,7 +11,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars, forward_with_vjp
+from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, slice_jaxpr
 
 Literal = jex_core.Literal
 
@@ -79,17 +79,11 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
         for k, a in enumerate(jaxpr.outvars):
             if out_stage[k] == s and _is_var(a) and a not in outs:
                 outs.append(a)
-        ins = [v for v in used[s] if v not in const_of]
-        for v in outs:  # an output that is an input of this stage (passed through)
-            if v not in defined[s] and v not in ins and v not in const_of:
-                ins.append(v)
-        consts_used = [v for v in used[s] if v in const_of]
-        sub = _compat.new_jaxpr(consts_used, ins, outs, [jaxpr.eqns[i] for i in stage_eqns[s]], jaxpr.effects,
-                                f"stage {s}")
+        sub, ins, outs = slice_jaxpr(forward, stage_eqns[s], outs, f"stage {s}")
         graphs.append(StageGraph(
             index=s,
-            jaxpr=sub,
-            consts=[const_of[v] for v in consts_used],
+            jaxpr=sub.jaxpr,
+            consts=list(sub.consts),
             inputs=ins,
             outputs=outs,
             diff_inputs=[(v in diff_invar_set) or (v in diffable and v not in invar_set) for v in ins],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -118,9 +119,9 @@ def _path_str(path) -> str:
     return "".join(str(k) for k in path)
 
 
-def normalize_batch_argnums(batch_argnums, num_args: int) -> tuple[int, ...]:
+def normalize_batch_argnums(batch_argnums, num_args: int, who: str = "autopp.parallelize") -> tuple[int, ...]:
     if num_args == 0:
-        raise ValueError("autopp.parallelize: the step was called with no positional arguments; pass the batch positionally.")
+        raise ValueError(f"{who}: the step was called with no positional arguments; pass the batch positionally.")
     if batch_argnums is None:
         return (num_args - 1,)
     nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
@@ -138,7 +139,7 @@ def normalize_batch_argnums(batch_argnums, num_args: int) -> tuple[int, ...]:
 _ARRAY_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
 
 
-def check_array_leaves(args: Sequence[Any]) -> None:
+def check_array_leaves(args: Sequence[Any], who: str = "autopp.parallelize") -> None:
     """Every leaf of the step's arguments must be an array or a number, as for ``jax.jit``.
 
     Module pytrees (Equinox) may hold functions or other static values as leaves; the step then takes the
@@ -151,7 +152,7 @@ def check_array_leaves(args: Sequence[Any]) -> None:
         if len(bad) > 8:
             bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
         raise TypeError(
-            "autopp.parallelize: every leaf of the step's arguments must be an array or a number (as for "
+            f"{who}: every leaf of the step's arguments must be an array or a number (as for "
             "jax.jit); these are not:\n" + "\n".join(bad) + "\nPass only the arrays and close over the rest: "
             "for an Equinox module, `params, static = eqx.partition(model, eqx.is_inexact_array)`, give the step "
             "`params` and rebuild the module inside the loss with `eqx.combine(params, static)`; for a Flax NNX "
@@ -159,10 +160,19 @@ def check_array_leaves(args: Sequence[Any]) -> None:
         )
 
 
-def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...]) -> TracedStep:
-    """Trace ``step_fn(*args)`` (arrays or ``ShapeDtypeStruct``s) with autopp's gradient marker."""
+@contextlib.contextmanager
+def _tracing():
+    """How autopp traces user code: the gradient marked, fused attention marked, jit calls inlined."""
+    with marking_gradients(), _compat.marking_fused_attention(), jax.disable_jit():
+        yield
+
+
+def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...],
+               who: str = "autopp.parallelize") -> TracedStep:
+    """Trace ``step_fn(*args)`` (arrays or ``ShapeDtypeStruct``s) with autopp's gradient marker. ``who``: the entry
+    point, named in error messages (``autopp.parallelize``, ``autopp.profiler.profile``, ...)."""
     args = tuple(args)
-    check_array_leaves(args)
+    check_array_leaves(args, who)
     flat_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
     leaf_paths = tuple(f"args[{p[0].idx}]" + _path_str(p[1:]) for p, _ in flat_with_paths)
     batch_mask = tuple(p[0].idx in batch_argnums for p, _ in flat_with_paths)
@@ -176,7 +186,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         if len(bad) > 8:
             bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
         raise TypeError(
-            "autopp.parallelize: every leaf of the batch argument(s) "
+            f"{who}: every leaf of the batch argument(s) "
             f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "
             "array); these are not:\n" + "\n".join(bad) + "\nConvert them with jnp.asarray(...), or move "
             "non-batch values to another argument and set batch_argnums accordingly."
@@ -190,7 +200,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         flat_step.out_tree = out_tree
         return flat_out
 
-    with marking_gradients(), _compat.marking_fused_attention(), jax.disable_jit():
+    with _tracing():
         closed = jax.make_jaxpr(flat_step)(*abstract)
     out_tree = flat_step.out_tree
     closed = _inline_calls(closed)
@@ -201,17 +211,17 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         )
         if nested:
             raise ValueError(
-                "autopp.parallelize: autopp.grad / autopp.value_and_grad is called inside a control-flow "
+                f"{who}: autopp.grad / autopp.value_and_grad is called inside a control-flow "
                 "construct (lax.scan, lax.cond, vmap, ...) of the step; call it at the top level of the step."
             )
         raise ValueError(
-            "autopp.parallelize: the step takes no gradient with autopp.grad or autopp.value_and_grad, so "
+            f"{who}: the step takes no gradient with autopp.grad or autopp.value_and_grad, so "
             "there is nothing to pipeline. Replace jax.grad / jax.value_and_grad in the step with "
             "autopp.grad / autopp.value_and_grad (same arguments)."
         )
     if len(grads) > 1:
         raise ValueError(
-            f"autopp.parallelize: the step takes {len(grads)} gradients with autopp.grad; exactly one is "
+            f"{who}: the step takes {len(grads)} gradients with autopp.grad; exactly one is "
             "supported. Combine the losses into one function, or use jax.grad for the others."
         )
     return TracedStep(
@@ -225,7 +235,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
     )
 
 
-def check_batch_divisible(traced: TracedStep, num_microbatches: int) -> None:
+def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
     """Every batch leaf's leading dimension must split into ``num_microbatches`` equal parts."""
     bad = []
     for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, traced.leaf_paths):
@@ -235,29 +245,47 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int) -> None:
         sizes = sorted({v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b})
         ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
         raise ValueError(
-            f"autopp.parallelize: the batch cannot be split into num_microbatches={num_microbatches} equal "
+            f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
             "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) +
             f"\nUse a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size."
         )
 
 
 def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: TracedStep,
-                             num_microbatches: int) -> jex_core.ClosedJaxpr:
+                             num_microbatches: int, who: str = "autopp.parallelize") -> jex_core.ClosedJaxpr:
     """The loss's forward jaxpr at microbatch size (what each pipeline stage runs per microbatch).
 
-    The step is traced again with every batch leaf's leading dimension divided by ``num_microbatches``;
-    the loss inputs derived from the batch must shrink the same way, everything else must not change.
+    The loss inputs derived from the batch shrink by ``num_microbatches`` along axis 0, everything else must not
+    change. When the loss closes over nothing traced in the step (``GradSpec.loss_fn``) and reads the batch leaves as
+    the step received them, only the loss is traced again, at those shapes; otherwise the step is traced again with
+    every batch leaf's leading dimension divided.
     """
-    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
-    small = []
-    for x, is_batch in zip(flat, traced.batch_mask):
-        shape, dtype = tuple(np.shape(x)), jax.numpy.result_type(x)
-        if is_batch:
-            shape = (shape[0] // num_microbatches,) + shape[1:]
-        small.append(jax.ShapeDtypeStruct(shape, dtype))
-    mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums)
+    spec = traced.spec
+    batch_leaves = {v for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b}
+    direct = all(a in batch_leaves for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs)
+                 if is_mb)
+    if spec.loss_fn is not None and direct:  # the batch goes to the loss as it is: shrink it there
+        small = []
+        for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs):
+            shape = tuple(a.aval.shape)
+            if is_mb and shape and shape[0] % num_microbatches == 0:
+                shape = (shape[0] // num_microbatches,) + shape[1:]
+            small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
+        with _tracing():
+            mb_forward = jax.make_jaxpr(spec.loss_fn)(*small)
+        mb_in = [v.aval for v in mb_forward.jaxpr.invars]
+    else:
+        flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+        small = []
+        for x, is_batch in zip(flat, traced.batch_mask):
+            shape, dtype = tuple(np.shape(x)), jax.numpy.result_type(x)
+            if is_batch:
+                shape = (shape[0] // num_microbatches,) + shape[1:]
+            small.append(jax.ShapeDtypeStruct(shape, dtype))
+        mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who)
+        mb_forward = mb.spec.forward
+        mb_in = [a.aval for a in mb.grad_eqn.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]
-    mb_in = [a.aval for a in mb.grad_eqn.invars]
     problems = []
     for k, (f, m, is_mb) in enumerate(zip(full_in, mb_in, traced.microbatched_grad_inputs)):
         expect = (f.shape[0] // num_microbatches,) + f.shape[1:] if is_mb and f.shape else f.shape
@@ -269,8 +297,8 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
                             f"(expected {expect})")
     if len(full_in) != len(mb_in) or problems:
         raise ValueError(
-            "autopp.parallelize: the loss inputs do not scale with the batch, so the batch cannot be split "
+            f"{who}: the loss inputs do not scale with the batch, so the batch cannot be split "
             "into microbatches along axis 0:\n" + "\n".join(problems) + "\nKeep the batch dimension first in "
             "everything the step passes from the batch to the loss, and do not reduce over it before the loss."
         )
-    return mb.spec.forward
+    return mb_forward

@@ -58,9 +58,9 @@ from autopp.core import (
     RECOMPUTE_MODES,
     SCHEDULES,
     Schedule,
-    get_schedule,
     simulate_times,
 )
+from autopp.planner._chunks import LayerSums, ParamState, cached_schedule, chunk_split, even_layers, live_microbatches
 from autopp.planner._sharding import LayerCost, layer_cost, solve
 from autopp.profiler import Cluster, KernelTimeModel, Profile, REPLICATED, boundary_options, build_graph, ring_seconds
 
@@ -241,23 +241,23 @@ class StepModel:
         self._terms[key] = out
         return out
 
-    def arrays(self, tensor: int, sequence_parallel: bool, scale: float, mode: str) -> _Arrays:
+    def arrays(self, tensor: int, sequence_parallel: bool, scale: float, mode: str) -> LayerSums:
         """Per-layer terms (see :class:`LayerTerms`) as prefix sums, for a layout's tensor degree, boundary, batch
         scale and recomputation mode."""
         key = ("arrays", tensor, sequence_parallel, scale, mode)
         hit = self._terms.get(key)
         if hit is None:
             terms = [self.terms(i, tensor, sequence_parallel, scale, mode) for i in range(len(self.layers))]
-            hit = self._terms[key] = _Arrays(terms)
+            hit = self._terms[key] = LayerSums(terms)
         return hit
 
-    def params(self, tensor: int, sequence_parallel: bool) -> _Params:
+    def params(self, tensor: int, sequence_parallel: bool) -> ParamState:
         """Per-layer bytes of the parameter state each layer owns (the first layer reading a parameter), and the
         parameters read by later layers too."""
         key = ("params", tensor, sequence_parallel)
         hit = self._terms.get(key)
         if hit is None:
-            hit = self._terms[key] = _Params(self, tensor, sequence_parallel)
+            hit = self._terms[key] = ParamState(self, tensor, sequence_parallel)
         return hit
 
     # -- a whole step --------------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ class StepModel:
             bw = [x + dispatch for x in bw]
         in_flight = self._in_flight(L, M, exact)
         if exact and C > 1:
-            sched = schedule or _schedule(L.schedule, C, M, L.virtual_stages, P)
+            sched = schedule or cached_schedule(L.schedule, C, M, L.virtual_stages, P)
             wt = w if L.schedule in ("zb-h1", "dualpipev") else None
             times = simulate_times(sched, f, bw, wt, send_time=send)
             plain = simulate_times(sched, f, bw, wt, send_time=0.0) if send else times
@@ -517,7 +517,7 @@ class StepModel:
         if C == 1:
             return [1.0]  # one program, a lax.scan over microbatches
         if exact:
-            return list(_live_microbatches(L.schedule, C, M, L.virtual_stages, P))
+            return list(live_microbatches(L.schedule, C, M, L.virtual_stages, P))
         groups = self.chunk_groups(L)
         v = C // P
         if L.schedule == "gpipe":
@@ -579,154 +579,5 @@ class StepModel:
         return allreduce_like(grad_bytes, "all-reduce"), 0.0
 
 
-
-class _Arrays:
-    """Per-layer terms with prefix sums."""
-
-    _FIELDS = ("f", "b", "w", "tp_f", "tp_b", "act", "transient", "extra")
-
-    def __init__(self, terms: Sequence[LayerTerms]):
-        self.values = {}
-        self.prefix = {}
-        names = dict(f="f", b="b", w="w", tp_f="tp_f", tp_b="tp_b", act="act", transient="transient",
-                     extra="extra_flops", per_step="per_step")
-        for key, attr in names.items():
-            vals = [getattr(x, attr) for x in terms]
-            self.values[key] = vals
-            acc = [0.0]
-            for v in vals:
-                acc.append(acc[-1] + v)
-            self.prefix[key] = acc
-
-    def sum(self, key: str, a: int, b: int) -> float:
-        """Sum over layers ``a .. b-1``."""
-        p = self.prefix[key]
-        return p[b] - p[a]
-
-    def max(self, key: str, a: int, b: int) -> float:
-        return max(self.values[key][a:b], default=0.0)
-
-
-class _Params:
-    """Bytes per device of the parameter state (parameter, gradient, optimizer state) under a tensor layout: per
-    layer for the parameters it owns (the first layer reading one), plus the parameters later layers read again."""
-
-    def __init__(self, model: StepModel, tensor: int, sp: bool):
-        state = model.profile.state_bytes
-        n = len(model.layers)
-        self.owned = [[0.0, 0.0, 0.0] for _ in range(n)]
-        self.users: dict[int, list[int]] = {}
-        self.bytes_of: dict[int, tuple[float, float, float]] = {}
-        for i in range(n):
-            for k, share in model.param_share(i, tensor, sp).items():
-                if k not in self.users:
-                    self.users[k] = []
-                    pb, gb, ob = state[k]
-                    self.bytes_of[k] = (pb * share, gb * share, ob * share)
-                    for j in range(3):
-                        self.owned[i][j] += self.bytes_of[k][j]
-                self.users[k].append(i)
-        self.shared = {k: u for k, u in self.users.items() if len(set(u)) > 1}
-        self.prefix = [[0.0] * (n + 1) for _ in range(3)]
-        for j in range(3):
-            for i in range(n):
-                self.prefix[j][i + 1] = self.prefix[j][i] + self.owned[i][j]
-        self._layer = [sum(self.bytes_of[k][0] for k in model.param_share(i, tensor, sp)) for i in range(n)]
-
-    def layer_bytes(self, i: int) -> float:
-        """Parameter bytes layer ``i`` reads (per device)."""
-        return self._layer[i]
-
-    def chunk_state(self, a: int, b: int) -> tuple[float, float, float]:
-        """(parameter, gradient, optimizer) bytes of the parameters layers ``a .. b-1`` read."""
-        out = [self.prefix[j][b] - self.prefix[j][a] for j in range(3)]
-        for k, users in self.shared.items():
-            if users[0] < a and any(a <= u < b for u in users):
-                out[0] += self.bytes_of[k][0]
-                out[1] += self.bytes_of[k][1]
-        return tuple(out)
-
-    def group_state(self, spans, groups, P) -> list[tuple[float, float, float]]:
-        """Per device group: the state of every parameter its chunks read, the optimizer state only where the
-        parameter's owner is (a copy elsewhere receives the value and sends back its gradient)."""
-        out = [[0.0, 0.0, 0.0] for _ in range(P)]
-        for (a, b), g in zip(spans, groups):
-            for j in range(3):
-                out[g][j] += self.prefix[j][b] - self.prefix[j][a]
-        for k, users in self.shared.items():
-            owner_g = next(g for (a, b), g in zip(spans, groups) if a <= users[0] < b)
-            others = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b} - {owner_g}
-            for g in others:
-                out[g][0] += self.bytes_of[k][0]
-                out[g][1] += self.bytes_of[k][1]
-        return [tuple(x) for x in out]
-
-    def shared_reduce(self, spans, groups, cluster: Cluster) -> float:
-        """All-reduce of each shared parameter's gradient between the device groups reading it, once per step."""
-        total = 0.0
-        for k, users in self.shared.items():
-            gs = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b}
-            if len(gs) > 1:
-                total += ring_seconds("all-reduce", self.bytes_of[k][1], len(gs), cluster,
-                                         spans_nodes=cluster.num_nodes > 1)
-        return total
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, chunks: int, M: int, v: int, P: int) -> Schedule:
-    return get_schedule(name, chunks, M, virtual_stages=v if name == "interleaved-1f1b" else 1)
-
-
-@functools.lru_cache(maxsize=256)
-def _live_microbatches(name: str, chunks: int, M: int, v: int, P: int) -> tuple[float, ...]:
-    """Per chunk, the most microbatches whose forward ran and whose backward (its weight-gradient half, when split)
-    has not, walking each rank's actions in order."""
-    sched = _schedule(name, chunks, M, v, P)
-    peak = [0] * chunks
-    for row in sched.rows:
-        live = [0] * chunks
-        for a in row:
-            if a is None:
-                continue
-            if a.kind == "F":
-                live[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif a.kind in ("B", "W"):
-                live[a.stage] -= 1
-    return tuple(float(p) for p in peak)
-
-
-def chunk_split(profile: Profile, chunks: int) -> list[tuple[int, int]] | None:
-    """The equal split of a profile's layers into ``chunks`` model chunks: the repeated blocks evenly (what precedes
-    them with the first chunk, what follows with the last), or the layers evenly when there are no blocks. None when
-    the blocks do not divide evenly."""
-    layers = profile.layers
-    blocks = [l.index for l in layers if l.name.startswith("block")]
-    if blocks:
-        if len(blocks) % chunks:
-            return None
-        per = len(blocks) // chunks
-        out = []
-        for c in range(chunks):
-            first = 0 if c == 0 else blocks[c * per]
-            last = len(layers) - 1 if c == chunks - 1 else blocks[(c + 1) * per] - 1
-            out.append((first, last))
-        return out
-    return even_layers(len(layers), chunks)
-
-
-def even_layers(num_layers: int, chunks: int) -> list[tuple[int, int]] | None:
-    """``num_layers`` layers in ``chunks`` contiguous runs of equal counts (the first ones one longer when they do not
-    divide), as (first, last) pairs; None when there are fewer layers than chunks."""
-    if num_layers < chunks:
-        return None
-    base, extra = divmod(num_layers, chunks)
-    out, at = [], 0
-    for c in range(chunks):
-        size = base + (1 if c < extra else 0)
-        out.append((at, at + size - 1))
-        at += size
-    return out
-
-
-__all__ = ["Evaluation", "LayerTerms", "Layout", "RECOMPUTE_MODES", "SCHEDULES", "StepModel", "chunk_split"]
+__all__ = ["Evaluation", "LayerTerms", "Layout", "RECOMPUTE_MODES", "SCHEDULES", "StepModel", "chunk_split",
+           "even_layers"]  # the chunk split re-exported: what the cost model evaluates layouts over

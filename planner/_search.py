@@ -31,7 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from autopp.planner._costmodel import Evaluation, Layout, StepModel, chunk_split, even_layers
+from autopp.planner._chunks import chunk_split, even_layers
+from autopp.planner._costmodel import Evaluation, Layout, StepModel
 from autopp.planner._cpsat import assign_stages
 from autopp.core import (
     DEFAULT_OVERLAP,

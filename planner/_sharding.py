@@ -1,6 +1,6 @@
 """The intra-operator sharding ILP of one layer (CP-SAT), and the layer's costs under its solution.
 
-:func:`solve` picks one strategy per node of a :class:`~autopp.profiler._strategies.StrategyGraph` minimising the
+:func:`solve` picks one strategy per node of a :class:`~autopp.profiler._strategy_graph.StrategyGraph` minimising the
 layer's per-microbatch time on one device of the tensor group: each node's compute (its roofline time, divided by
 ``t`` when the strategy splits it) plus, on every edge, the collective that turns the producer's layout into the
 one the consumer needs (all-gather, all-reduce, reduce-scatter, all-to-all; free when a replicated value is only

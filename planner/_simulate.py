@@ -15,7 +15,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from autopp.planner._costmodel import Layout, StepModel, chunk_split
+from autopp.planner._chunks import chunk_split
+from autopp.planner._costmodel import Layout, StepModel
 from autopp.core import DEFAULT_OVERLAP, OVERLAPS, RECOMPUTE_MODES, SCHEDULES, Estimate, divisors, positive_int
 from autopp.profiler import Cluster, Profile, profile
 

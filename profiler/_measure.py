@@ -1,4 +1,5 @@
-"""Measured layer profiles: compile one layer's forward and backward with XLA, time them, cache as JSON."""
+"""Measured layer profiles: the runtime's programs of a one-layer stage, timed with XLA on the local device, cached
+as JSON."""
 
 from __future__ import annotations
 
@@ -11,30 +12,27 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core import forward_with_vjp
 from autopp.profiler._costs import OpCost
+from autopp.profiler._layer_stage import layer_graph, layer_stage_programs
 
-Literal = jex_core.Literal
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+"""Version 2: times of the runtime's stage programs (:class:`autopp.core.StagePrograms`); version 1 timed a plain
+``jit`` of the layer's VJP."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerMeasurement:
-    """What XLA measured for one layer on the local device."""
+    """What XLA measured for one layer on the local device: the programs the runtime runs for a stage holding just
+    this layer (no recomputation)."""
 
     forward_s: float
-    """Median wall time of the jitted forward (one call, inputs resident on the device)."""
+    """Median wall time of the stage's forward program (``StagePrograms.fwd``: the outputs and the residuals the
+    backward keeps; one call, inputs resident on the device)."""
     backward_s: float
-    """Median wall time of the jitted backward (the VJP, recomputing nothing it was not given)."""
-    forward_temp_bytes: int
-    """XLA's temporary buffer size for the forward (``memory_analysis().temp_size_in_bytes``)."""
-    backward_temp_bytes: int
-    """XLA's temporary buffer size for the backward."""
-    residual_bytes: int
-    """Bytes the forward hands to the backward (outputs of the forward-with-residuals program)."""
+    """Median wall time of the stage's backward program (``StagePrograms.bwd``: the VJP from the kept residuals,
+    accumulating the parameters' gradients)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -43,62 +41,58 @@ class LayerMeasurement:
 def _example(aval, key):
     if jnp.issubdtype(aval.dtype, jnp.floating):
         return jax.random.normal(key, aval.shape, aval.dtype) * 0.02
-    if jnp.issubdtype(aval.dtype, jnp.integer):
-        return jnp.zeros(aval.shape, aval.dtype)
     return jnp.zeros(aval.shape, aval.dtype)
 
 
-def _median_time(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+def _median_time(call, repeats: int) -> float:
+    """Median seconds of ``call()`` (which returns what to wait for), after two warm-up calls (the first compiles)."""
+    jax.block_until_ready(call())
+    jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(call())
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
 def measure_layer(closed: jex_core.ClosedJaxpr, diff: Sequence[bool] | None = None, repeats: int = 7,
-                  device=None) -> LayerMeasurement:
-    """Compile and time a layer's forward and backward on ``device`` (default: the first local device).
+                  device=None, *, is_param: Sequence[bool] | None = None) -> LayerMeasurement:
+    """Compile and time the runtime's forward and backward programs of a stage made of the layer ``closed``, on
+    ``device`` (default: the first local device).
 
-    ``diff`` marks the inputs the backward differentiates (default: every floating input).
+    ``diff`` marks the inputs the backward differentiates (default: every floating input); ``is_param`` the
+    differentiated inputs that are parameters, whose gradients the backward accumulates (default: none, every
+    cotangent is returned as an activation's would be). Inputs are random (floating) or zeros; every differentiable
+    output's cotangent is ones.
     """
     device = device or jax.devices()[0]
-    avals = [v.aval for v in closed.jaxpr.invars]
-    keys = jax.random.split(jax.random.key(0), max(1, len(avals)))
-    args = jax.device_put([_example(a, k) for a, k in zip(avals, keys)], device)
+    invars = closed.jaxpr.invars
     if diff is None:
-        diff = [jnp.issubdtype(a.dtype, jnp.floating) for a in avals]
-    diff = [i for i, d in enumerate(diff) if d]
-    out_avals = closed.out_avals
+        diff = [jnp.issubdtype(v.aval.dtype, jnp.floating) for v in invars]
+    param_of = dict(zip(invars, is_param if is_param is not None else [False] * len(invars)))
+    graph = layer_graph(closed, range(len(closed.jaxpr.eqns)), diff)
+    progs = layer_stage_programs(graph, [bool(param_of.get(v, False)) for v in graph.inputs], device)
+    keys = jax.random.split(jax.random.key(0), max(1, len(graph.inputs)))
+    args = jax.device_put([_example(v.aval, k) for v, k in zip(graph.inputs, keys)], device)
 
-    def run(*xs):
-        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
+    fwd_out = progs.fwd(*args)
+    kept = list(fwd_out[len(graph.outputs):])
+    forwarded = [args[i] for i in progs.forwarded_inputs]
+    cts = jax.device_put([jnp.ones(graph.outputs[i].aval.shape, graph.outputs[i].aval.dtype)
+                          for i in progs.diff_out_idx], device)
+    n_acc = len(progs.param_idx)
+    flag = [jax.device_put(jnp.asarray(True), device)] if progs.has_flag else []
+    acc = [jax.device_put(jnp.zeros(args[i].shape, args[i].dtype), device) for i in progs.param_idx]
 
-    forward_with_residuals = forward_with_vjp(closed, diff)
+    def backward():
+        nonlocal acc
+        out = progs.bwd(*kept, *forwarded, *cts, *acc, *flag)
+        acc = list(out[:n_acc])  # the accumulators are donated: the next call takes the ones this one returned
+        return out
 
-    fwd = jax.jit(run)
-    fwd_c = fwd.lower(*args).compile()
-    with_res = jax.jit(forward_with_residuals)
-    outs, vjp = with_res(*args)
-    cts = [jnp.ones(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else np.zeros(a.shape, jax.dtypes.float0)
-           for a in out_avals]
-    bwd = jax.jit(lambda vjp, cts: vjp(cts))
-    bwd_c = bwd.lower(vjp, cts).compile()
-    res_jaxpr = jax.make_jaxpr(lambda *xs: jax.tree.leaves(forward_with_residuals(*xs)[1]))(*avals).jaxpr
-    inputs = set(res_jaxpr.invars)
-    residual_bytes = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in res_jaxpr.outvars
-                         if isinstance(v, jex_core.Var) and v not in inputs)
-    f_mem, b_mem = fwd_c.memory_analysis(), bwd_c.memory_analysis()
-    return LayerMeasurement(
-        forward_s=_median_time(fwd_c, args, repeats),
-        backward_s=_median_time(bwd_c, (vjp, cts), repeats),
-        forward_temp_bytes=int(getattr(f_mem, "temp_size_in_bytes", 0) or 0),
-        backward_temp_bytes=int(getattr(b_mem, "temp_size_in_bytes", 0) or 0),
-        residual_bytes=int(residual_bytes),
-    )
+    return LayerMeasurement(forward_s=_median_time(lambda: progs.fwd(*args), repeats),
+                            backward_s=_median_time(backward, repeats))
 
 
 class ProfileCache:

@@ -16,13 +16,13 @@ from autopp.core import (
     differentiable_vars,
     forward_with_vjp,
     normalize_batch_argnums,
-    slice_jaxpr,
     trace_step,
 )
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._costs import aval_bytes, eqn_cost, kernel_costs
 from autopp.profiler._graph import cost_graph
 from autopp.profiler._kernels import ScaledKernel, program_kernels
+from autopp.profiler._layer_stage import layer_graph
 from autopp.profiler._layers import Layer, group_layers
 from autopp.profiler._measure import ProfileCache, measure_layer
 from autopp.profiler._optstate import optimizer_state_owners
@@ -181,13 +181,6 @@ def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, Laye
     spec = traced.spec
     forward = spec.forward
     fwd = forward.jaxpr
-    users: dict = {}
-    for lay in layers:
-        for i in range(*lay.eqn_range):
-            for a in fwd.eqns[i].invars:
-                if not isinstance(a, Literal):
-                    users.setdefault(a, set()).add(lay.index)
-    outvar_set = set(a for a in fwd.outvars if not isinstance(a, Literal))
     batch = {v for v, b in zip(fwd.invars, traced.microbatched_grad_inputs) if b}
     for e in fwd.eqns:
         if any(not isinstance(a, Literal) and a in batch for a in e.invars):
@@ -207,9 +200,8 @@ def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, Laye
         if lay.iteration is not None:
             closed, ins, kinds = _scan_iteration(forward, lay, kind_of)
         else:
-            closed, ins, _ = slice_jaxpr(
-                forward, list(range(*lay.eqn_range)),
-                lambda v, lay=lay: v in outvar_set or bool(users.get(v, set()) - {lay.index}))
+            graph = layer_graph(forward, range(*lay.eqn_range), spec.diff_mask)  # the runtime's slice of it
+            closed, ins = jex_core.ClosedJaxpr(graph.jaxpr, graph.consts), graph.inputs
             kinds = tuple(kind_of(v) for v in ins)
         out[lay.fingerprint] = LayerSource(closed=closed, inputs=tuple(ins), kinds=kinds,
                                            program=layer_program(closed, kinds))
@@ -245,14 +237,16 @@ def update_kernels(traced: TracedStep) -> tuple[ScaledKernel, ...]:
 
 
 def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
-            batch_argnums=None, dtype=None, cache: ProfileCache | None = None, progress=None) -> Profile:
+            batch_argnums=None, dtype=None, cache: ProfileCache | None = None, progress=None,
+            traced: TracedStep | None = None) -> Profile:
     """Profile ``step_fn`` (a step written for :func:`autopp.parallelize`, with ``autopp.grad`` inside).
 
     ``example_args`` may be arrays or ``jax.ShapeDtypeStruct``s: nothing is allocated unless ``measure``.
     Times are for ``cluster`` (a :class:`Cluster` or a string such as ``"128x8xH100"``; default: the
     local devices) by the roofline model; with ``measure=True`` each distinct layer is compiled and
     timed on the first local device (cached in a JSON file), the local device model is calibrated to
-    the measurements, and measured times are reported.
+    the measurements, and measured times are reported. ``traced``: the step already traced at ``example_args``
+    (by :func:`autopp.core.trace_step`), which the profile then reuses instead of tracing it again.
     """
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
@@ -266,7 +260,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
             f"cluster is {cluster}; profile the local cluster (cluster=None) or use measure=False."
         )
     args = tuple(example_args)
-    traced = trace_step(step_fn, args, normalize_batch_argnums(batch_argnums, len(args)))
+    if traced is None:
+        traced = trace_step(step_fn, args, normalize_batch_argnums(batch_argnums, len(args), "profile"), "profile")
     spec = traced.spec
     forward = spec.forward
     fwd = forward.jaxpr
@@ -290,7 +285,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
             if m is None:
                 if progress:
                     progress(f"measuring {lay.name}")
-                m = measure_layer(src.closed, src.diff)
+                m = measure_layer(src.closed, src.diff, is_param=[k == "param" for k in src.kinds])
                 both = _ones_vjp(src.closed, src.diff)
                 cache.put(device.name, lay.fingerprint, m, kernels={
                     "forward": kernel_costs(src.closed.jaxpr), "forward_backward": kernel_costs(both.jaxpr)})

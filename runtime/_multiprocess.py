@@ -19,19 +19,33 @@ no addressable shards; scalar outputs (loss, metrics) are sent to every process 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from autopp.runtime._executor import Task, _put, _sds
+from autopp.runtime._tasks import Program, Task, Transfer, put, sds
 
 
-def _processes(sharding) -> frozenset[int] | None:
-    if sharding is None:
-        return None
-    return frozenset(d.process_index for d in sharding.device_set)
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """The processes of a run as :func:`localize_tasks` sees them: this one (``me``), how many, and the process
+    of each device."""
+
+    me: int
+    count: int
+    of: Callable[[jax.Device], int] = lambda d: d.process_index
+
+    @classmethod
+    def current(cls) -> Processes:
+        return cls(jax.process_index(), jax.process_count())
+
+    def of_sharding(self, sharding) -> frozenset[int] | None:
+        if sharding is None:
+            return None
+        return frozenset(self.of(d) for d in sharding.device_set)
 
 
 def _empty(aval, sharding) -> jax.Array:
@@ -73,7 +87,7 @@ def _local_view(x, view: NamedSharding | None):
                                                                     if s.device in devs])
 
 
-def _cross_put(legs: list[_Leg], me: int):
+def _cross_put(legs: list[_Leg], me: int, in_avals=None) -> Transfer:
     """One batched cross-process transfer; output ``i`` is what leg(s) of input ``i`` deliver here, else input
     ``i`` itself."""
     pre = [k for k, leg in enumerate(legs) if leg.sender == me]
@@ -101,11 +115,10 @@ def _cross_put(legs: list[_Leg], me: int):
         in_flight[:] = [got[k] for k in range(len(legs)) if legs[k].sender == me]
         return [got[mine[i]] if i in mine else x for i, x in enumerate(xs)]
 
-    cross.out_avals = lambda avals: avals
-    return cross
+    return Transfer("cross", cross, tuple(in_avals or ()))
 
 
-def _place_local(shardings):
+def _place_local(in_avals, shardings) -> Transfer:
     """Place step inputs on this process's devices: a sharding that spans processes gets its local shards only
     (no collective: every process passes the same host value)."""
     shardings = list(shardings)
@@ -126,36 +139,40 @@ def _place_local(shardings):
                 out[i] = y
         return out
 
-    place.out_avals = lambda avals: [_sds(a, sh) for a, sh in zip(avals, shardings)]
-    return place
+    return Transfer("place local", place, tuple(sds(a, sh) for a, sh in zip(in_avals, shardings)), tuple(shardings))
 
 
-def localize(b) -> None:
-    """Reduce builder ``b``'s task list (before frees and compilation) to what this process issues; see the
-    module docstring. Programs of other processes are dropped from compilation."""
-    me, n = jax.process_index(), jax.process_count()
+
+
+def localize_tasks(program: Program, stage_devices: Sequence[Sequence[jax.Device]],
+                   processes: Processes) -> Program:
+    """``program``'s tasks (before frees and compilation) reduced to what process ``processes.me`` issues; see
+    the module docstring. Programs of other processes are dropped, so they are not compiled here."""
+    me, n, of = processes.me, processes.count, processes.of
     everyone = frozenset(range(n))
-    for s, devs in enumerate(b.meshes.devices):
-        procs = sorted({d.process_index for d in devs})
+    for s, devs in enumerate(stage_devices):
+        procs = sorted({of(d) for d in devs})
         if len(procs) > 1:
             raise ValueError(
                 f"autopp: stage {s} has devices on processes {procs} ({[d.id for d in devs]}); in a multi-process "
                 "run each stage's devices must belong to one process. Give each stage devices of one process "
                 "(e.g. num_stages a multiple of jax.process_count(), or a plan whose stages stay within a process).")
-    local_ids = {d.id for d in jax.local_devices()}
+    local_ids = {d.id for d in jax.devices() if of(d) == me}
     first_device = {}
     for d in jax.devices():
-        first_device.setdefault(d.process_index, d)
+        first_device.setdefault(of(d), d)
+    avals = program.slot_avals
+    tasks = list(program.tasks)
 
     # Scalar outputs (loss, metrics) held by some processes only: sent to the others at the end of the step.
-    for slot in sorted(b.output_slots):
-        aval = b.slot_aval[slot]
+    for slot in sorted(program.output_slots):
+        aval = avals[slot]
         sharding = getattr(aval, "sharding", None)
-        if aval.shape != () or sharding is None or _processes(sharding) == everyone:
+        if aval.shape != () or sharding is None or processes.of_sharding(sharding) == everyone:
             continue
-        holders = _processes(sharding)
+        holders = processes.of_sharding(sharding)
         owner = min(holders)
-        own = NamedSharding(Mesh(np.array([d for d in sharding.mesh.devices.flat if d.process_index == owner]),
+        own = NamedSharding(Mesh(np.array([d for d in sharding.mesh.devices.flat if of(d) == owner]),
                                  ("stages",)), P())
         legs = []
         for q in sorted(everyone - holders):
@@ -163,19 +180,17 @@ def localize(b) -> None:
             send, recv = mirror(own, dst)
             legs.append(_Leg(0, owner, q, send, recv, dst, _empty(aval, send) if owner != me else None,
                              view=own if sharding != own else None))
-        b.tasks.append(Task(_cross_put(legs, me), (slot,), (slot,), f"send scalar output to processes "
-                            f"{sorted(everyone - holders)}", devices=frozenset(d.id for d in sharding.device_set)))
+        tasks.append(Task(_cross_put(legs, me, [aval]), (slot,), (slot,), f"send scalar output to processes "
+                          f"{sorted(everyone - holders)}", devices=frozenset(d.id for d in sharding.device_set)))
 
     kept: list[Task] = []
-    remap: dict[int, int] = {}
-    for t, task in enumerate(b.tasks):
-        name = getattr(task.fn, "__name__", "")
-        shardings = getattr(task.fn, "shardings", None)
-        if name == "put" and shardings is not None:
+    for task in tasks:
+        kind = task.fn.kind if isinstance(task.fn, Transfer) else None
+        if kind == "put":
             local, legs = [], []
-            for i, (slot, dst) in enumerate(zip(task.ins, shardings)):
-                src = getattr(b.slot_aval[slot], "sharding", None)
-                sp, dp = _processes(src), _processes(dst)
+            for i, (slot, dst) in enumerate(zip(task.ins, task.fn.shardings)):
+                src = getattr(avals[slot], "sharding", None)
+                sp, dp = processes.of_sharding(src), processes.of_sharding(dst)
                 if sp is None or sp == dp:  # from a host value, or within one process
                     if me in dp:
                         local.append(i)
@@ -184,38 +199,32 @@ def localize(b) -> None:
                 send, recv = mirror(src, dst)
                 sender = next(iter(sp))
                 legs.append(_Leg(i, sender, next(iter(dp)), send, recv, dst,
-                                 _empty(b.slot_aval[slot], send) if sender != me else None))
+                                 _empty(avals[slot], send) if sender != me else None))
             if local:
-                kept.append(Task(_put([shardings[i] for i in local]), tuple(task.ins[i] for i in local),
-                                 tuple(task.outs[i] for i in local), task.label, devices=task.devices,
-                                 processes=frozenset({me})))
+                kept.append(Task(put([avals[task.ins[i]] for i in local], [task.fn.shardings[i] for i in local]),
+                                 tuple(task.ins[i] for i in local), tuple(task.outs[i] for i in local), task.label,
+                                 devices=task.devices, processes=frozenset({me})))
             if legs:
                 pos = [leg.index for leg in legs]
                 legs = [dataclasses.replace(leg, index=k) for k, leg in enumerate(legs)]
-                kept.append(Task(_cross_put(legs, me), tuple(task.ins[i] for i in pos),
-                                 tuple(task.outs[i] for i in pos), f"{task.label} (cross-process)",
-                                 devices=task.devices, processes=everyone))
-        elif name == "place" and shardings is not None:
-            local = [i for i, sh in enumerate(shardings) if any(d.id in local_ids for d in sh.device_set)]
+                kept.append(Task(_cross_put(legs, me, [avals[task.outs[i]] for i in pos]),
+                                 tuple(task.ins[i] for i in pos), tuple(task.outs[i] for i in pos),
+                                 f"{task.label} (cross-process)", devices=task.devices, processes=everyone))
+        elif kind == "place":
+            local = [i for i, sh in enumerate(task.fn.shardings) if any(d.id in local_ids for d in sh.device_set)]
             if local:
-                kept.append(Task(_place_local([shardings[i] for i in local]), tuple(task.ins[i] for i in local),
-                                 tuple(task.outs[i] for i in local), task.label, devices=task.devices,
-                                 processes=frozenset({me})))
-        elif getattr(task.fn, "__name__", "") == "cross":
+                kept.append(Task(_place_local([avals[task.ins[i]] for i in local],
+                                              [task.fn.shardings[i] for i in local]),
+                                 tuple(task.ins[i] for i in local), tuple(task.outs[i] for i in local), task.label,
+                                 devices=task.devices, processes=frozenset({me})))
+        elif kind == "cross":
             kept.append(dataclasses.replace(task, processes=everyone))
         elif task.devices & local_ids:
-            remap[t] = len(kept)
             kept.append(dataclasses.replace(task, processes=frozenset({me})))
-    b.tasks = kept
-
-    # Only this process's programs are compiled.
-    used = sorted({index for t, index in b.pending if t in remap})
-    renumber = {index: k for k, index in enumerate(used)}
-    b.pending = [(remap[t], renumber[index]) for t, index in b.pending if t in remap]
-    b.lowered = {key: (renumber[index], lo) for key, (index, lo) in b.lowered.items() if index in renumber}
 
     # Outputs another process holds: stand-ins (global arrays without local shards).
-    produced = {o for task in kept for o in task.outs} | set(b.input_slot) | {s for s, _ in b.const_slots}
-    for slot in sorted(b.output_slots - produced):
-        aval = b.slot_aval[slot]
-        b.const_slots.append((slot, _empty(aval, aval.sharding)))
+    produced = {o for task in kept for o in task.outs} | set(program.input_slots) | {s for s, _ in program.const_slots}
+    consts = list(program.const_slots)
+    for slot in sorted(program.output_slots - produced):
+        consts.append((slot, _empty(avals[slot], avals[slot].sharding)))
+    return dataclasses.replace(program, tasks=tuple(kept), const_slots=tuple(consts))

@@ -39,7 +39,7 @@ def _auto_four_stages():
     these tiny models), so that the layer -> equation mapping and the pipeline run are exercised."""
     step, state, batch, _ = _setup("gpt")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("autopp._parallelize.plan_local", functools.partial(_local.plan_local, num_stages=4))
+        mp.setattr("autopp.planner.plan_local", functools.partial(_local.plan_local, num_stages=4))
         pstep = autopp.parallelize(step, devices=jax.devices())
         plan = pstep.plan_for(*state, batch)
     return pstep, plan

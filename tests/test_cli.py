@@ -302,3 +302,16 @@ def test_step_excludes_the_zoo_flags(capsys):
         main(["plan", "--step", "examples.planning_step:tiny", "--model", "gpt", "--global-batch", "8",
               "--cluster", "1x8xH100"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_compare_is_listed_with_its_own_help_without_being_imported():
+    """``autopp --help`` lists ``compare`` from a stub (its module imports JAX); the line is ``compare``'s own."""
+    import argparse
+
+    from autopp import _cli, _compare
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    _compare.add_parser(sub, _cli._add_model_flags, _cli._positive)
+    (action,) = [a for a in sub._choices_actions if a.dest == "compare"]
+    assert action.help == _cli._COMPARE_HELP
+    assert _cli._subcommand(["--help"]) is None and _cli._subcommand(["compare", "--steps", "2"]) == "compare"

@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopp
 from autopp.core import _compat
-from autopp.runtime import _executor
+from autopp.runtime import _executor, _passes
 
 from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp
 
@@ -76,7 +76,7 @@ def test_equal_middle_stages_compile_once_and_equal_jit(monkeypatch, factory):
         compiles.append(moved is not compiled)
         return moved
 
-    monkeypatch.setattr(_compat, "retarget", counting)
+    monkeypatch.setattr(_passes, "retarget", counting)  # the runtime calls the name it imported
     step, state, batch = model_case(factory, 16)
     expected, _ = run_steps(jax.jit(step), state, batch)
     pipelined = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="1f1b",
@@ -115,10 +115,10 @@ def test_first_step_runs_programs_as_they_finish_compiling():
     step, state, batch = model_case(tiny_mlp, 16)
     pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=2, schedule="1f1b",
                                    devices=jax.devices()[:2])
-    _, _, exe, _ = pipelined._build((*state, batch))
-    deferred = [t for t in exe.tasks if isinstance(t.fn, _executor._Deferred)]
+    exe = pipelined._build((*state, batch)).executable
+    deferred = [t for t in exe.tasks if isinstance(t.fn, _passes._Deferred)]
     assert deferred and exe.num_programs == len({id(t.fn) for t in deferred})
     got = pipelined(*state, batch)
-    assert not [t for t in exe.tasks if isinstance(t.fn, _executor._Deferred)]
+    assert not [t for t in exe.tasks if isinstance(t.fn, _passes._Deferred)]
     assert all(isinstance(t.fn, jax.stages.Compiled) for t in exe.tasks if t.label in ("0F0", "1F0+1B0", "0B0"))
     assert_trees_close(got, jax.jit(step)(*state, batch))

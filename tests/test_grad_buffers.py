@@ -33,7 +33,7 @@ def test_steps_reuse_gradient_buffers_and_compile_no_zero_program():
     # After a step each stage's pool holds its accumulators: arrays of the planned layout, not deleted.
     for task in starts:
         (pooled,) = task.fn.pool
-        assert [x.sharding for x in pooled] == [a.sharding for a in task.fn.out_avals(())]
+        assert [x.sharding for x in pooled] == [a.sharding for a in task.fn.out_avals]
         assert not any(x.is_deleted() for x in pooled)
 
 

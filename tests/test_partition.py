@@ -9,6 +9,7 @@ import math
 import jax
 import pytest
 
+from autopp.core import eqn_signature
 from autopp.core._trace import trace_step
 from autopp.models import MLP, MLPConfig
 from autopp.profiler import _partition
@@ -42,7 +43,7 @@ def _exact_bottleneck(costs, num_stages):
 
 def _signature_slices(problem, a, b):
     eqns = problem.forward.jaxpr.eqns
-    return [_partition._eqn_signature(eqns[i]) for i in problem.seq[a:b]]
+    return [eqn_signature(eqns[i]) for i in problem.seq[a:b]]
 
 
 def test_gpt_middle_stages_repeat_and_the_choice_matches_an_exhaustive_search():

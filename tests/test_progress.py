@@ -76,3 +76,20 @@ def test_phases_nest_report_failures_and_can_be_forced_on(capsys, monkeypatch):
         pass
     err = capsys.readouterr().err
     assert "✓ forced phase" in err and "\x1b" not in err
+
+
+def test_silent_phases_do_not_import_rich():
+    """Off a terminal nothing is shown, and rich is not even imported (a fresh interpreter: this one has it)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom autopp._progress import phase\n"
+            "with phase('tracing') as p:\n    p.update('still tracing')\n    p.done('traced')\n"
+            "print('rich' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in (_progress.ENV, "FORCE_COLOR", "TTY_COMPATIBLE")}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False" and res.stderr == ""

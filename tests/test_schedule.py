@@ -1,4 +1,5 @@
-"""Tests for autopp.core._schedule (pipeline schedule IR)."""
+"""Tests for the pipeline schedule IR, generators and simulations (autopp.core._schedule, _schedules,
+_schedule_sim), through their public names in autopp.core."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopp.core import _schedule as sched
+import autopp.core as sched
 
 Action = sched.Action
 Schedule = sched.Schedule

@@ -171,7 +171,7 @@ def test_plan_json_round_trip_is_exact(tmp_path):
         assert [s.param_specs for s in again.stages] == [s.param_specs for s in plan.stages]
         assert again.layer_shardings == plan.layer_shardings
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 3
+    assert data["schema_version"] == 4
     assert set(data["predicted"]) == {f.name for f in dataclasses.fields(Estimate)}
     assert data["predicted"]["step_time_s"] == plan.predicted.step_time_s
     assert data["sequence_parallel"] == plan.sequence_parallel and data["zero1"] == plan.zero1

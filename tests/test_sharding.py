@@ -1,5 +1,5 @@
 """The intra-operator sharding ILP (:mod:`autopp.planner._sharding` over the strategy graphs of
-:mod:`autopp.profiler._strategies`).
+:mod:`autopp.profiler._strategy_graph`).
 
 1. The CP-SAT solution is optimal: on small layer programs it costs what exhaustive enumeration of the same strategy
    graph finds (every combination when there are few enough, else a neighbourhood of the ILP's choice: some nodes
@@ -33,13 +33,8 @@ from autopp.planner._costmodel import StepModel
 from autopp.planner._sharding import brute_force, solve, total_seconds
 from autopp.planner._simulate import as_profile
 from autopp.profiler import Cluster, profile
-from autopp.profiler._strategies import (
-    REPLICATED,
-    boundary_options,
-    build_graph,
-    layer_program,
-    spec_name,
-)
+from autopp.profiler._strategies import REPLICATED, layer_program, spec_name
+from autopp.profiler._strategy_graph import boundary_options, build_graph
 from autopp.profiler._timemodel import KernelTimeModel
 
 S = jax.ShapeDtypeStruct

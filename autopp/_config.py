@@ -1,0 +1,254 @@
+"""What ``autopp.parallelize`` was asked for: one frozen, validated :class:`ParallelizeConfig`.
+
+Every keyword of :func:`autopp.parallelize` is checked here once, at the call, so a mistake is reported where it
+was made (never at the first step), and the rest of the face reads normalized values: a flat device tuple, the
+device groups when given, a parsed schedule, a :class:`Plan` object. Which of the three plan sources runs
+(:attr:`ParallelizeConfig.source`) follows from the keywords given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopp.core import RECOMPUTE_MODES, SCHEDULE_NAMES, Plan, Schedule, validate
+
+LOSS_REDUCTIONS = ("mean", "sum")
+"""How microbatch losses and gradients combine."""
+LAYOUT_AXES = ("data", "fsdp", "tensor")
+"""The axes a ``layout`` may size."""
+SOURCES = ("counts", "replay", "planner")
+"""Where a plan comes from: the counts given (``num_stages``, ``num_microbatches``, ``schedule``), a replayed
+plan (``plan=``), or the planner (none of them given)."""
+
+_ACTION_TOKEN = re.compile(r"\b\d+[FBIW]\d+\b")
+_WHO = "autopp.parallelize"
+
+
+def _set(obj, name: str, value) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _check_count(name: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{_WHO}: {name} must be a positive int, got {value!r} ({type(value).__name__}).")
+    if value <= 0:
+        raise ValueError(f"{_WHO}: {name} must be a positive int, got {value}; use e.g. {name}=1.")
+
+
+def check_layout_axes(layout: dict, who: str) -> None:
+    """``layout`` sizes only the axes data, fsdp and tensor, each with a positive int; else a ValueError naming
+    ``who``."""
+    unknown = sorted(set(layout) - set(LAYOUT_AXES))
+    if unknown:
+        raise ValueError(f"{who}: layout {layout} has unknown axes {unknown}; the axes are data, fsdp, tensor.")
+    for k, v in layout.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{who}: layout {layout}: {k} must be a positive int, got {v!r}.")
+
+
+def _check_layout(layout):
+    if layout is None:
+        return None
+    many = layout if isinstance(layout, (list, tuple)) else [layout]
+    for lay in many:
+        if not isinstance(lay, dict):
+            raise TypeError(f"{_WHO}: layout must be a dict such as {{'fsdp': 2}} or a list of them (one per device "
+                            f"group), got {lay!r}.")
+        check_layout_axes(lay, _WHO)
+    return tuple(dict(x) for x in layout) if isinstance(layout, (list, tuple)) else dict(layout)
+
+
+def _parse_schedule(schedule):
+    """A name (normalized), a validated :class:`Schedule` (text parsed), or None."""
+    if schedule is None:
+        return None
+    if isinstance(schedule, Schedule):
+        validate(schedule)
+        return schedule
+    if not isinstance(schedule, str):
+        raise TypeError(f"{_WHO}: schedule must be a name ({', '.join(SCHEDULE_NAMES)}), a Schedule or its text, got "
+                        f"{type(schedule).__name__}.")
+    if _ACTION_TOKEN.search(schedule):
+        try:
+            parsed = Schedule.from_text(schedule)
+        except ValueError as e:
+            raise ValueError(f"{_WHO}: the schedule text does not parse: {e}") from None
+        validate(parsed)
+        return parsed
+    name = schedule.strip().lower().replace("_", "-")
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"{_WHO}: unknown schedule {schedule!r}; valid names are {', '.join(SCHEDULE_NAMES)} (or "
+                         "pass a Schedule object, or its text: one row of actions such as '0F0 0B0' per device group).")
+    return name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class ParallelizeConfig:
+    """The keywords of :func:`autopp.parallelize`, validated and normalized (see its docstring for the meaning)."""
+
+    num_stages: int | None = None
+    """Device groups of the pipeline; None when the planner chooses (or a plan or schedule fixes it)."""
+    num_microbatches: int | None = None
+    """Microbatches per step; None for the default (or the planner's, or the plan's)."""
+    schedule: str | Schedule | None = None
+    """A schedule name (normalized, e.g. ``interleaved-1f1b``) or a validated :class:`Schedule` (text is parsed);
+    ``1f1b`` when only counts are given; None with the planner or a plan."""
+    devices: Sequence[jax.Device] | Sequence[Sequence[jax.Device]] | None = None
+    """All devices the step may use, as a flat tuple (default ``jax.devices()``); given as a list of lists, the
+    lists are the device groups (:attr:`device_groups`)."""
+    device_groups: tuple[tuple[jax.Device, ...], ...] | None = None
+    """The devices of each device group when given explicitly (then they are the stages), else None."""
+    batch_argnums: int | Sequence[int] | None = None
+    """Positional arguments that hold the batch (default: the last one)."""
+    loss_reduction: str | None = None
+    """``mean`` or ``sum`` (default ``mean``, or the replayed plan's)."""
+    plan: Plan | str | None = None
+    """A plan to replay (a JSON path or text is read into a :class:`Plan`)."""
+    virtual_stages: int | None = None
+    """Model chunks per device group (2 by default for ``interleaved-1f1b`` and ``dualpipev``, else 1)."""
+    recompute: str | tuple[str, ...] | None = None
+    """One recompute mode for every stage, or one per stage (model chunk); None for ``none``."""
+    layout: dict[str, int] | tuple[dict[str, int], ...] | None = None
+    """Mesh axis sizes (``data``, ``fsdp``, ``tensor``) for every device group, or one dict per group."""
+
+    def __post_init__(self) -> None:
+        plan = self.plan
+        if plan is not None and not isinstance(plan, Plan):
+            plan = Plan.from_json(plan)
+            _set(self, "plan", plan)
+        _set(self, "schedule", _parse_schedule(self.schedule))
+        _check_count("num_stages", self.num_stages)
+        _check_count("num_microbatches", self.num_microbatches)
+        _check_count("virtual_stages", self.virtual_stages)
+        if plan is not None:
+            self._check_replay(plan)
+        if self.loss_reduction is None:
+            _set(self, "loss_reduction", plan.loss_reduction if plan is not None else "mean")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"{_WHO}: loss_reduction={self.loss_reduction!r} is not one of {LOSS_REDUCTIONS}; use "
+                             "'mean' when the loss is an average over examples, 'sum' when it is a sum.")
+        self._normalize_devices()
+        if self.source == "counts":
+            self._check_counts()
+        elif self.source == "planner" and self.virtual_stages is not None:
+            raise ValueError(f"{_WHO}: virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' (the "
+                             "planner chooses among single-chunk schedules); pass the schedule and num_stages too, "
+                             "or drop virtual_stages=.")
+        recompute = self.recompute
+        if recompute is not None and not isinstance(recompute, str):
+            recompute = tuple(recompute)
+            _set(self, "recompute", recompute)
+        if recompute is not None and not all(r in RECOMPUTE_MODES for r in
+                                             ((recompute,) if isinstance(recompute, str) else recompute)):
+            raise ValueError(f"{_WHO}: recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} or a tuple "
+                             "of them, one per stage (model chunk).")
+        _set(self, "layout", _check_layout(self.layout))
+
+    @property
+    def source(self) -> str:
+        """Which plan source runs: ``replay`` (a plan given), ``planner`` (no counts, schedule, groups or plan
+        given), else ``counts``."""
+        if self.plan is not None:
+            return "replay"
+        if (self.num_stages is None and self.num_microbatches is None and self.schedule is None
+                and self.device_groups is None):
+            return "planner"
+        return "counts"
+
+    def _check_replay(self, plan: Plan) -> None:
+        given = [k for k in ("num_stages", "num_microbatches", "schedule", "virtual_stages", "recompute", "layout")
+                 if getattr(self, k) is not None]
+        if given:
+            raise ValueError(f"{_WHO}: pass either plan= or {', '.join(given)}, not both: a plan fixes the stages, "
+                             "microbatches, schedule and recomputation. Drop the keyword(s) or the plan.")
+        if self.loss_reduction is not None and self.loss_reduction != plan.loss_reduction:
+            raise ValueError(f"{_WHO}: loss_reduction={self.loss_reduction!r} contradicts the plan's "
+                             f"{plan.loss_reduction!r}; drop loss_reduction= or make the plan again.")
+        if any(st.equations is None and st.layers is None for st in plan.stages):
+            raise ValueError(f"{_WHO}: the plan's stages give neither equations nor layers, so it cannot be "
+                             "replayed; make it with step.plan_for(...) or plan_model(profile, ...).")
+
+    def _normalize_devices(self) -> None:
+        devices = list(jax.devices() if self.devices is None else self.devices)
+        if devices and all(isinstance(g, (list, tuple)) for g in devices):  # one list per device group
+            groups = [tuple(g) for g in devices]
+            if any(not g for g in groups):
+                raise ValueError(f"{_WHO}: devices has an empty device group: {devices}; give every group at least "
+                                 "one device.")
+            if self.num_stages is not None and self.num_stages != len(groups):
+                raise ValueError(f"{_WHO}: num_stages={self.num_stages} but devices has {len(groups)} groups; drop "
+                                 "num_stages= (the groups are the stages) or regroup the devices.")
+            if self.plan is not None:
+                raise ValueError(f"{_WHO}: a plan fixes each stage's devices; pass devices as a flat list (the "
+                                 "devices the plan may use).")
+            _set(self, "device_groups", tuple(groups))
+            _set(self, "num_stages", len(groups))
+            devices = [d for g in groups for d in g]
+        if not devices or not all(isinstance(d, jax.Device) for d in devices):
+            raise TypeError(f"{_WHO}: devices must be a non-empty sequence of jax.Device (or of lists of them, one "
+                            f"per stage), got {devices!r}.")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"{_WHO}: devices lists a device twice: {devices}.")
+        _set(self, "devices", tuple(devices))
+        if self.num_stages is not None and self.num_stages > len(devices):
+            raise ValueError(
+                f"{_WHO}: num_stages={self.num_stages} needs at least {self.num_stages} devices, but {len(devices)} "
+                f"were given ({devices}); use num_stages <= {len(devices)} or pass more devices.")
+        if self.plan is not None:
+            missing = sorted({i for st in self.plan.stages for i in st.devices} - {d.id for d in devices})
+            if missing:
+                raise ValueError(
+                    f"{_WHO}: the plan places stages on device id(s) {missing}, which are not among the devices "
+                    f"given ({sorted(d.id for d in devices)}); pass devices that include them, or make a plan for "
+                    "these.")
+
+    def _check_counts(self) -> None:
+        devices, schedule = self.devices, self.schedule
+        if schedule is None:
+            schedule = "1f1b"  # num_stages or num_microbatches given: the planner is not used
+            _set(self, "schedule", schedule)
+        if isinstance(schedule, Schedule):
+            if self.num_stages is not None and schedule.num_ranks != self.num_stages:
+                raise ValueError(
+                    f"{_WHO}: the schedule has {schedule.num_ranks} row(s) (device groups) but "
+                    f"num_stages={self.num_stages}; drop num_stages= or give a schedule with {self.num_stages} rows.")
+            _set(self, "num_stages", schedule.num_ranks)
+        elif self.num_stages is None:
+            _set(self, "num_stages", len(devices))
+        n = self.num_stages
+        if self.device_groups is None and len(devices) % n:
+            groups = "the schedule's " if isinstance(schedule, Schedule) else ""
+            raise ValueError(
+                f"{_WHO}: {len(devices)} devices cannot be split evenly into {groups}{n} stages; pass "
+                f"devices=jax.devices()[:{n * (len(devices) // n)}] or a num_stages that divides {len(devices)}.")
+        v = self.virtual_stages
+        if v is not None:
+            if schedule == "dualpipev" and v != 2:
+                raise ValueError(f"{_WHO}: dualpipev runs 2 model chunks per device group, not virtual_stages={v}; "
+                                 "drop virtual_stages=.")
+            if v > 1 and schedule not in ("interleaved-1f1b", "dualpipev"):
+                raise ValueError(f"{_WHO}: virtual_stages={v} needs schedule='interleaved-1f1b' (got {schedule!r}); "
+                                 "drop virtual_stages= or use that schedule.")
+        elif schedule in ("interleaved-1f1b", "dualpipev"):
+            _set(self, "virtual_stages", 2)
+        else:
+            _set(self, "virtual_stages", 1)
+
+    def group_devices(self, num_groups: int) -> list[tuple[jax.Device, ...]]:
+        """The devices of each of ``num_groups`` device groups: the groups given, or consecutive equal slices."""
+        if self.device_groups is not None:
+            return list(self.device_groups)
+        per = len(self.devices) // num_groups
+        return [self.devices[r * per:(r + 1) * per] for r in range(num_groups)]
+
+    def describe(self) -> dict[str, Any]:
+        """The keywords as given after normalization (for messages and logs)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

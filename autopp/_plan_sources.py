@@ -1,0 +1,362 @@
+"""The three plan sources of ``autopp.parallelize``, each a function from (config, traced step) to a complete
+:class:`Plan` and the per-microbatch forward it splits:
+
+* :func:`plan_from_counts`: the stage and microbatch counts and the schedule given (split balanced by FLOPs);
+* :func:`plan_from_replay`: a saved plan (made by ``plan_for`` or offline by ``plan_model``), checked against the
+  step and completed with its equations;
+* :func:`plan_from_planner`: the step profiled on the local devices and planned for them.
+
+A complete plan names every stage's devices, mesh, first and last forward equation and recomputation, the
+schedule's text, and (with sequence parallelism) the layers' equations: everything :func:`autopp.runtime.build_executable`
+needs, so a plan replays exactly what ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from jax.extend import core as jex_core
+
+from autopp._config import ParallelizeConfig
+from autopp._progress import phase
+from autopp.core import (
+    Plan,
+    Schedule,
+    StagePlan,
+    TracedStep,
+    batch_dependent_vars,
+    check_batch_divisible,
+    get_schedule,
+    trace_microbatch_forward,
+)
+from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
+
+if TYPE_CHECKING:
+    from autopp.planner import LocalPlan
+
+_WHO = "autopp.parallelize"
+
+
+class Sourced(NamedTuple):
+    """A plan source's result."""
+
+    plan: Plan
+    """The complete plan."""
+    forward: jex_core.ClosedJaxpr
+    """The loss's forward traced at microbatch size: the program the plan's equations index."""
+
+
+def batch_size(traced: TracedStep) -> int:
+    """The traced step's batch size (the common divisor of its batch leaves' leading dimensions)."""
+    sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
+    return math.gcd(*sizes) if sizes else 1
+
+
+def _forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
+    check_batch_divisible(traced, num_microbatches)
+    return trace_microbatch_forward(step_fn, args, traced, num_microbatches)
+
+
+def _profile(step_fn: Callable, args: tuple, traced: TracedStep, config: ParallelizeConfig, **kwargs) -> Profile:
+    """The step's profile on the local devices, from the trace already made."""
+    return profile(step_fn, *args, cluster=Cluster.local(config.devices), batch_argnums=config.batch_argnums,
+                   traced=traced, **kwargs)
+
+
+# -- explicit counts -------------------------------------------------------------------------------------------
+
+
+def _microbatches_for(config: ParallelizeConfig, traced: TracedStep) -> int:
+    if config.num_microbatches is not None:
+        return config.num_microbatches
+    if isinstance(config.schedule, Schedule):
+        return config.schedule.num_microbatches
+    batch, n = batch_size(traced), config.num_stages
+    if config.schedule == "dualpipev":  # at least two microbatches per device group
+        fits = [d for d in range(2 * n, 4 * n + 1) if batch % d == 0]
+        if not fits:
+            raise ValueError(f"{_WHO}: dualpipev needs at least {2 * n} microbatches (2 per device group) dividing "
+                             f"the batch of {batch}; pass num_microbatches= or another batch size.")
+        return min(fits)
+    step = n if config.schedule == "interleaved-1f1b" else 1  # a multiple of the groups
+    fits = [d for d in range(step, 2 * n + 1, step) if batch % d == 0]
+    if not fits:
+        raise ValueError(f"{_WHO}: interleaved-1f1b needs a microbatch count that is a multiple of the {n} device "
+                         f"groups and divides the batch of {batch}; pass num_microbatches= or another batch size.")
+    return max(fits)
+
+
+def _schedule_for(config: ParallelizeConfig, num_microbatches: int) -> tuple[str, Schedule]:
+    sched = config.schedule
+    if isinstance(sched, Schedule):
+        if sched.num_microbatches != num_microbatches:
+            raise ValueError(f"{_WHO}: the schedule has {sched.num_microbatches} microbatch(es) but the step uses "
+                             f"num_microbatches={num_microbatches}; make them agree.")
+        return "custom", sched
+    v = config.virtual_stages
+    return sched, get_schedule(sched, config.num_stages * v, num_microbatches, virtual_stages=v)
+
+
+def _stage_layouts(config: ParallelizeConfig, sched: Schedule, stage_devices) -> list[dict[str, int]]:
+    """Mesh axis sizes of each stage (model chunk): the layout given for its device group."""
+    lay = config.layout
+    if lay is None or isinstance(lay, dict):
+        per = [lay or {} for _ in stage_devices]
+    else:
+        if len(lay) != sched.num_ranks:
+            raise ValueError(f"{_WHO}: layout has {len(lay)} entries for {sched.num_ranks} device groups; give one "
+                             "dict per group or one for all.")
+        rank_of = sched.stage_to_rank()
+        per = [lay[rank_of[c]] for c in range(sched.num_stages)]
+    out = []
+    for c, (given, devs) in enumerate(zip(per, stage_devices)):
+        f, tp = given.get("fsdp", 1), given.get("tensor", 1)
+        d = given.get("data", len(devs) // (f * tp))
+        if d * f * tp != len(devs):
+            raise ValueError(f"{_WHO}: layout {given} does not fit stage {c}'s {len(devs)} device(s): data x fsdp x "
+                             f"tensor must equal {len(devs)}; e.g. layout={{'fsdp': {len(devs)}}}.")
+        out.append({"data": d, "fsdp": f, "tensor": tp})
+    return out
+
+
+def _stage_recompute(config: ParallelizeConfig, num_chunks: int) -> tuple[str, ...]:
+    r = config.recompute
+    if r is None:
+        return ("none",) * num_chunks
+    if isinstance(r, str):
+        return (r,) * num_chunks
+    if len(r) != num_chunks:
+        raise ValueError(f"{_WHO}: recompute has {len(r)} entries for {num_chunks} stages (model chunks); give one "
+                         "per stage or a single mode.")
+    return r
+
+
+def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, layouts, recompute
+                 ) -> tuple[StagePlan, ...]:
+    """One :class:`StagePlan` per stage of ``split``: devices, mesh, equations, FLOPs, owned parameter bytes."""
+    spec, fwd = traced.spec, forward.jaxpr
+    position = {v: k for k, v in enumerate(fwd.invars)}
+    users: dict[int, int] = {}
+    for s, ids in enumerate(split.stage_eqns):
+        for i in ids:
+            for a in fwd.eqns[i].invars:
+                if not isinstance(a, jex_core.Literal) and a in position:
+                    users.setdefault(position[a], s)
+    stages = []
+    for s, ids in enumerate(split.stage_eqns):
+        owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items() if st == s and spec.diff_mask[k])
+        end = split.stage_starts[s + 1] if s + 1 < len(split.stage_starts) else len(fwd.eqns)
+        stages.append(StagePlan(
+            index=s, devices=tuple(d.id for d in stage_devices[s]),
+            mesh_shape={k: v for k, v in layouts[s].items() if k == "data" or v > 1},
+            equations=(split.stage_starts[s], end - 1), num_equations=len(ids), flops=float(split.stage_costs[s]),
+            param_bytes=int(owned), cut_bytes_after=int(split.cut_bytes[s]) if s < len(split.cut_bytes) else 0,
+            recompute=recompute[s]))
+    return tuple(stages)
+
+
+def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, traced: TracedStep) -> Sourced:
+    """The plan for the counts and schedule given: ``num_stages`` device groups of equal size (or the groups
+    given), the model split into ``num_stages * virtual_stages`` stages balanced by FLOPs."""
+    num_mb = _microbatches_for(config, traced)
+    name, sched = _schedule_for(config, num_mb)
+    forward = _forward(step_fn, args, traced, num_mb)
+    split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages)
+    groups = config.group_devices(sched.num_ranks)
+    rank_of = sched.stage_to_rank()
+    stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
+    stages = _stage_plans(traced, forward, split, stage_devices, _stage_layouts(config, sched, stage_devices),
+                          _stage_recompute(config, sched.num_stages))
+    plan = Plan(model_fingerprint=traced.fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,
+                schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
+                virtual_stages=sched.num_stages // sched.num_ranks)
+    return Sourced(plan, forward)
+
+
+# -- a replayed plan -------------------------------------------------------------------------------------------
+
+
+def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, traced: TracedStep) -> Sourced:
+    """The given plan, checked against the step and completed: stages named by profile layers (a plan made with
+    ``plan_model``) get their equations, and a sequence-parallel plan its layers' equations."""
+    from autopp.planner import CONFIG_FINGERPRINT  # the planner (and its solver) loads only when a plan needs it
+
+    plan = config.plan
+    offline = plan.model_fingerprint.startswith(CONFIG_FINGERPRINT)
+    if not offline and traced.fingerprint != plan.model_fingerprint:
+        raise ValueError(
+            f"{_WHO}: the plan was made for another step (model fingerprint {plan.model_fingerprint}, this step "
+            f"{traced.fingerprint}): the computation, shapes or dtypes differ. Make a new plan with "
+            "step.plan_for(...) for these arguments.")
+    forward = _forward(step_fn, args, traced, plan.num_microbatches)
+    by_layers = not all(st.equations is not None for st in plan.stages)
+    layer_equations = plan.layer_equations
+    if by_layers or (plan.sequence_parallel and not layer_equations):
+        if any(st.layers is None for st in plan.stages):
+            raise ValueError(f"{_WHO}: the plan is sequence-parallel but names neither its layers' equations nor its "
+                             "stages' layers; make it again with plan_model(profile, ...) or step.plan_for(...).")
+        prof = _profile(step_fn, args, traced, config)
+        if offline:
+            _check_offline_plan(plan, prof, batch_size(traced))
+        ranges = _layer_ranges(prof, traced, forward)
+        if plan.sequence_parallel:
+            layer_equations = tuple((a, b - 1) for a, b in ranges)
+    starts = (_stage_starts(ranges, traced, forward, [st.layers[0] for st in plan.stages], prof) if by_layers
+              else [st.equations[0] for st in plan.stages])
+    split = split_at(forward, traced.microbatched_grad_inputs, starts)
+    by_id = {d.id: d for d in config.devices}
+    stage_devices = [[by_id[i] for i in st.devices] for st in plan.stages]
+    layouts = [{"data": 1, **st.mesh_shape} for st in plan.stages]
+    fresh = _stage_plans(traced, forward, split, stage_devices, layouts, [st.recompute for st in plan.stages])
+    stages = tuple(dataclasses.replace(new, mesh_shape=old.mesh_shape, layers=old.layers, param_specs=old.param_specs,
+                                       forward_time_s=old.forward_time_s, backward_time_s=old.backward_time_s)
+                   for new, old in zip(fresh, plan.stages))
+    return Sourced(dataclasses.replace(plan, stages=stages, layer_equations=layer_equations), forward)
+
+
+def _check_offline_plan(plan: Plan, prof: Profile, batch: int) -> None:
+    """A plan made with ``plan_model`` (from a profile or a model description, at any traced batch size) names its
+    stages by the profile's layers; it replays on a traced step with the same layers and parameters (its structure
+    fingerprint) whose batch is the plan's global batch."""
+    last = plan.stages[-1].layers[1] if plan.stages[-1].layers else None
+    if plan.model_fingerprint != prof.structure_fingerprint and last == len(prof.layers) - 1:
+        raise ValueError(
+            f"{_WHO}: the plan was made for another model (its layers or parameter shapes differ from this step's: "
+            f"fingerprint {plan.model_fingerprint}, this step {prof.structure_fingerprint}); make the plan for this "
+            "step: plan_model(autopp.profiler.profile(step, *args), cluster, global_batch=...).")
+    if last != len(prof.layers) - 1:
+        raise ValueError(
+            f"{_WHO}: the plan was made offline for a model of {None if last is None else last + 1} layers "
+            f"(embedding, blocks, head), but this step's profile has {len(prof.layers)} "
+            f"({', '.join(lay.name for lay in prof.layers[:6])}{', ...' if len(prof.layers) > 6 else ''}); make the "
+            "plan for this model's GPTConfig, or with plan_model(profile(step, ...), cluster).")
+    mesh = plan.stages[0].mesh_shape
+    replicas = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    if plan.microbatch_size is not None and plan.microbatch_size * plan.num_microbatches * replicas != batch:
+        planned = plan.microbatch_size * plan.num_microbatches * replicas
+        raise ValueError(
+            f"{_WHO}: the plan was made for a global batch of {plan.microbatch_size} x {plan.num_microbatches} "
+            f"microbatches x {replicas} data-parallel replicas = {planned} examples, but this step's batch has "
+            f"{batch}; make the plan with global_batch={batch}.")
+
+
+# -- the planner -----------------------------------------------------------------------------------------------
+
+
+def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple, traced: TracedStep) -> Sourced:
+    """The step profiled on the local devices (layers timed) and planned for ``config.devices``: stage count,
+    microbatches, schedule and the split of profile layers with the smallest predicted step time."""
+    t0 = time.perf_counter()
+    try:
+        Cluster.local(config.devices)
+    except ValueError as e:
+        raise ValueError(f"{_WHO}: cannot plan for these devices: {e} Or skip the planner: pass num_stages=, "
+                         "num_microbatches= and schedule=.") from None
+    with phase("profiling the step's layers") as ph:
+        prof = _profile(step_fn, args, traced, config, measure=True)
+        ph.done(f"profiled {len(prof.layers)} layers")
+    local = _plan_local(config, prof, batch_size(traced))
+    planning_s = time.perf_counter() - t0
+    sched = get_schedule(local.schedule, local.num_stages, local.num_microbatches)
+    forward = _forward(step_fn, args, traced, local.num_microbatches)
+    ranges = _layer_ranges(prof, traced, forward)
+    starts = _stage_starts(ranges, traced, forward, [first for first, _ in local.stage_layers], prof)
+    split = split_at(forward, traced.microbatched_grad_inputs, starts)
+    per = local.devices_per_stage
+    stage_devices = [config.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]
+    layouts = _stage_layouts(config, sched, stage_devices)
+    stages = _stage_plans(traced, forward, split, stage_devices, layouts, _stage_recompute(config, sched.num_stages))
+    stages = tuple(dataclasses.replace(st, layers=local.stage_layers[st.index], forward_time_s=p.forward_time_s,
+                                       backward_time_s=p.backward_time_s)
+                   for st, p in zip(stages, local.plan.stages))
+    plan = Plan(model_fingerprint=traced.fingerprint, stages=stages, num_microbatches=local.num_microbatches,
+                schedule=local.schedule, schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
+                microbatch_size=local.microbatch_size, predicted=local.predicted,
+                planner=dataclasses.replace(local.plan.planner, wall_time_s=planning_s))
+    return Sourced(plan, forward)
+
+
+def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> LocalPlan:
+    from autopp.planner import plan_local
+
+    n = len(config.devices)
+    try:
+        with phase(f"planning for {n} device(s)") as ph:
+            local = plan_local(prof, n, batch)
+            ph.done(f"planned {local.num_stages} stage(s), {local.num_microbatches} microbatch(es), {local.schedule}")
+    except ValueError as e:
+        raise ValueError(f"{_WHO}: cannot plan this step for {n} device(s): {str(e).removeprefix('plan_local: ')} "
+                         "Or fix the layout yourself with num_stages=, num_microbatches= and schedule=.") from None
+    return local
+
+
+# -- profile layers as equations of the pipeline's forward --------------------------------------------------------
+
+
+def internal_error(what: str) -> RuntimeError:
+    return RuntimeError(f"autopp internal error: {what}. Please report it; meanwhile pass num_stages=, "
+                        "num_microbatches= and schedule= to autopp.parallelize, which skips the planner.")
+
+
+def _layer_ranges(prof: Profile, traced: TracedStep, forward) -> list[tuple[int, int]]:
+    """Each profile layer's equations ``[first, end)`` in the per-microbatch forward ``forward``.
+
+    The profile's layers index equations of the full-batch forward (``traced.spec.forward``); the pipeline runs the
+    forward re-traced at microbatch size. The two traces must have the same equations (only shapes differ), so an
+    index means the same operation in both."""
+    full, small = traced.spec.forward.jaxpr.eqns, forward.jaxpr.eqns
+    if len(full) != len(small) or any(a.primitive is not b.primitive for a, b in zip(full, small)):
+        first = next((i for i, (a, b) in enumerate(zip(full, small)) if a.primitive is not b.primitive),
+                     min(len(full), len(small)))
+        raise internal_error(
+            f"the loss's forward traced at the full batch ({len(full)} equations) and at microbatch size "
+            f"({len(small)} equations) differ from equation {first} on, so the planner's layer boundaries cannot "
+            "be placed in the pipeline's forward")
+    mask = traced.microbatched_grad_inputs
+    dep, full_dep = batch_dependent_vars(forward.jaxpr, mask), batch_dependent_vars(traced.spec.forward.jaxpr, mask)
+    if ([i for i, e in enumerate(small) if any(v in dep for v in e.outvars)]
+            != [i for i, e in enumerate(full) if any(v in full_dep for v in e.outvars)]):
+        raise internal_error("the loss's forward traced at the full batch and at microbatch size depend on the batch "
+                             "at different equations, so the planner's layer boundaries cannot be placed in the "
+                             "pipeline's forward")
+    ranges = []
+    for lay in prof.layers:
+        r = prof.graph.nodes[lay.index].get("eqn_range")
+        if r is None:
+            raise internal_error(f"profile layer {lay.index} ({lay.name}) carries no equation range")
+        ranges.append(tuple(r))
+    return ranges
+
+
+def _stage_starts(ranges: Sequence[tuple[int, int]], traced: TracedStep, forward, first_layers: Sequence[int],
+                  prof: Profile) -> list[int]:
+    """The forward equations where stages whose first profile layers are ``first_layers`` begin: each one's first
+    batch-dependent equation (stage 0: the forward's first one)."""
+    dep = batch_dependent_vars(forward.jaxpr, traced.microbatched_grad_inputs)
+    batch_eqns = [i for i, e in enumerate(forward.jaxpr.eqns) if any(v in dep for v in e.outvars)]
+    starts = [batch_eqns[0]]
+    for s, first in enumerate(first_layers[1:], start=1):
+        a, b = ranges[first]
+        eq = next((i for i in batch_eqns if a <= i < b), None)
+        if eq is None or eq <= starts[-1]:
+            raise internal_error(f"stage {s} begins at profile layer {first} ({prof.layers[first].name}, equations "
+                                 f"{a}-{b - 1}), which has no batch-dependent equation after the previous stage's "
+                                 "start")
+        starts.append(eq)
+    return starts
+
+
+SOURCES: dict[str, Callable[[ParallelizeConfig, Callable, tuple, TracedStep], Sourced]] = {
+    "counts": plan_from_counts, "replay": plan_from_replay, "planner": plan_from_planner}
+"""Plan source by :attr:`ParallelizeConfig.source`."""
+
+
+def source_plan(config: ParallelizeConfig, step_fn: Callable, args: tuple, traced: TracedStep) -> Sourced:
+    """The complete plan (and the forward it splits) from the source the config names."""
+    return SOURCES[config.source](config, step_fn, args, traced)
+
+

@@ -1,0 +1,132 @@
+"""A built step and the one loop that runs it: every task issued asynchronously, in order, each buffer dropped
+right after its last use; no tracing, no compilation after the first call, no host synchronisation."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from autopp.profiler import aval_bytes
+
+from autopp.runtime._passes import _Deferred
+from autopp.runtime._tasks import Program, Transfer
+
+
+def _bytes_per_device(aval) -> dict[int, int]:
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None:
+        return {}
+    n = aval_bytes(jax.ShapeDtypeStruct(sharding.shard_shape(aval.shape), aval.dtype))
+    return {d.id: n for d in sharding.device_set}
+
+
+def _steps(tasks) -> list[tuple]:
+    """What the run loop reads per task, precomputed: (callable, input slots, output slots, slots to free)."""
+    return [(t.fn.call if isinstance(t.fn, Transfer) else t.fn, t.ins, t.outs, t.frees) for t in tasks]
+
+
+def _observed(fn, k, on_dispatch):
+    def issue(*xs):
+        res = fn(*xs)
+        on_dispatch(k, tuple(res))
+        return res
+    return issue
+
+
+def _issue(env: list, steps) -> None:
+    """The run loop."""
+    for fn, ins, outs, frees in steps:
+        res = fn(*[env[i] for i in ins])
+        for o, r in zip(outs, res):
+            env[o] = r
+        for f in frees:
+            env[f] = None
+
+
+class Executable:
+    """A built step: call :meth:`run` with the flat step inputs. Its programs may still be compiling when it
+    is built; the first step waits for each as it reaches it, and :meth:`resolve` waits for all."""
+
+    def __init__(self, program: Program, out_tree):
+        self.tasks = list(program.tasks)
+        self.num_slots = program.num_slots
+        self.input_slots = list(program.input_slots)
+        self.const_slots = list(program.const_slots)
+        self.output_fns = list(program.outputs)
+        self.out_tree = out_tree
+        self.description = program.describe()
+        self._plain = _steps(self.tasks)
+        self._deferred = any(isinstance(t.fn, _Deferred) for t in self.tasks)
+        self.num_programs = len({id(t.fn) for t in self.tasks
+                                 if isinstance(t.fn, (_Deferred, jax.stages.Compiled))})
+        """Distinct programs (compiled, loaded onto other devices or still compiling)."""
+        self.num_compiled = program.num_compiled if program.num_compiled is not None else self.num_programs
+        """How many of them XLA compiles (programs equal up to their devices compile once)."""
+        inputs = set(program.input_slots)
+        self.slot_bytes: dict[int, dict[int, int]] = {s: _bytes_per_device(a) for s, a in program.slot_avals.items()
+                                                      if s not in inputs}
+        """Bytes per device id of each slot's buffer (the step inputs' slots excluded)."""
+
+    def resolve(self) -> Executable:
+        """Wait until every program is compiled and point the tasks at the compiled programs (a compilation
+        error is raised here). Returns ``self``."""
+        if self._deferred:
+            self.tasks = [dataclasses.replace(t, fn=t.fn.get()) if isinstance(t.fn, _Deferred) else t
+                          for t in self.tasks]
+            self._plain = _steps(self.tasks)
+            self._deferred = False
+        return self
+
+    def run(self, flat_args: Sequence[Any], on_dispatch: Callable[[int, tuple], None] | None = None):
+        """Run one step. ``on_dispatch(task index, outputs)``, if given, is called after each task is issued
+        (for :func:`autopp.runtime.run_with_timeline`)."""
+        env: list[Any] = [None] * self.num_slots
+        for slot, value in self.const_slots:
+            env[slot] = value
+        for slot, value in zip(self.input_slots, flat_args):
+            env[slot] = value
+        steps = self._plain
+        if on_dispatch is not None:
+            steps = [(_observed(fn, k, on_dispatch), ins, outs, frees)
+                     for k, (fn, ins, outs, frees) in enumerate(steps)]
+        _issue(env, steps)
+        if self._deferred:
+            self.resolve()
+        return [fn(env) for fn in self.output_fns]
+
+    def memory_report(self) -> dict[int, int]:
+        """Peak bytes per device id over one step, by the runtime's own accounting: every buffer the instruction
+        list holds (placed inputs, constants, activations, residuals, gradient accumulators, results) from the
+        task that makes it to the task after which it is dropped, plus each program's XLA temporaries
+        (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the
+        caller holds them); their placed copies are."""
+        self.resolve()
+        live: dict[int, int] = collections.defaultdict(int)
+        peak: dict[int, int] = collections.defaultdict(int)
+
+        def add(slot, sign):
+            for dev, n in self.slot_bytes.get(slot, {}).items():
+                live[dev] += sign * n
+
+        for slot, _ in self.const_slots:
+            add(slot, 1)
+        for task in self.tasks:
+            for o in task.outs:
+                add(o, 1)
+            temp = 0
+            analysis = getattr(task.fn, "memory_analysis", None)
+            if analysis is not None:
+                stats = analysis()
+                temp = stats.temp_size_in_bytes if stats is not None else 0
+            for dev in task.devices or live:
+                peak[dev] = max(peak[dev], live[dev] + temp // max(1, len(task.devices)))
+            for f in task.frees:
+                add(f, -1)
+        return dict(sorted(peak.items()))
+
+    def describe(self) -> list[str]:
+        return [t.label for t in self.tasks]

@@ -1,0 +1,456 @@
+"""The traced step laid out as a task list: what each stage holds and computes (:func:`analyse`), and the tasks
+of the whole step (:class:`StepBuilder`): step inputs placed at home, pre-processing, the pipeline
+(:mod:`autopp.runtime._pipeline`), the gradients published on their owners, post-processing (optimizer,
+metrics) and the outputs."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import NamedSharding
+
+from autopp.core import RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, slice_jaxpr, stage_graphs
+from autopp.profiler import optimizer_state_owners
+
+from autopp.runtime._meshes import StageMeshes
+from autopp.runtime._passes import sum_program, zeros_program
+from autopp.runtime._placement import place_outer
+from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
+from autopp.runtime._tensor import tensor_specs
+
+Literal = jex_core.Literal
+
+
+def _vars(atoms):
+    return [a for a in atoms if not isinstance(a, Literal)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    num_microbatches: int
+    loss_reduction: str
+    schedule: Schedule
+    recompute: tuple[str, ...]
+    """Recomputation mode of each stage."""
+    param_specs: tuple | None = None
+    """Per stage: ``{forward input index: spec}`` (a tuple with ``"tensor"`` where the parameter is split over the
+    stage's tensor axis) from a plan, or None for Megatron's rule (:mod:`autopp.runtime._tensor`)."""
+    zero1: bool = False
+    """Optimizer state sharded over each stage's data axis too (ZeRO-1)."""
+    sequence_vars: frozenset = frozenset()
+    """Forward activations laid out along their sequence (second) dimension over the stage's tensor axis (sequence
+    parallelism: the values between layers); their cotangents follow."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """The traced step read once against its stage split: where each forward output is made, each stage's
+    graph, which stages use (and which one owns) each forward input, the parameters' tensor layouts, and which
+    outer variable serves which parameter."""
+
+    traced: Any
+    forward: Any
+    split: Any
+    meshes: StageMeshes
+    config: PipelineConfig
+    out_stage: tuple[int, ...]
+    """Stage that produces each forward output (loss, aux)."""
+    graphs: list
+    invar_pos: dict
+    """Forward input variable -> its index."""
+    users: dict
+    """Forward input index -> the stages that read it."""
+    owner: dict
+    """Forward input index -> the first stage that reads it."""
+    tensor_spec: dict
+    """(stage, forward input index) -> the parameter's split over the stage's tensor axis."""
+    label: dict
+    """Outer variable -> the forward input (parameter) it serves."""
+    opt_state: frozenset
+    """Outer variables that are optimizer state."""
+
+    @property
+    def jaxpr(self):
+        return self.traced.jaxpr.jaxpr
+
+    @property
+    def grad(self):
+        return self.traced.grad_eqn
+
+    @property
+    def spec(self):
+        return self.traced.spec
+
+    @property
+    def fwd(self):
+        return self.forward.jaxpr
+
+    @property
+    def mb_invar(self):
+        return self.traced.microbatched_grad_inputs
+
+    @property
+    def diff_mask(self):
+        return self.traced.spec.diff_mask
+
+    def layout_of(self, loc: int, k: int | None, shape, var=None) -> NamedSharding:
+        """Where a value of ``shape`` serving forward input ``k`` (a parameter: itself, its gradient, its optimizer
+        state; None for anything else) lives on stage ``loc``; ``var`` (an outer variable) is sharded over the data
+        axis too when it is optimizer state under ZeRO-1."""
+        spec = None
+        if k is not None and tuple(self.fwd.invars[k].aval.shape) == tuple(shape):
+            spec = self.tensor_spec.get((loc, k))
+        zero = self.config.zero1 and var is not None and var in self.opt_state
+        return self.meshes.state_sharding(loc, shape, spec, zero=zero)
+
+    def invar_name(self, k) -> str:
+        a = self.grad.invars[k]
+        if not isinstance(a, Literal) and a in self.jaxpr.invars:
+            return self.traced.leaf_paths[self.jaxpr.invars.index(a)]
+        return f"loss argument #{k - self.spec.num_lifted}"
+
+
+def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig) -> Step:
+    spec, S, fwd = traced.spec, split.num_stages, forward.jaxpr
+    diff_mask = list(spec.diff_mask)
+    defined_at = {}
+    for s, ids in enumerate(split.stage_eqns):
+        for i in ids:
+            for v in fwd.eqns[i].outvars:
+                defined_at[v] = s  # later stages overwrite: the last definer emits it
+    out_stage = []
+    for k, a in enumerate(fwd.outvars):
+        if isinstance(a, Literal):
+            out_stage.append(S - 1)
+        elif a in defined_at:
+            out_stage.append(defined_at[a])
+        else:
+            raise ValueError(
+                "autopp.parallelize: the loss function returns one of its inputs unchanged as "
+                f"{'the loss' if k == 0 else f'aux leaf {k - 1}'}; compute it inside the loss function "
+                "(e.g. `x + 0`) or return it from the step directly."
+            )
+    for k in range(1, len(fwd.outvars)):
+        dt = fwd.outvars[k].aval.dtype
+        if config.loss_reduction == "mean" and not jnp.issubdtype(dt, jnp.inexact):
+            raise TypeError(
+                f"autopp.parallelize: aux leaf {k - 1} has dtype {dt}; with loss_reduction='mean' aux "
+                "values are averaged over microbatches, which needs a floating dtype. Return it as a "
+                "float (e.g. .astype(jnp.float32)) or use loss_reduction='sum'."
+            )
+    graphs = stage_graphs(forward, split.stage_eqns, diff_mask, out_stage)
+    invar_pos = {v: k for k, v in enumerate(fwd.invars)}
+    users: dict[int, list[int]] = collections.defaultdict(list)
+    for g in graphs:
+        for v in g.inputs:
+            if v in invar_pos:
+                users[invar_pos[v]].append(g.index)
+    owner = {k: (users[k][0] if users[k] else 0) for k in range(len(fwd.invars))}
+    tensor_spec: dict[tuple[int, int], tuple] = {}
+    planned = config.param_specs
+    for g in graphs:
+        tp = meshes.layouts[g.index]["tensor"]
+        if tp == 1:
+            continue
+        if planned is not None and planned[g.index] is not None:  # the plan's sharding solution
+            for k, spec_ in planned[g.index].items():
+                k = int(k)
+                shape = fwd.invars[k].aval.shape
+                spec_ = tuple(spec_)
+                if len(spec_) != len(shape) or any(a == "tensor" and shape[d] % tp for d, a in enumerate(spec_)):
+                    raise ValueError(
+                        f"autopp.parallelize: the plan splits parameter #{k} {shape} as {spec_} over "
+                        f"tensor={tp}, which does not divide it; the plan was made for another model.")
+                if "tensor" in spec_:
+                    tensor_spec[(g.index, k)] = spec_
+            continue
+        params = [v for v in g.inputs if v in invar_pos and diff_mask[invar_pos[v]]]
+        for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
+            tensor_spec[(g.index, invar_pos[v])] = spec_
+    label, opt_state = _label_outer(traced)
+    return Step(traced=traced, forward=forward, split=split, meshes=meshes, config=config,
+                out_stage=tuple(out_stage), graphs=graphs, invar_pos=invar_pos, users=users, owner=owner,
+                tensor_spec=tensor_spec, label=label, opt_state=frozenset(opt_state))
+
+
+def _label_outer(traced) -> tuple[dict, set]:
+    """Which parameter each outer variable serves: the gradient equation's parameter inputs and gradients,
+    the optimizer state of each parameter, and what the update computes from them (same shape); and which of
+    them are optimizer state."""
+    grad, spec, jaxpr = traced.grad_eqn, traced.spec, traced.jaxpr.jaxpr
+    label = {}
+    for k in spec.diff_indices:
+        a = grad.invars[k]
+        if not isinstance(a, Literal):
+            label[a] = k
+    outs = {1 + spec.num_aux + j: k for j, k in enumerate(spec.diff_indices)}
+    for pos, k in outs.items():
+        label[grad.outvars[pos]] = k
+    for i, k in optimizer_state_owners(jaxpr, traced.grad_index, outs, traced.batch_mask).items():
+        label.setdefault(jaxpr.invars[i], k)
+    for i, e in enumerate(jaxpr.eqns):
+        if i == traced.grad_index:
+            continue
+        for v in e.outvars:
+            src = [label[a] for a in _vars(e.invars) if a in label and a.aval.shape == v.aval.shape]
+            if src and v not in label:
+                label[v] = src[0]
+    # Optimizer state: labelled step inputs and results that do not depend on a parameter itself (Adam's
+    # moments; the updated parameter reads the parameter).
+    on_param = {grad.invars[k] for k in spec.diff_indices if not isinstance(grad.invars[k], Literal)}
+    for i, e in enumerate(jaxpr.eqns):
+        if i != traced.grad_index and any(a in on_param for a in _vars(e.invars)):
+            on_param.update(e.outvars)
+    io = set(jaxpr.invars) | set(_vars(jaxpr.outvars))
+    grads = set(grad.outvars)
+    return label, {v for v in label if v in io and v not in on_param and v not in grads}
+
+
+class StepBuilder:
+    """Lays out the step's tasks (one :class:`TaskList`) and returns them as a :class:`Program` for the passes.
+    ``avail`` maps (outer variable, stage) to the slot holding it there."""
+
+    def __init__(self, step: Step, tasks: TaskList):
+        self.step = step
+        self.tl = tasks
+        self.jaxpr = step.jaxpr
+        self.outer_consts = dict(zip(self.jaxpr.constvars, step.traced.jaxpr.consts))
+        self.invar_index = {v: k for k, v in enumerate(self.jaxpr.invars)}
+        self.avail: dict[tuple, int] = {}
+        self.input_slots = [tasks.new_slot(sds(v.aval, None)) for v in self.jaxpr.invars]
+        self.placed_input: dict[int, int] = {}
+        self.placement = None
+        self._seeds: dict[tuple, int] = {}
+
+    def emit(self, fn, ins, n_out, label) -> list[int]:
+        return self.tl.emit(fn, ins, n_out, label)
+
+    def put(self, shardings, ins, label) -> list[int]:
+        return self.tl.emit(put(self.tl.avals(ins), shardings), ins, len(ins), label)
+
+    def seed_slot(self, s, aval, value) -> int:
+        """A constant on stage ``s`` made once at build time (a cotangent: the loss seed or zeros; the ``first``
+        flag of the accumulating programs), shared by all microbatches."""
+        key = (s, aval.shape, str(aval.dtype), value)
+        if key not in self._seeds:
+            self._seeds[key] = self.tl.const(jax.device_put(np.full(aval.shape, value, aval.dtype),
+                                                            self.step.meshes.replicated[s]))
+        return self._seeds[key]
+
+    # -- values at locations ---------------------------------------------------------------------
+    def need(self, v, loc: int) -> int:
+        """Slot holding outer variable ``v`` on stage ``loc``, emitting the transfer if needed."""
+        key = (v, loc)
+        if key in self.avail:
+            return self.avail[key]
+        if isinstance(v, Literal):
+            raise AssertionError("literals are inlined")
+        st, meshes = self.step, self.step.meshes
+        if v in self.outer_consts:
+            s = self.tl.const(jax.device_put(self.outer_consts[v], meshes.replicated[loc]))
+        elif v in self.invar_index:
+            k = self.invar_index[v]
+            if st.traced.batch_mask[k]:
+                (s,) = self.put([meshes.batch_sharding(loc, v.aval.shape)], [self.input_slots[k]],
+                                f"put batch {st.traced.leaf_paths[k]} -> stage {loc}")
+            else:
+                homes = self.placement.input_homes.get(k, frozenset())
+                assert loc in homes, (v, loc, homes)
+                src = self.placed_input[k]
+                (s,) = self.emit(view(self.tl.slot_avals[src], meshes.replicated[loc], meshes.devices[loc]),
+                                 [src], 1, f"view {st.traced.leaf_paths[k]} on stage {loc}")
+        else:
+            srcs = [l for (u, l) in self.avail if u is v]
+            assert srcs, f"no location holds {v} (needed on stage {loc})"
+            (s,) = self.put([meshes.replicated[loc]], [self.avail[(v, srcs[0])]], f"put {v} stage {srcs[0]} -> {loc}")
+        self.avail[key] = s
+        return s
+
+    # -- outer programs -------------------------------------------------------------------------
+    def outer_program(self, eqn_ids: list[int], loc: int, label: str, consumers_outside) -> None:
+        outside = consumers_outside(set(eqn_ids))
+        closed, ins, outs = slice_jaxpr(self.step.traced.jaxpr, eqn_ids, lambda v: v in outside, label)
+        if not outs:
+            return
+        sub, consts = closed.jaxpr, closed.consts
+        in_slots = [self.need(v, loc) for v in ins]
+        # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,
+        # so that the next step finds them at home.
+        st = self.step
+        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
+                     in_shardings=tuple(self.tl.slot_avals[s].sharding for s in in_slots),
+                     out_shardings=tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v in outs))
+        out_slots = self.emit(fn, in_slots, len(outs), label)
+        for v, s in zip(outs, out_slots):
+            self.avail[(v, loc)] = s
+
+    # -- the whole step -------------------------------------------------------------------------
+    def build(self) -> Program:
+        from autopp.runtime._pipeline import lay_out_pipeline
+
+        st, jaxpr = self.step, self.jaxpr
+        spec, grad = st.spec, st.grad
+        if st.split.num_stages == 1:
+            return self.build_single_program()
+        # Requirements of the gradient equation's inputs.
+        grad_in_required = [frozenset({st.owner[k]}) if st.diff_mask[k] else frozenset(st.users[k])
+                            for k in range(len(grad.invars))]
+        grad_out_loc = [st.out_stage[0]] + [st.out_stage[1 + j] for j in range(spec.num_aux)]
+        grad_out_loc += [st.owner[k] for k in spec.diff_indices]
+        self.placement = pl = place_outer(jaxpr, st.traced.grad_index, grad_in_required, grad_out_loc,
+                                          st.traced.batch_mask)
+        # Step inputs: one slot per user leaf, placed at home at the start of every step.
+        homed = [k for k in range(len(jaxpr.invars)) if not st.traced.batch_mask[k] and pl.input_homes.get(k)]
+        shardings = [st.layout_of(next(iter(pl.input_homes[k])), st.label.get(jaxpr.invars[k]),
+                                  jaxpr.invars[k].aval.shape, jaxpr.invars[k])
+                     if len(pl.input_homes[k]) == 1 else st.meshes.multi(pl.input_homes[k]) for k in homed]
+        if homed:
+            ins = [self.input_slots[k] for k in homed]
+            placed = self.emit(place(self.tl.avals(ins), shardings), ins, len(homed),
+                               f"place {len(homed)} inputs at home")
+            for k, s in zip(homed, placed):
+                if len(pl.input_homes[k]) == 1:
+                    self.avail[(jaxpr.invars[k], next(iter(pl.input_homes[k])))] = s
+                self.placed_input[k] = s
+
+        # Which outer variables are used where: consumers outside a program need its outputs.
+        users_of = collections.defaultdict(set)
+        for i, e in enumerate(jaxpr.eqns):
+            for a in _vars(e.invars):
+                users_of[a].add(i)
+        step_outs = set(_vars(jaxpr.outvars))
+
+        def consumers_outside(ids):
+            def needed(v):
+                return v in step_outs or bool(users_of[v] - ids)
+            return {v for i in ids for v in jaxpr.eqns[i].outvars if needed(v)}
+
+        # Pre-processing (ancestors of the gradient), one program per location.
+        pre_by_loc = collections.defaultdict(list)
+        for i in sorted(pl.eqn_locs):
+            if pl.region[i] == "pre":
+                for loc in pl.eqn_locs[i]:
+                    pre_by_loc[loc].append(i)
+        for loc in sorted(pre_by_loc):
+            self.outer_program(pre_by_loc[loc], loc, f"pre stage {loc}", consumers_outside)
+
+        pipe = lay_out_pipeline(self)
+        self.publish(pipe.reduced, pipe.acc, pipe.programs)
+
+        # Post-processing (optimizer, metrics), by phase then location.
+        post = collections.defaultdict(list)
+        for (i, loc), ph in pl.phase.items():
+            if pl.region[i] == "post":
+                post[(ph, loc)].append(i)
+        for key in sorted(post):
+            ph, loc = key
+            self.outer_program(sorted(post[key]), loc, f"post phase {ph} stage {loc}", consumers_outside)
+
+        # Outputs.
+        outputs, output_slots = [], set()
+        for a, locs in zip(jaxpr.outvars, pl.out_locs):
+            if isinstance(a, Literal):
+                val = jnp.asarray(a.val, dtype=a.aval.dtype)
+                outputs.append(lambda env, val=val: val)
+                continue
+            if a in self.invar_index and (st.traced.batch_mask[self.invar_index[a]] or not locs):
+                slot = self.input_slots[self.invar_index[a]]
+            elif len(locs) == 1:
+                (loc,) = locs
+                slot = self.need(a, loc)
+            else:
+                parts = [self.need(a, loc) for loc in sorted(locs)]
+                (slot,) = self.emit(assemble(self.tl.avals(parts), st.meshes.multi(frozenset(locs)), a.aval.shape),
+                                    parts, 1, f"assemble output {a}")
+            outputs.append(lambda env, slot=slot: env[slot])
+            output_slots.add(slot)
+        return self.tl.program(self.input_slots, output_slots, outputs, pipe.accumulators)
+
+    def publish(self, reduced: dict[int, int], acc: dict[int, list[int]], programs) -> None:
+        """Publish the pipeline's loss, aux and gradients (summing shared parameters' contributions on their
+        owner)."""
+        st = self.step
+        spec, grad, fwd = st.spec, st.grad, st.fwd
+        for k, slot in reduced.items():
+            self.avail[(grad.outvars[k], st.out_stage[k])] = slot
+        # Gradients: each on its owner, contributions of other stages (shared parameters) added.
+        for j, k in enumerate(spec.diff_indices):
+            outer = grad.outvars[1 + spec.num_aux + j]
+            o = st.owner[k]
+            home = st.layout_of(o, k, fwd.invars[k].aval.shape)
+            contrib = []
+            for s in st.users[k]:
+                pos = st.graphs[s].inputs.index(fwd.invars[k])
+                if pos not in programs[s].param_idx:
+                    continue
+                slot = acc[s][programs[s].param_idx.index(pos)]
+                if s != o:
+                    (slot,) = self.put([home], [slot], f"send shared grad {s}->{o}")
+                contrib.append(slot)
+            if not contrib:
+                aval = fwd.invars[k].aval
+                contrib = self.emit(zeros_program([aval], [home]), [], 1, f"zero grad {st.invar_name(k)}")
+            if len(contrib) > 1:
+                contrib = self.emit(sum_program(len(contrib), home), contrib, 1, f"sum shared grad {st.invar_name(k)}")
+            self.avail[(outer, o)] = contrib[0]
+
+    def build_single_program(self) -> Program:
+        """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it.
+
+        This is exactly gradient accumulation as one would write it by hand, so a one-stage plan costs
+        what plain ``jax.jit`` with microbatching costs.
+        """
+        st, jaxpr = self.step, self.jaxpr
+        M, spec, fwd = st.config.num_microbatches, st.spec, st.forward
+        mean = st.config.loss_reduction == "mean"
+        mb_mask, diff_idx = list(st.mb_invar), spec.diff_indices
+        recompute = st.config.recompute[0]
+
+        def accumulate(*invals):
+            stacked = [x.reshape((M, x.shape[0] // M) + x.shape[1:]) for x, mb in zip(invals, mb_mask) if mb]
+
+            def body(carry, mbs):
+                it = iter(mbs)
+                vals = [next(it) if mb else x for x, mb in zip(invals, mb_mask)]
+
+                def loss_of(diff_vals):
+                    v = list(vals)
+                    for i, d in zip(diff_idx, diff_vals):
+                        v[i] = d
+                    outs = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
+                    return outs[0], outs[1:]
+
+                if recompute != "none":
+                    loss_of = jax.checkpoint(loss_of, policy=RECOMPUTE_POLICIES[recompute])
+                (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
+                return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                 ([fwd.out_avals[0]], list(fwd.out_avals[1:]), [invals[i].aval for i in diff_idx]))
+            (loss, aux, grads), _ = jax.lax.scan(body, (zeros[0][0], zeros[1], zeros[2]), stacked)
+            outs = [loss, *aux, *grads]
+            return [o / M for o in outs] if mean else outs
+
+        traced = st.traced
+
+        def whole(*flat):
+            return tuple(eval_jaxpr_with(jaxpr, traced.jaxpr.consts, flat,
+                                         lambda i, _, invals: accumulate(*invals) if i == traced.grad_index else None))
+
+        in_sh = [st.meshes.batch_sharding(0, v.aval.shape) if b
+                 else st.layout_of(0, st.label.get(v), v.aval.shape, v)
+                 for v, b in zip(jaxpr.invars, traced.batch_mask)]
+        fn = jax.jit(whole, in_shardings=tuple(in_sh),
+                     out_shardings=tuple(st.layout_of(0, st.label.get(v), v.aval.shape, v)
+                                         if not isinstance(v, Literal) else st.meshes.replicated[0]
+                                         for v in jaxpr.outvars))
+        placed = self.emit(place(self.tl.avals(self.input_slots), in_sh), self.input_slots, len(in_sh),
+                           f"place {len(in_sh)} inputs on stage 0")
+        outs = self.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update")
+        return self.tl.program(self.input_slots, outs, [lambda env, slot=slot: env[slot] for slot in outs])
