@@ -61,7 +61,7 @@ def test_multihost_vs_single_process(benchmark):
     benchmark.extra_info.update(transfer_mb_s=results[1]["transfer_mb_s"], multi_step_s=multi, single_step_s=single,
                                 ratio=multi / single)
     benchmark.pedantic(lambda: float(step(*state, batch)[-1]), rounds=3, iterations=1)
-    print(f"\ncross-process transfer (4 -> 4 devices): "
+    print("\ncross-process transfer (4 -> 4 devices): "
           + ", ".join(f"{mb} MB: {v:.0f} MB/s" for mb, v in results[1]["transfer_mb_s"].items()))
     print(f"step: 2 processes x 4 devices {multi * 1e3:.1f} ms, 1 process x 8 devices {single * 1e3:.1f} ms, "
           f"ratio {multi / single:.2f}x")

@@ -2,7 +2,6 @@
 
 import functools
 import itertools
-import random
 
 import jax
 import numpy as np
@@ -163,7 +162,7 @@ def test_restricted_search():
 
 def test_no_legal_layout_says_why_and_what_to_change():
     model = MLP(MLPConfig(sizes=(4, 4, 4)))  # two layers: at most 2 stages of 4 devices
-    step, state = make_step(model, make_optimizer()), None
+    step = make_step(model, make_optimizer())
     params = model.init(jax.random.key(0))
     tx = make_optimizer()
     prof = profile(step, params, tx.init(params), model.batch(jax.random.key(1), 2), cluster=Cluster.parse("1x8xcpu"))
