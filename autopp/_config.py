@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -22,9 +21,6 @@ LOSS_REDUCTIONS = ("mean", "sum")
 """How microbatch losses and gradients combine."""
 LAYOUT_AXES = ("data", "fsdp", "tensor")
 """The axes a ``layout`` may size."""
-SOURCES = ("counts", "replay", "planner")
-"""Where a plan comes from: the counts given (``num_stages``, ``num_microbatches``, ``schedule``), a replayed
-plan (``plan=``), or the planner (none of them given)."""
 
 _ACTION_TOKEN = re.compile(r"\b\d+[FBIW]\d+\b")
 _WHO = "autopp.parallelize"
@@ -248,7 +244,3 @@ class ParallelizeConfig:
             return list(self.device_groups)
         per = len(self.devices) // num_groups
         return [self.devices[r * per:(r + 1) * per] for r in range(num_groups)]
-
-    def describe(self) -> dict[str, Any]:
-        """The keywords as given after normalization (for messages and logs)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
