@@ -9,6 +9,7 @@ device groups when given, a parsed schedule, a :class:`Plan` object. Which of th
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Sequence
 
@@ -114,6 +115,10 @@ class ParallelizeConfig:
     """One recompute mode for every stage, or one per stage (model chunk); None for ``none``."""
     layout: dict[str, int] | tuple[dict[str, int], ...] | None = None
     """Mesh axis sizes (``data``, ``fsdp``, ``tensor``) for every device group, or one dict per group."""
+    compilation_cache: str | os.PathLike | bool | None = None
+    """Where compiled stage programs persist for the next process (JAX's persistent compilation cache): a
+    directory; None uses JAX's configured directory, else ``$XDG_CACHE_HOME/autopp/xla`` (unless the environment
+    sets ``AUTOPP_COMPILATION_CACHE=0``); False leaves JAX's configuration alone. See :mod:`autopp._compile_cache`."""
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -147,6 +152,13 @@ class ParallelizeConfig:
             raise ValueError(f"{_WHO}: recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} or a tuple "
                              "of them, one per stage (model chunk).")
         _set(self, "layout", _check_layout(self.layout))
+        cache = self.compilation_cache
+        if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
+            raise TypeError(f"{_WHO}: compilation_cache must be a directory (str or path), True, False or None, got "
+                            f"{cache!r} ({type(cache).__name__}).")
+        if isinstance(cache, (str, os.PathLike)) and not os.fspath(cache):
+            raise ValueError(f"{_WHO}: compilation_cache='' names no directory; give a directory, or False to leave "
+                             "JAX's compilation cache as configured.")
 
     @property
     def source(self) -> str:

@@ -11,6 +11,7 @@ from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar, overload
 import jax
 import numpy as np
 
+from autopp._compile_cache import use_compilation_cache
 from autopp._config import ParallelizeConfig
 from autopp._plan_sources import source_plan
 from autopp._progress import phase
@@ -56,17 +57,23 @@ class Parallelized(Generic[_P, _R]):
         self._cache: dict[Any, Built] = {}
         functools.update_wrapper(self, step_fn)
 
-    def _build(self, args: tuple) -> Built:
+    def _lookup(self, args: tuple) -> tuple[Built, list]:
+        """The build for ``args``' signature (made on its first call) and ``args``' flat leaves: the arguments
+        are flattened once per call."""
         flat, tree = jax.tree_util.tree_flatten(args)
         try:
-            key = (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in flat))
+            key = (tree, *map(_leaf_signature, flat))
         except Exception:  # noqa: BLE001 - a leaf that is not an array: say which and how to fix it
             check_array_leaves(args)
             raise
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = self._cache[key] = self._build(args)
+        return hit, flat
+
+    def _build(self, args: tuple) -> Built:
         check_array_leaves(args)
+        use_compilation_cache(self.config.compilation_cache)
         with phase("tracing the step") as ph:
             traced = trace_step(self._step_fn, args, normalize_batch_argnums(self.config.batch_argnums, len(args)))
             ph.done("traced the step")
@@ -75,8 +82,7 @@ class Parallelized(Generic[_P, _R]):
             exe = build_executable(traced, plan, forward, self.config.devices)
             ph.done(f"built {exe.num_programs} program(s) for {plan.num_stages} stage(s); they compile in the "
                     "background and the first step runs each as soon as it is ready")
-        self._cache[key] = Built(traced, plan, forward, exe)
-        return self._cache[key]
+        return Built(traced, plan, forward, exe)
 
     # -- public ----------------------------------------------------------------------------------
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -85,13 +91,13 @@ class Parallelized(Generic[_P, _R]):
                 f"autopp.parallelize: pass the step's arguments positionally (got keyword(s) {sorted(kwargs)}); "
                 "the batch is found by position (batch_argnums)."
             )
-        exe = self._build(args).executable
-        flat = jax.tree_util.tree_leaves(args)
+        built, flat = self._lookup(args)
+        exe = built.executable
         return jax.tree_util.tree_unflatten(exe.out_tree, exe.run(flat))
 
     def plan_for(self, *args) -> Plan:
         """The plan this step runs for arguments like ``args`` (arrays or ShapeDtypeStructs); runs nothing."""
-        return self._build(args).plan
+        return self._lookup(args)[0].plan
 
     def trace(self, *args, trace_json: str | None = None, gantt_png: str | None = None):
         """Run one step like ``step(*args)`` while recording when each task ran on which devices; returns
@@ -100,25 +106,43 @@ class Parallelized(Generic[_P, _R]):
         the plan's predicted timeline beside the measured one when the plan has stage times."""
         from autopp.runtime import run_with_timeline
 
-        built = self._build(args)
+        built, flat = self._lookup(args)
         plan, exe = built.plan, built.executable
-        outputs, timeline = run_with_timeline(exe, jax.tree_util.tree_leaves(args))
+        outputs, timeline = run_with_timeline(exe, flat)
         if trace_json is not None:
             timeline.to_chrome_trace(trace_json)
         if gantt_png is not None:
             timeline.plot(gantt_png, plan)
         return jax.tree_util.tree_unflatten(exe.out_tree, outputs), timeline
 
-    def memory_report(self, *args) -> dict[int, int]:
+    def memory_report(self, *args, between_steps: bool = False) -> dict[int, int]:
         """Peak bytes per device id during a step with arguments like ``args``, by the runtime's accounting of
         the buffers it holds plus each program's XLA temporaries (``memory_analysis()``); compare with
-        ``plan_for(*args).predicted.peak_memory_bytes_per_gpu``."""
-        return self._build(args).executable.memory_report()
+        ``plan_for(*args).predicted.peak_memory_bytes_per_gpu``. ``between_steps=True``: the bytes per device
+        the step keeps allocated between steps instead (gradient accumulators kept for the next step, constants);
+        :meth:`release` frees the accumulators."""
+        return self._lookup(args)[0].executable.memory_report(between_steps=between_steps)
+
+    def release(self) -> dict[int, int]:
+        """Free the gradient accumulators kept between steps (for every argument signature built); the next step
+        allocates new ones, as the first did. Returns the bytes freed per device id. The compiled programs stay."""
+        freed: dict[int, int] = {}
+        for built in self._cache.values():
+            for dev, n in built.executable.release().items():
+                freed[dev] = freed.get(dev, 0) + n
+        return dict(sorted(freed.items()))
 
     def executable_for(self, *args) -> Executable:
         """The built instruction list, every program compiled (for inspection and benchmarks)."""
-        return self._build(args).executable.resolve()
+        return self._lookup(args)[0].executable.resolve()
 
+
+
+def _leaf_signature(x) -> tuple:
+    """A step argument's shape and dtype, the part of the signature a build depends on (fast for arrays)."""
+    if isinstance(x, jax.Array) and getattr(x, "weak_type", None) is False:  # (typed PRNG keys have none)
+        return x.shape, x.dtype
+    return np.shape(x), jax.numpy.result_type(x)
 
 
 @overload
@@ -138,12 +162,13 @@ def parallelize(
     virtual_stages: int | None = None,
     recompute: str | Sequence[str] | None = None,
     layout: dict[str, int] | Sequence[dict[str, int]] | None = None,
+    compilation_cache: str | bool | None = None,
 ) -> Callable[[Callable[_P, _R]], Parallelized[_P, _R]]: ...
 
 
 def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, schedule=None, devices=None,
                 batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None, recompute=None,
-                layout=None):
+                layout=None, compilation_cache=None):
     """Run a training step as an MPMD pipeline over ``devices``.
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
@@ -175,11 +200,16 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     ``num_stages * virtual_stages`` stages (chunk ``c`` on the group whose schedule row runs it). ``recompute``
     (``"none"``, ``"full"``, ``"selective"``, or one per stage) recomputes activations in the backward.
 
+    Compiled stage programs persist in JAX's persistent compilation cache, so a second process on the same plan
+    loads them instead of compiling: ``compilation_cache`` is its directory (default: JAX's configured one, else
+    ``$XDG_CACHE_HOME/autopp/xla``; ``False`` leaves JAX's configuration alone).
+
     Usable bare (``@autopp.parallelize``) or with keywords (``@autopp.parallelize(num_stages=4)``).
     """
     config = ParallelizeConfig(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
                                devices=devices, batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan,
-                               virtual_stages=virtual_stages, recompute=recompute, layout=layout)
+                               virtual_stages=virtual_stages, recompute=recompute, layout=layout,
+                               compilation_cache=compilation_cache)
     if step_fn is None:
         return lambda f: _wrap(f, config)
     return _wrap(step_fn, config)

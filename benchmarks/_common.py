@@ -9,7 +9,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autopp.models import make_train_step
+from autopp.models import GPT, make_train_step
+
+
+class ScannedGPT(GPT):
+    """The zoo GPT with its blocks' parameters stacked along a leading layer axis and the blocks run by
+    ``lax.scan``: the way many JAX models are written."""
+
+    def init(self, key):
+        params = super().init(key)
+        params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])
+        return params
+
+    def apply(self, params, tokens):
+        x = self.embed(params, tokens)
+        x, _ = jax.lax.scan(lambda h, block_params: (self.block(block_params, h), None), x, params["blocks"])
+        return self.head(params, x)
 
 
 def train_step_fn(model, tx):

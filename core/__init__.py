@@ -18,6 +18,7 @@ from autopp.core._compat import (
     new_jaxpr,
     register_fallback_lowering,
     retarget,
+    serialize_compiled,
     same_shard_positions,
 )
 from autopp.core._grad import GradSpec, grad, marking_gradients, value_and_grad, value_and_grad_p

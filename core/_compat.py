@@ -93,11 +93,24 @@ def _map_sharding(sharding, devmap):
     raise TypeError(f"no device mapping for {type(sharding).__name__}")
 
 
-def retarget(compiled, lowered):
+def serialize_compiled(compiled) -> bytes:
+    """The serialized executable of ``compiled`` (what :func:`retarget` loads onto other devices). Only an
+    executable compiled in this process serializes completely: on CPU, one loaded from serialized form (JAX's
+    persistent compilation cache, or :func:`retarget`) serializes without its compiled functions, and what is
+    loaded from that fails when run ("Function ... not found")."""
+    unloaded = compiled._executable._unloaded_executable
+    if unloaded is None:
+        raise ValueError("executable without an unloaded form")
+    return unloaded.backend.serialize_executable(unloaded.xla_executable)
+
+
+def retarget(compiled, lowered, serialized=None):
     """``lowered`` compiled by reusing ``compiled`` (the same program, maybe on other devices): the executable
-    is serialized and loaded for ``lowered``'s devices instead of compiled again (~40 ms instead of ~1 s on
-    CPU); ``compiled`` itself when the devices are the same. Raises when the executable cannot be moved;
-    the caller then compiles."""
+    is loaded for ``lowered``'s devices instead of compiled again (~40 ms instead of ~1 s on CPU); ``compiled``
+    itself when the devices are the same. ``serialized``: the executable's serialized form from
+    :func:`serialize_compiled` of a fresh compilation of the same program, or a function returning it (called
+    only when the devices differ; returning None: there is none); default: ``compiled`` serialized now. Raises
+    ValueError when the executable cannot be moved; the caller then compiles."""
     from jax._src import compiler
 
     source = compiled._executable
@@ -109,13 +122,18 @@ def retarget(compiled, lowered):
         return compiled
     if len(target_devices) != len(unloaded.device_list):
         raise ValueError("device counts differ")
+    if callable(serialized):
+        serialized = serialized()
+        if serialized is None:
+            raise ValueError("no complete serialized form of the executable")
     devmap = dict(zip(unloaded.device_list, target_devices))
     backend = unloaded.backend
     options = compiler.get_compile_options(
         num_replicas=1, num_partitions=len(target_devices),
         device_assignment=np.array(list(target_devices), dtype=object).reshape(1, -1), backend=backend)
     options.executable_build_options.use_spmd_partitioning = len(target_devices) > 1
-    serialized = backend.serialize_executable(unloaded.xla_executable)
+    if serialized is None:
+        serialized = backend.serialize_executable(unloaded.xla_executable)
     loaded = backend.deserialize_executable(serialized, target_devices, options)
     moved = dataclasses.replace(
         unloaded, xla_executable=loaded, device_list=target_devices,

@@ -12,6 +12,7 @@ from jax.extend import core as jex_core
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
 from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, slice_jaxpr
+from autopp.core._packing import plan_packing
 
 Literal = jex_core.Literal
 
@@ -185,7 +186,11 @@ class StagePrograms:
             else:
                 self.residual_source.append(("kept", len(kept)))
                 kept.append(r)
-        self.num_kept = len(kept)
+        packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape) for r in kept])
+        self.packing = packing
+        """How the kept residuals travel from ``fwd`` to ``bwd``: small ones packed (:mod:`autopp.core._packing`)."""
+        self.num_kept = packing.num_buffers
+        """Residual buffers ``fwd`` returns after the outputs (packs, then residuals of their own)."""
         self.forwarded_inputs = sorted({i for kind, i in self.residual_source if kind == "input"})
         fwd_jaxpr = jex_core.ClosedJaxpr(
             _compat.new_jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars[:n_out] + kept,
@@ -194,7 +199,8 @@ class StagePrograms:
         )
 
         def fwd(*inputs):
-            return tuple(jax.core.eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, *inputs))
+            outs = jax.core.eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, *inputs)
+            return (*outs[:n_out], *packing.pack(outs[n_out:]))
 
         treedef = self._vjp_treedef
         residual_source = self.residual_source
@@ -219,7 +225,7 @@ class StagePrograms:
         n_acc = len(param_idx)
 
         def bwd(*args):
-            kept_vals = args[:num_kept]
+            kept_vals = packing.unpack(args[:num_kept])
             fwd_vals = dict(zip(forwarded, args[num_kept:num_kept + len(forwarded)]))
             cts = list(args[num_kept + len(forwarded):num_kept + len(forwarded) + n_ct])
             grad_acc = args[num_kept + len(forwarded) + n_ct:num_kept + len(forwarded) + n_ct + n_acc]
@@ -238,7 +244,7 @@ class StagePrograms:
             return (*outs, *accumulate(grad_acc, first, by_input), *[by_input[i] for i in act_idx])
 
         self.can_fuse = all(s is not None for s in seeds)
-        res_shardings = tuple(residual_sharding(r.aval.shape) for r in kept)
+        res_shardings = packing.buffer_shardings()
         self.fwd = jax.jit(fwd, in_shardings=tuple(in_shardings),
                            out_shardings=tuple(out_shardings_fwd) + res_shardings)
         acc_shardings = tuple(grad_shardings)
@@ -248,7 +254,7 @@ class StagePrograms:
                            donate_argnums=tuple(range(n_bwd_in - len(param_idx), n_bwd_in)))
         self._bwd_fn, self._acc_shardings, self._act_ct_shardings = bwd, acc_shardings, act_ct
         self._residual_sharding = residual_sharding
-        self._bwd_in_avals = ([jax.ShapeDtypeStruct(r.aval.shape, r.aval.dtype) for r in kept]
+        self._bwd_in_avals = (packing.buffer_avals()
                               + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
                                  for i in forwarded]
                               + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]

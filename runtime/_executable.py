@@ -98,12 +98,39 @@ class Executable:
             self.resolve()
         return [fn(env) for fn in self.output_fns]
 
-    def memory_report(self) -> dict[int, int]:
+    def release(self) -> dict[int, int]:
+        """Drop the gradient accumulators kept between steps for the next one (the next step makes new ones, as
+        the first did); returns the bytes per device id freed. The step stays usable."""
+        freed: dict[int, int] = collections.defaultdict(int)
+        for task in self.tasks:
+            pool = task.fn.pool if isinstance(task.fn, Transfer) else None
+            if pool:
+                for slot in task.outs:
+                    for dev, n in self.slot_bytes.get(slot, {}).items():
+                        freed[dev] += n
+                pool.clear()
+        return dict(sorted(freed.items()))
+
+    def held_between_steps(self) -> dict[int, int]:
+        """Bytes per device id the executable keeps allocated between steps: its constants and the gradient
+        accumulators kept for the next step (:meth:`release` frees the latter)."""
+        held: dict[int, int] = collections.defaultdict(int)
+        slots = [s for s, _ in self.const_slots]
+        slots += [o for t in self.tasks if isinstance(t.fn, Transfer) and t.fn.pool for o in t.outs]
+        for slot in slots:
+            for dev, n in self.slot_bytes.get(slot, {}).items():
+                held[dev] += n
+        return dict(sorted(held.items()))
+
+    def memory_report(self, between_steps: bool = False) -> dict[int, int]:
         """Peak bytes per device id over one step, by the runtime's own accounting: every buffer the instruction
         list holds (placed inputs, constants, activations, residuals, gradient accumulators, results) from the
         task that makes it to the task after which it is dropped, plus each program's XLA temporaries
         (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the
-        caller holds them); their placed copies are."""
+        caller holds them); their placed copies are. ``between_steps=True``: what stays allocated between steps
+        instead (:meth:`held_between_steps`)."""
+        if between_steps:
+            return self.held_between_steps()
         self.resolve()
         live: dict[int, int] = collections.defaultdict(int)
         peak: dict[int, int] = collections.defaultdict(int)

@@ -11,16 +11,97 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from autopp.core import device_free_key, is_local, retarget
+from autopp.core import device_free_key, is_local, retarget, serialize_compiled
 
 from autopp.runtime._tasks import Program, Task, give_back
+
+
+# -- compilations that other devices can reuse -------------------------------------------------------------
+_from_cache = threading.local()
+
+
+def _note_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded by the thread that compiles
+        _from_cache.hit = True
+
+
+_listening = []
+
+
+@dataclasses.dataclass(eq=False)
+class CompiledProgram:
+    """A compiled program and what loads it onto other devices (:meth:`serialized_form`)."""
+
+    compiled: Any
+    key: Any = None
+    """The program's device-free key (where its serialized form is stored)."""
+    serialized: bytes | None = b""
+    """The executable as compiled in this or an earlier process; ``b""``: not serialized yet; None: no complete
+    serialized form exists (JAX's persistent cache served the program and no earlier process stored its
+    serialized form), so other devices compile it."""
+
+    def serialized_form(self) -> bytes | None:
+        """The serialized executable, made (and stored for later processes) on first use; None if there is none."""
+        if self.serialized == b"":
+            try:
+                self.serialized = serialize_compiled(self.compiled)
+            except Exception:  # noqa: BLE001 - not serializable (callbacks, effects): other devices compile it
+                self.serialized = None
+                return None
+            _store(_store_path(self.key), self.serialized)
+        return self.serialized
+
+
+def _store_path(key) -> str | None:
+    """Where the serialized executable of a program with device-free ``key`` is kept between processes: beside
+    JAX's persistent compilation cache, when one is configured."""
+    base = jax.config.jax_compilation_cache_dir
+    if not base or key is None or not isinstance(key, tuple):
+        return None
+    ident = repr((key, jax.__version__, jax.devices()[0].device_kind, os.environ.get("XLA_FLAGS", "")))
+    return os.path.join(base, "autopp-serialized", hashlib.sha256(ident.encode()).hexdigest())
+
+
+def _store(path: str | None, data: bytes) -> None:
+    if path is None:
+        return
+    try:  # written whole, then renamed: a concurrent reader sees all of it or nothing
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def compile_reusable(lowered, key) -> CompiledProgram:
+    """Compile ``lowered`` through JAX (so its persistent compilation cache serves it when configured). Loading it
+    onto other devices needs a complete serialized form: this compilation's own (made when first needed and then
+    stored beside the cache), or, when JAX's cache served the program, the one an earlier process stored (a
+    program loaded from serialized form serializes incompletely on CPU, see
+    :func:`autopp.core.serialize_compiled`)."""
+    if not _listening:
+        jax.monitoring.register_event_listener(_note_cache_hit)
+        _listening.append(True)
+    _from_cache.hit = False
+    compiled = lowered.compile()
+    if not _from_cache.hit:
+        return CompiledProgram(compiled, key)
+    try:
+        with open(_store_path(key), "rb") as f:
+            return CompiledProgram(compiled, key, f.read())
+    except (OSError, TypeError):
+        return CompiledProgram(compiled, key, None)
 
 
 class Compiler:
@@ -71,21 +152,22 @@ class Compiler:
     def _submit(self, lowered) -> concurrent.futures.Future:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
-        return self._pool.submit(lowered.compile)
+        return self._pool.submit(compile_reusable, lowered, self._key(lowered))
 
 
-def retarget_or_none(compiled, lowered):
-    """:func:`autopp.core.retarget`, or None where it reports that the executable cannot serve ``lowered``'s
-    devices (``ValueError``: callbacks or effects, another device count). Anything else propagates."""
+def retarget_or_none(program: CompiledProgram, lowered):
+    """:func:`autopp.core.retarget` of ``program`` onto ``lowered``'s devices, or None where it reports that the
+    executable cannot serve them (``ValueError``: callbacks or effects, another device count, no complete
+    serialized form). Anything else propagates."""
     try:
-        return retarget(compiled, lowered)
+        return retarget(program.compiled, lowered, serialized=program.serialized_form)
     except ValueError:
         return None
 
 
 class _Deferred:
-    """A program still compiling (a future of :meth:`jax.stages.Lowered.compile`): calling it waits for the
-    executable, moves it onto the lowered program's devices if it was compiled for others, and runs it."""
+    """A program still compiling (a future of :func:`compile_reusable`): calling it waits for the executable,
+    moves it onto the lowered program's devices if it was compiled for others, and runs it."""
 
     __slots__ = ("compiled", "future", "lowered")
 

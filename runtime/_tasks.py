@@ -156,10 +156,23 @@ def place(in_avals, shardings) -> Transfer:
     """Many step inputs placed by one task: only those not already where they belong move, in one transfer call
     (after the first step, parameters and optimizer state are the previous step's outputs, already at home)."""
     shardings = list(shardings)
+    seen = [None] * len(shardings)  # per input: the last sharding object found equal to its destination
+
+    def at_home(i, x) -> bool:
+        # A step's outputs carry their program's sharding objects: one equality test per new object, then an
+        # identity test (~0.1 us against ~50 us for comparing two NamedShardings).
+        got = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        if got is None:
+            return False
+        if got is seen[i]:
+            return True
+        if got == shardings[i]:
+            seen[i] = got
+            return True
+        return False
 
     def call(*xs):
-        move = [i for i, (x, sh) in enumerate(zip(xs, shardings))
-                if not (isinstance(x, jax.Array) and x.sharding == sh)]
+        move = [i for i, x in enumerate(xs) if not at_home(i, x)]
         if not move:
             return xs
         out = list(xs)
@@ -215,8 +228,19 @@ def put(in_avals, shardings) -> Transfer:
         def call(*xs):
             return jax.device_put(list(xs), shardings)
     else:
+        seen = [None] * len(sources)  # per input: the last sharding object found equal to its source's
+
+        def as_built(i, x) -> bool:
+            got = getattr(x, "sharding", None)
+            if got is not None and got is seen[i]:
+                return True
+            if got == sources[i]:
+                seen[i] = got
+                return True
+            return False
+
         def call(*xs):
-            if all(getattr(x, "sharding", None) == src for x, src in zip(xs, sources)):
+            if all(as_built(i, x) for i, x in enumerate(xs)):
                 return copy_shards(xs, shardings)
             return jax.device_put(list(xs), shardings)
 

@@ -35,7 +35,8 @@ class TaskEvent:
     """The task's label: a schedule action (``2F3``, ``1B0``, fused ``3F1+3B1``) or runtime work (``send 0->1 mb
     2``, ``post phase 0 stage 1``...)."""
     lane: str
-    """The device group it ran on (``devices 0-1``)."""
+    """The device group it ran on (``devices 0-1``), or for a transfer between processes the link into the group
+    it delivers to (``link to devices 4-5``)."""
     start_s: float
     """Start, in seconds from the beginning of the step."""
     end_s: float
@@ -150,10 +151,20 @@ def _predicted_events(plan) -> list[TaskEvent]:
             for a, (s, e) in sorted(times.items(), key=lambda x: x[1])]
 
 
+def _lane(task) -> str:
+    """Where a task runs: its devices' group; a transfer between processes on the link into its devices (it
+    moves data while the group computes), the host for a task on no device."""
+    if not task.devices:
+        return "host"
+    if getattr(task.fn, "kind", None) == "cross":
+        return "link to devices " + id_ranges(sorted(task.devices))
+    return "devices " + id_ranges(sorted(task.devices))
+
+
 def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     """Run one step of a built executable, recording its timeline; returns (outputs, timeline)."""
     tasks = executable.tasks
-    lane_of = ["devices " + id_ranges(sorted(t.devices)) if t.devices else "host" for t in tasks]
+    lane_of = [_lane(t) for t in tasks]
     lanes = list(dict.fromkeys(lane_of))
     queues = {lane: queue.SimpleQueue() for lane in lanes}
     issued = [0.0] * len(tasks)

@@ -67,6 +67,29 @@ def run(name: str, out_dir: str) -> None:
             held[jax.tree_util.keystr(path)] = np.asarray(leaf.addressable_shards[0].data) if not \
                 leaf.is_fully_addressable else np.asarray(leaf)
     np.savez(os.path.join(out_dir, f"{name}.{me}.npz"), __losses__=np.array(losses), **held)
+    if name == "even" and jax.process_count() == 2:  # the 2-process test checks that transfers overlap compute
+        np.save(os.path.join(out_dir, f"{name}.{me}.overlaps.npy"),
+                np.array(receives_during_compute(step, state, batch), dtype=np.int64))
+
+
+def receives_during_compute(step, state, batch, steps: int = 3) -> list[int]:
+    """Per traced step: how many of this process's receives from another process completed while the receiving
+    stage was computing another action (a forward or backward that started before the arrival and ended after)."""
+    import re
+
+    counts = []
+    for _ in range(steps):
+        (*state, _), timeline = step.trace(*state, batch)
+        n = 0
+        for r in timeline.events:
+            m = re.match(r"^send (?:grad )?\d+->(\d+) mb (\d+) \(cross-process\)$", r.label)
+            if not m or r.lane.startswith("devices"):
+                continue
+            stage, mb = m.group(1), m.group(2)
+            n += any(c.kind in ("F", "B", "FB") and c.label.startswith(stage) and not c.label.endswith(mb)
+                     and c.start_s < r.end_s < c.end_s for c in timeline.events)
+        counts.append(n)
+    return counts
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ def test_two_processes_of_four_devices(tmp_path):
     _run(2, 4, ["even", "uneven"], tmp_path)
     _check("even", 2, tmp_path)
     _check("uneven", 2, tmp_path)
+    # Transfers between processes overlap compute: in the traced steps of the even plan, receives from the other
+    # process complete while the receiving stage computes another microbatch's forward or backward.
+    overlaps = [np.load(tmp_path / f"even.{p}.overlaps.npy") for p in range(2)]
+    assert sum(int(o.sum()) for o in overlaps) > 0, overlaps
 
 
 def test_four_processes_of_two_devices(tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import autopp
+from autopp.core import device_free_key
 from autopp.runtime import _executor, _multiprocess, _passes
 from autopp.runtime._tasks import Program, Transfer
 
@@ -190,14 +191,14 @@ def test_steps_accumulate_into_the_buffers_the_previous_step_gave_back(built):
 def _deferred():
     x = jax.device_put(np.ones((4,), np.float32), jax.devices()[1])
     lowered = jax.jit(lambda v: v * 2).lower(x)
-    source = jax.jit(lambda v: v * 2).lower(jax.device_put(np.ones((4,), np.float32), jax.devices()[0])).compile()
+    source = jax.jit(lambda v: v * 2).lower(jax.device_put(np.ones((4,), np.float32), jax.devices()[0]))
     future = concurrent.futures.Future()
-    future.set_result(source)
+    future.set_result(_passes.compile_reusable(source, device_free_key(source)))
     return _passes._Deferred(future, lowered), x
 
 
 def test_deferred_compiles_when_retarget_reports_the_programs_differ(monkeypatch):
-    def not_movable(compiled, lowered):
+    def not_movable(compiled, lowered, **_):
         raise ValueError("executable with callbacks or effects")
 
     monkeypatch.setattr(_passes, "retarget", not_movable)
@@ -207,7 +208,7 @@ def test_deferred_compiles_when_retarget_reports_the_programs_differ(monkeypatch
 
 
 def test_an_unexpected_error_from_retarget_propagates(monkeypatch):
-    def broken(compiled, lowered):
+    def broken(compiled, lowered, **_):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(_passes, "retarget", broken)

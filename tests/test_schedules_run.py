@@ -36,7 +36,8 @@ def test_interleaved_1f1b_equals_plain_jit(case, groups, virtual_stages, num_mic
     assert placed <= {d.id for d in jax.devices()[:devices]}
 
 
-@pytest.mark.parametrize("groups, num_microbatches, devices", [(2, 4, 2), (3, 8, 3)])
+@pytest.mark.parametrize("groups, num_microbatches, devices",
+                         [(2, 4, 2), pytest.param(3, 8, 3, marks=pytest.mark.slow)])  # 3 groups: the same paths
 def test_dualpipev_equals_plain_jit(case, groups, num_microbatches, devices):
     step, state, batch, reference = case
     pipelined = autopp.parallelize(step, num_stages=groups, schedule="dualpipev", num_microbatches=num_microbatches,
