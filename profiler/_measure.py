@@ -17,9 +17,10 @@ from jax.extend import core as jex_core
 from autopp.profiler._costs import OpCost
 from autopp.profiler._layer_stage import layer_graph, layer_stage_programs
 
-CACHE_VERSION = 2
-"""Version 2: times of the runtime's stage programs (:class:`autopp.core.StagePrograms`); version 1 timed a plain
-``jit`` of the layer's VJP."""
+CACHE_VERSION = 3
+"""Version 3: times of the runtime's stage programs (:class:`autopp.core.StagePrograms`) with small residuals
+packed between forward and backward; version 2 timed them unpacked, version 1 a plain ``jit`` of the layer's
+VJP."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
