@@ -152,24 +152,32 @@ def devices_of(avals) -> frozenset[int]:
 
 
 # -- transfers ---------------------------------------------------------------------------------------
-def place(in_avals, shardings) -> Transfer:
-    """Many step inputs placed by one task: only those not already where they belong move, in one transfer call
-    (after the first step, parameters and optimizer state are the previous step's outputs, already at home)."""
-    shardings = list(shardings)
-    seen = [None] * len(shardings)  # per input: the last sharding object found equal to its destination
+def sharding_matcher(expected) -> Callable[[int, Any], bool]:
+    """``matches(i, x)``: whether ``x`` is a ``jax.Array`` laid out as ``expected[i]``. A step's outputs carry their
+    program's sharding objects, so after one equality test per new object the test is one of identity (~0.1 us
+    against ~50 us for comparing two NamedShardings)."""
+    expected = list(expected)
+    seen = [None] * len(expected)  # per position: the last sharding object found equal to the expected one
 
-    def at_home(i, x) -> bool:
-        # A step's outputs carry their program's sharding objects: one equality test per new object, then an
-        # identity test (~0.1 us against ~50 us for comparing two NamedShardings).
+    def matches(i, x) -> bool:
         got = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
         if got is None:
             return False
         if got is seen[i]:
             return True
-        if got == shardings[i]:
+        if got == expected[i]:
             seen[i] = got
             return True
         return False
+
+    return matches
+
+
+def place(in_avals, shardings) -> Transfer:
+    """Many step inputs placed by one task: only those not already where they belong move, in one transfer call
+    (after the first step, parameters and optimizer state are the previous step's outputs, already at home)."""
+    shardings = list(shardings)
+    at_home = sharding_matcher(shardings)
 
     def call(*xs):
         move = [i for i, x in enumerate(xs) if not at_home(i, x)]
@@ -228,16 +236,7 @@ def put(in_avals, shardings) -> Transfer:
         def call(*xs):
             return jax.device_put(list(xs), shardings)
     else:
-        seen = [None] * len(sources)  # per input: the last sharding object found equal to its source's
-
-        def as_built(i, x) -> bool:
-            got = getattr(x, "sharding", None)
-            if got is not None and got is seen[i]:
-                return True
-            if got == sources[i]:
-                seen[i] = got
-                return True
-            return False
+        as_built = sharding_matcher(sources)
 
         def call(*xs):
             if all(as_built(i, x) for i, x in enumerate(xs)):
