@@ -1,9 +1,14 @@
 """Multi-host runs on JAX's multi-controller runtime (``jax.distributed``).
 
 Every process runs the same program. :func:`initialize` connects the process to the others, enables the
-cross-process ``jax.device_put`` transfers the runtime uses between stages on different processes (and gloo
-collectives on CPU), and starts a watchdog: a process that stops answering makes the others exit with an error
-naming it, instead of hanging.
+cross-process ``jax.device_put`` transfers the runtime uses between stages on different processes, and starts a
+watchdog: a process that stops answering makes the others exit with an error naming it, instead of hanging.
+
+autopp's steps need no collective that spans processes: a stage's devices belong to one process, and what crosses
+processes goes by ``jax.device_put``. On CPU, JAX's cross-process collectives (gloo) would also carry every
+collective *inside* a process (a data-parallel stage's gradient all-reduce, over TCP), so by default they are left
+off and XLA's in-process collectives serve the stages. Pass ``cpu_collectives="gloo"`` when your own code runs
+collectives across processes on CPU (``jax.experimental.multihost_utils``, a ``jit`` over every process's devices).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ _DONE_PREFIX = "autopp/done/"
 DEFAULT_FAILURE_TIMEOUT_S = 20.0
 """A peer silent for this long is declared lost (override: ``failure_timeout_s`` or $AUTOPP_FAILURE_TIMEOUT)."""
 LOST_PROCESS_EXIT_CODE = 17
+CPU_COLLECTIVES = (None, "gloo", "mpi")
+"""Values of ``initialize(cpu_collectives=)``."""
 
 _state: dict = {}
 
@@ -54,7 +61,7 @@ def _default_transfer_address(coordinator_address: str | None) -> str:
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_count: int | None = None,
                transfer_address: str | None = None, failure_timeout_s: float | None = None,
-               initialization_timeout_s: int = 120) -> None:
+               initialization_timeout_s: int = 120, cpu_collectives: str | None = None) -> None:
     """Join this process to a multi-process run; call it first thing, before any other JAX call.
 
     Arguments default to the environment: ``$AUTOPP_COORDINATOR`` / ``$JAX_COORDINATOR_ADDRESS``,
@@ -64,7 +71,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     ``$AUTOPP_TRANSFER_ADDRESS``) is the ``host:port`` this process receives stage-to-stage transfers on (default:
     loopback when the coordinator is, else this host's address, on a free port; port 0 does not work). A peer that sends no heartbeat
     for ``failure_timeout_s`` (or ``$AUTOPP_FAILURE_TIMEOUT``; default 20 s) is declared lost: this process
-    prints which one and exits with status 17.
+    prints which one and exits with status 17. ``cpu_collectives`` (or ``$AUTOPP_CPU_COLLECTIVES``): ``None``
+    (default: no collective spans processes on CPU; autopp's steps need none, and its stages' own collectives then
+    stay inside their process), ``"gloo"`` or ``"mpi"`` (JAX's ``jax_cpu_collectives_implementation``, for code of
+    your own that runs collectives across processes on CPU; every collective then goes through it).
     """
     if _state.get("initialized"):
         raise RuntimeError("autopp.distributed.initialize was already called in this process.")
@@ -88,13 +98,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if coordinator_address is not None and ":" not in coordinator_address:
         raise ValueError(f"autopp.distributed.initialize: coordinator_address={coordinator_address!r}; give "
                          "'host:port', e.g. '127.0.0.1:12345'.")
+    if cpu_collectives is None:
+        cpu_collectives = os.environ.get("AUTOPP_CPU_COLLECTIVES") or None
+    if cpu_collectives not in CPU_COLLECTIVES:
+        raise ValueError(f"autopp.distributed.initialize: cpu_collectives={cpu_collectives!r}; give one of "
+                         f"{', '.join(map(repr, CPU_COLLECTIVES))} (None: no collective across processes on CPU).")
     if not failure_timeout_s > 0:
         raise ValueError(f"autopp.distributed.initialize: failure_timeout_s={failure_timeout_s!r}; give a "
                          "positive number of seconds.")
 
     if local_device_count is not None:
         jax.config.update("jax_num_cpu_devices", local_device_count)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.config.update("jax_cross_host_transfer_socket_address",
                       transfer_address or os.environ.get("AUTOPP_TRANSFER_ADDRESS")
                       or _default_transfer_address(coordinator_address))
@@ -211,11 +226,35 @@ def gather(x):
 
     Scalar step outputs (the loss, metrics) already are on every process: ``float(loss)`` works everywhere.
     This fetches any other output (e.g. a parameter) from the process that holds it; every process must call
-    it with the same output, in the same order, as for any collective.
+    it with the same output, in the same order, as for any collective. An output held by one process travels by
+    cross-process ``jax.device_put`` (no collective), one held by several by JAX's ``process_allgather``.
     """
     import numpy as np
-    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    if not isinstance(x, jax.Array) or jax.process_count() == 1:
         return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    holders = sorted({d.process_index for d in x.sharding.device_set})
+    if len(holders) > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    owner, me = holders[0], jax.process_index()
+    first = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+
+    def on(process):  # the whole value on one device of ``process``
+        return NamedSharding(Mesh(np.array([first[process]]), ("gather",)), PartitionSpec())
+
+    if me == owner:
+        here = jax.device_put(x, on(owner))  # gathered onto one device of its own process
+    else:
+        here = jax.make_array_from_single_device_arrays(x.shape, on(owner), [], dtype=x.dtype)
+    mine = here
+    for q in range(jax.process_count()):  # one send per receiver, issued by every process in the same order
+        if q != owner:
+            got = jax.device_put(here, on(q))
+            if q == me:
+                mine = got
+    return np.asarray(mine)

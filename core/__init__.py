@@ -71,6 +71,7 @@ from autopp.core._plan import (
     StagePlan,
     id_ranges,
 )
+from autopp.core._reroll import ScanRun, find_scan_runs, reroll_scans
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs
 
 __all__ = [name for name in dir() if not name.startswith("_")]

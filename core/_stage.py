@@ -13,6 +13,7 @@ from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
 from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, slice_jaxpr
 from autopp.core._packing import plan_packing
+from autopp.core._reroll import reroll_scans
 
 Literal = jex_core.Literal
 
@@ -139,9 +140,12 @@ class StagePrograms:
         self.has_flag = bool(self.param_idx)
         """Whether the accumulating programs take the ``first`` flag (they do when the stage has parameters)."""
         self.seed_of_output = dict(seed_of_output)
-        closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
-
         constraints = dict(constraints or {})
+        closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
+        self.scan_runs = []
+        """Runs of whole ``lax.scan`` iterations this stage's programs run as one scan (:mod:`autopp.core._reroll`)."""
+        if not constraints:  # a constrained activation must keep its identity: leave the iterations unrolled
+            closed, self.scan_runs = reroll_scans(closed, name=f"stage {g.index}")
 
         def run(inputs):
             if not constraints:

@@ -15,7 +15,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
-from autopp.core import RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, slice_jaxpr, stage_graphs
+from autopp.core import RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, reroll_scans, slice_jaxpr, stage_graphs
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -407,7 +407,8 @@ class StepBuilder:
         what plain ``jax.jit`` with microbatching costs.
         """
         st, jaxpr = self.step, self.jaxpr
-        M, spec, fwd = st.config.num_microbatches, st.spec, st.forward
+        M, spec = st.config.num_microbatches, st.spec
+        fwd, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit
         mean = st.config.loss_reduction == "mean"
         mb_mask, diff_idx = list(st.mb_invar), spec.diff_indices
         recompute = st.config.recompute[0]

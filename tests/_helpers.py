@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -65,4 +66,40 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-7):
         if not np.allclose(a, e, rtol=rtol, atol=atol):
             err = np.max(np.abs(a - e) - rtol * np.abs(e))
             failures.append(f"{jax.tree_util.keystr(path)}: max excess error {err:.3g}")
+    assert not failures, "\n".join(failures)
+
+
+def microbatched_jit(model, tx, num_microbatches):
+    """Plain ``jax.jit`` of the training step with the batch split into ``num_microbatches`` and the gradients
+    accumulated under ``lax.scan``: the same split a pipelined step makes, written without autopp."""
+    def step(params, opt_state, batch):
+        mbs = jax.tree.map(lambda x: x.reshape((num_microbatches, -1) + x.shape[1:]), batch)
+
+        def body(carry, mb):
+            return jax.tree.map(jnp.add, carry, jax.value_and_grad(model.loss)(params, mb)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zeros, mbs)
+        loss, grads = jax.tree.map(lambda g: g / num_microbatches, (loss, grads))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step)
+
+
+def assert_within_microbatch_noise(actual, expected, split, factor=2.0, atol=1e-7):
+    """Leaf by leaf, ``|actual - expected| <= factor * |split - expected| + atol``: with Adam, rounding differences
+    of near-zero gradients become lr-sized updates, so a pipelined step may differ from plain jit by what plain jit
+    itself shows when it splits the batch into the same microbatches (``split``, e.g. from
+    :func:`microbatched_jit`); twice that is allowed."""
+    la, ta = jax.tree_util.tree_flatten_with_path(actual)
+    le, te = jax.tree_util.tree_flatten_with_path(expected)
+    ls, _ = jax.tree_util.tree_flatten(split)
+    assert ta == te, f"tree structures differ:\n{ta}\n{te}"
+    failures = []
+    for (path, a), (_, e), m in zip(la, le, ls):
+        a, e, m = np.asarray(a), np.asarray(e), np.asarray(m)
+        excess = np.abs(a - e) - (factor * np.abs(m - e) + atol)
+        if np.max(excess, initial=0) > 0:
+            failures.append(f"{jax.tree_util.keystr(path)}: max excess error {np.max(excess):.3g}")
     assert not failures, "\n".join(failures)

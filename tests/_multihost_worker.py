@@ -67,6 +67,10 @@ def run(name: str, out_dir: str) -> None:
             held[jax.tree_util.keystr(path)] = np.asarray(leaf.addressable_shards[0].data) if not \
                 leaf.is_fully_addressable else np.asarray(leaf)
     np.savez(os.path.join(out_dir, f"{name}.{me}.npz"), __losses__=np.array(losses), **held)
+    if name == "even":  # every parameter, wherever it is held, gathered to every process (no collective)
+        np.savez(os.path.join(out_dir, f"{name}.{me}.gathered.npz"),
+                 **{jax.tree_util.keystr(path): autopp.distributed.gather(leaf)
+                    for path, leaf in jax.tree_util.tree_flatten_with_path(state[0])[0]})
     if name == "even" and jax.process_count() == 2:  # the 2-process test checks that transfers overlap compute
         np.save(os.path.join(out_dir, f"{name}.{me}.overlaps.npy"),
                 np.array(receives_during_compute(step, state, batch), dtype=np.int64))

@@ -54,6 +54,13 @@ def _check(name: str, num_processes: int, tmp_path) -> None:
                                            err_msg=f"{name}: {key} on process {p}")
                 seen.add(key)
     assert seen == set(params), f"{name}: parameters held by no process: {sorted(set(params) - seen)}"
+    if name == "even":  # autopp.distributed.gather: every parameter on every process
+        for p in range(num_processes):
+            got = np.load(tmp_path / f"{name}.{p}.gathered.npz")
+            assert set(got.files) == set(params)
+            for key in got.files:
+                np.testing.assert_allclose(got[key], params[key], rtol=1e-5, atol=1e-7,
+                                           err_msg=f"{name}: gathered {key} on process {p}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,6 +94,12 @@ def test_four_processes_of_uneven_stages(tmp_path):
     uneven plan covers the same transfers between layouts)."""
     _run(4, 2, ["uneven4"], tmp_path)
     _check("uneven4", 4, tmp_path)
+
+
+def test_cpu_collectives_are_checked():
+    with pytest.raises(ValueError, match="cpu_collectives='nccl'"):
+        autopp.distributed.initialize("127.0.0.1:1", 2, 0, cpu_collectives="nccl")
+    assert not autopp.distributed.is_initialized()
 
 
 def test_lost_process_stops_the_others(tmp_path):
