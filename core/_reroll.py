@@ -66,6 +66,11 @@ class ScanRun:
     def stop(self) -> int:
         return self.start + self.period * self.count
 
+    @property
+    def low(self) -> int:
+        """The least row the run reads."""
+        return self.first_row if self.step == 1 else self.first_row - self.count + 1
+
 
 def _row_slice(eqn):
     """The row ``k`` if ``eqn`` is ``slice`` of one whole row along axis 0 (``index_in_dim``'s first half)."""
@@ -145,7 +150,6 @@ def _init_key(a):
 def _analyse(eqns, chain: list[_Header], period: int, used_after: set, keep: Collection) -> ScanRun | None:
     """The run's data flow, or None when it is not a scan's."""
     start, count, hl = chain[0].pos, len(chain), chain[0].length
-    stop = start + period * count
     where = {}  # var -> (block, relative equation, output)
     for b in range(count):
         for r in range(period):
@@ -221,13 +225,13 @@ def find_scan_runs(jaxpr: jex_core.Jaxpr, keep: Collection = ()) -> list[ScanRun
     return runs
 
 
-def _run_scan(eqns, run: ScanRun, read, env) -> None:
-    """Evaluate ``run`` as one ``lax.scan``, writing the values later equations read into ``env``."""
+def _run_scan(eqns, run: ScanRun, read, env, rows) -> None:
+    """Evaluate ``run`` as one ``lax.scan``, writing the values later equations read into ``env``; ``rows(x, k, n)``
+    reads rows ``k, ..., k + n - 1`` of ``x``."""
     first = eqns[run.start:run.start + run.period]
     header, body_eqns = first[:run.header_length], first[run.header_length:]
     row_vars = [header[i + 1].outvars[0] for i in range(0, run.header_length, 2)]
-    low = run.first_row if run.step == 1 else run.first_row - run.count + 1
-    xs = [jax.lax.slice_in_dim(read(src), low, low + run.count, axis=0) for src in run.sources]
+    xs = [rows(src, run.low, run.count) for src in run.sources]
     consts = [read(v) for v in run.consts]
 
     def body(carry, rows):
@@ -259,41 +263,65 @@ def _run_scan(eqns, run: ScanRun, read, env) -> None:
             env[eqns[run.start + b * run.period + key[0]].outvars[key[1]]] = stacked[index]
 
 
-def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str = "rerolled"
-                 ) -> tuple[jex_core.ClosedJaxpr, list[ScanRun]]:
-    """``closed`` with each run of :func:`find_scan_runs` written as one ``lax.scan`` (same inputs and outputs, same
-    values), and the runs; ``closed`` itself when there are none."""
+def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str = "rerolled",
+                 relative_rows: bool = False) -> tuple[jex_core.ClosedJaxpr, list[ScanRun], list[int]]:
+    """``closed`` with each run of :func:`find_scan_runs` written as one ``lax.scan`` (same values), the runs, and the
+    row bases.
+
+    ``relative_rows``: the rows a program reads of each stacked input are read relative to an extra int32 input, the
+    least row it reads (one input per distinct such row, appended after the others in increasing order; the third
+    result lists the values to pass). Two stages that run the same iterations of a scan at different depths are then the same
+    program: the middle stages of a scanned model compile once. Without it (or with nothing to roll or read by rows)
+    the inputs are unchanged and the third result is empty; with nothing to change ``closed`` itself is returned."""
     jaxpr = closed.jaxpr
     runs = find_scan_runs(jaxpr, keep)
-    if not runs:
-        return closed, []
+    bases: dict = {}
+    if relative_rows:
+        invars = set(jaxpr.invars)
+        for e in jaxpr.eqns:
+            k = _row_slice(e)
+            if k is not None and e.invars[0] in invars:
+                bases[e.invars[0]] = min(bases.get(e.invars[0], k), k)
+    distinct = sorted(set(bases.values()))  # one input per distinct least row (usually one for all)
+    if not runs and not bases:
+        return closed, [], []
     at = {r.start: r for r in runs}
     eqns = jaxpr.eqns
 
     def evaluate(*args):
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars, args))
+        base_of = {x: args[len(jaxpr.invars) + distinct.index(k)] for x, k in bases.items()}
 
         def read(a):
             return a.val if isinstance(a, Literal) else env[a]
+
+        def rows(x, k, n):
+            if x in base_of:
+                return jax.lax.dynamic_slice_in_dim(read(x), base_of[x] + (k - bases[x]), n, axis=0)
+            return jax.lax.slice_in_dim(read(x), k, k + n, axis=0)
 
         i = 0
         while i < len(eqns):
             run = at.get(i)
             if run is not None:
-                _run_scan(eqns, run, read, env)
+                _run_scan(eqns, run, read, env, rows)
                 i = run.stop
                 continue
             e = eqns[i]
-            outs = _compat.bind_eqn(e, [read(a) for a in e.invars])
-            env.update(zip(e.outvars, outs if e.primitive.multiple_results else [outs]))
+            k = _row_slice(e)
+            if k is not None and e.invars[0] in base_of:
+                env[e.outvars[0]] = rows(e.invars[0], k, 1)
+            else:
+                outs = _compat.bind_eqn(e, [read(a) for a in e.invars])
+                env.update(zip(e.outvars, outs if e.primitive.multiple_results else [outs]))
             i += 1
         return [read(a) for a in jaxpr.outvars]
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
-             for v in jaxpr.invars]
+             for v in jaxpr.invars] + [jax.ShapeDtypeStruct((), jax.numpy.int32)] * len(distinct)
     traced = jax.make_jaxpr(evaluate)(*avals)
     out = jex_core.ClosedJaxpr(
         _compat.new_jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars, traced.jaxpr.eqns,
                           traced.jaxpr.effects, name), traced.consts)
-    return out, runs
+    return out, runs, distinct

@@ -107,15 +107,16 @@ class StagePrograms:
     """The jitted programs of one stage (``recompute``: ``none``, ``full`` or ``selective``, see
     :data:`RECOMPUTE_POLICIES`).
 
-    * ``fwd(*inputs) -> (*outputs, *residuals)``: outputs as in :class:`StageGraph`; residuals are what
-      the VJP keeps, minus residuals that are inputs (those are passed to ``bwd`` from the inputs).
+    * ``fwd(*inputs, *row_bases) -> (*outputs, *residuals)``: outputs as in :class:`StageGraph`; residuals are what
+      the VJP keeps, minus residuals that are inputs (those are passed to ``bwd`` from the inputs). ``row_bases``
+      (:attr:`row_bases`, int32 scalars; usually none) say where the stage's rows of each stacked input begin.
     * ``bwd(*residuals, *forwarded_inputs, *cotangents, *grad_acc, first) -> (*grad_acc, *input_cotangents)``:
       ``cotangents`` are one per differentiable output (already summed); ``grad_acc`` one per
       differentiable *parameter* input (donated); ``input_cotangents`` one per differentiable activation input.
       ``first`` (a boolean scalar, present when there are accumulators) starts the accumulation: the
       accumulators' contents are then ignored, not added, so any buffer of the right layout can start a step
       (the runtime reuses the previous step's accumulators instead of a program that makes zeros).
-    * ``fwd_bwd(*inputs, *grad_acc, first) -> (*outputs, *grad_acc, *input_cotangents)``: both at once, for a
+    * ``fwd_bwd(*inputs, *row_bases, *grad_acc, first) -> (*outputs, *grad_acc, *input_cotangents)``: both at once, for a
       stage whose differentiable outputs all have constant cotangents (the loss stage).
     * ``bwd_input(*residuals, *forwarded_inputs, *cotangents) -> (*input_cotangents, *stash)`` and
       ``bwd_weight(*w_args, *stash, *grad_acc, first) -> (*grad_acc)``: ``bwd`` split for zero-bubble schedules (an
@@ -142,10 +143,15 @@ class StagePrograms:
         self.seed_of_output = dict(seed_of_output)
         constraints = dict(constraints or {})
         closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
-        self.scan_runs = []
-        """Runs of whole ``lax.scan`` iterations this stage's programs run as one scan (:mod:`autopp.core._reroll`)."""
+        self.scan_runs, self.row_bases = [], []
         if not constraints:  # a constrained activation must keep its identity: leave the iterations unrolled
-            closed, self.scan_runs = reroll_scans(closed, name=f"stage {g.index}")
+            closed, self.scan_runs, self.row_bases = reroll_scans(closed, name=f"stage {g.index}", relative_rows=True)
+        """``scan_runs``: runs of whole ``lax.scan`` iterations this stage's programs run as one scan; ``row_bases``: the
+        int32 values ``fwd`` and ``fwd_bwd`` take after the inputs, the least row the stage reads of each stacked input
+        (:mod:`autopp.core._reroll`), so that stages running the same iterations at other depths are one program."""
+        in_avals = [v.aval for v in g.inputs] + [jax.ShapeDtypeStruct((), jnp.int32)] * len(self.row_bases)
+        n_in = len(in_avals)
+        in_shardings = list(in_shardings) + [flag_sharding] * len(self.row_bases)
 
         def run(inputs):
             if not constraints:
@@ -176,7 +182,7 @@ class StagePrograms:
             holder["treedef"] = treedef
             return (*outs, *leaves)
 
-        traced = jax.make_jaxpr(fwd_full)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in g.inputs])
+        traced = jax.make_jaxpr(fwd_full)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals])
         self._vjp_treedef = holder["treedef"]
         n_out = len(g.outputs)
         res_vars = traced.jaxpr.outvars[n_out:]
@@ -238,8 +244,8 @@ class StagePrograms:
             return apply_vjp(leaves, cts, grad_acc, first)
 
         def fwd_bwd(*args):
-            inputs = list(args[:len(g.inputs)])
-            grad_acc = args[len(g.inputs):len(g.inputs) + n_acc]
+            inputs = list(args[:n_in])
+            grad_acc = args[n_in:n_in + n_acc]
             first = args[-1] if has_flag else None
             outs, vjp_fn = vjp_of(inputs)
             cts = [jnp.full(a.shape, s, a.dtype) for a, s in zip(out_avals, seeds)]
@@ -259,8 +265,7 @@ class StagePrograms:
         self._bwd_fn, self._acc_shardings, self._act_ct_shardings = bwd, acc_shardings, act_ct
         self._residual_sharding = residual_sharding
         self._bwd_in_avals = (packing.buffer_avals()
-                              + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
-                                 for i in forwarded]
+                              + [jax.ShapeDtypeStruct(in_avals[i].shape, in_avals[i].dtype) for i in forwarded]
                               + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
                               + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
                                  for i in param_idx]
@@ -269,7 +274,7 @@ class StagePrograms:
         flag_sh = (flag_sharding,) if has_flag else ()
         self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings + flag_sh,
                                out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
-                               donate_argnums=tuple(range(len(g.inputs), len(g.inputs) + len(param_idx))))
+                               donate_argnums=tuple(range(n_in, n_in + len(param_idx))))
 
     def _split_backward(self):
         """Build ``bwd_input`` / ``bwd_weight`` (on first use: only zero-bubble schedules need them)."""

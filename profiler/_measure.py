@@ -75,7 +75,8 @@ def measure_layer(closed: jex_core.ClosedJaxpr, diff: Sequence[bool] | None = No
     graph = layer_graph(closed, range(len(closed.jaxpr.eqns)), diff)
     progs = layer_stage_programs(graph, [bool(param_of.get(v, False)) for v in graph.inputs], device)
     keys = jax.random.split(jax.random.key(0), max(1, len(graph.inputs)))
-    args = jax.device_put([_example(v.aval, k) for v, k in zip(graph.inputs, keys)], device)
+    args = jax.device_put([_example(v.aval, k) for v, k in zip(graph.inputs, keys)]
+                          + [jnp.int32(base) for base in progs.row_bases], device)
 
     fwd_out = progs.fwd(*args)
     kept = list(fwd_out[len(graph.outputs):])

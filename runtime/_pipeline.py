@@ -172,6 +172,7 @@ class Pipeline:
         return [self.b.seed_slot(s, jax.ShapeDtypeStruct((), jnp.bool_), first)]
 
     def input_slots(self, s, m) -> list[int]:
+        """Stage ``s``'s forward arguments for microbatch ``m``: its inputs, then its row bases (constants)."""
         slots = []
         for pos, v in enumerate(self.st.graphs[s].inputs):
             if (s, pos) in self.static_in:
@@ -180,7 +181,8 @@ class Pipeline:
                 slots.append(self.mb_slots[(s, pos, m)])
             else:
                 slots.append(self.act_at[(v, m, s)])
-        return slots
+        row = jax.ShapeDtypeStruct((), jnp.int32)
+        return slots + [self.b.seed_slot(s, row, base) for base in self.programs[s].row_bases]
 
     def ship_outputs(self, s, m, out_slots) -> None:
         st = self.st

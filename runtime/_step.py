@@ -408,7 +408,7 @@ class StepBuilder:
         """
         st, jaxpr = self.step, self.jaxpr
         M, spec = st.config.num_microbatches, st.spec
-        fwd, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit
+        fwd, _, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit
         mean = st.config.loss_reduction == "mean"
         mb_mask, diff_idx = list(st.mb_invar), spec.diff_indices
         recompute = st.config.recompute[0]

@@ -21,6 +21,23 @@ def tiny_gpt() -> GPT:
     return GPT(GPTConfig(layers=4, hidden=32, heads=4, seq=16, vocab=64))
 
 
+class ScannedGPT(GPT):
+    """The zoo GPT with its blocks stacked and run by ``lax.scan``, as many JAX models are written."""
+
+    def init(self, key):
+        params = super().init(key)
+        params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])
+        return params
+
+    def apply(self, params, tokens):
+        x, _ = jax.lax.scan(lambda h, p: (self.block(p, h), None), self.embed(params, tokens), params["blocks"])
+        return self.head(params, x)
+
+
+def tiny_scanned_gpt() -> ScannedGPT:
+    return ScannedGPT(GPTConfig(layers=8, hidden=32, heads=4, seq=16, vocab=64))
+
+
 def tiny_mlp() -> MLP:
     return MLP(MLPConfig(sizes=(16, 32, 32, 32, 32, 32, 32, 32, 8)))
 

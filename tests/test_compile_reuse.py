@@ -12,7 +12,7 @@ import autopp
 from autopp.core import _compat
 from autopp.runtime import _executor, _passes
 
-from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp
+from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp, tiny_scanned_gpt
 
 
 def _layer(x, w):
@@ -64,10 +64,12 @@ def test_different_programs_have_different_keys():
     assert _compat.device_free_key(a) == _compat.device_free_key(c)
 
 
-@pytest.mark.parametrize("factory", [tiny_mlp, tiny_gpt])
+@pytest.mark.parametrize("factory", [tiny_mlp, tiny_gpt, tiny_scanned_gpt])
 def test_equal_middle_stages_compile_once_and_equal_jit(monkeypatch, factory):
     """The split repeats the middle stages (the GPT's start inside a block, at the same point of each block),
-    so their forward, backward and optimizer programs compile once and load onto the other stage's device."""
+    so their forward, backward and optimizer programs compile once and load onto the other stage's device. With
+    the blocks under ``lax.scan`` the stages read their rows of the stacked parameters relative to a row base they
+    take as an argument, so the middle stages are again one program."""
     compiles = []
     real = _compat.retarget
 
@@ -85,7 +87,11 @@ def test_equal_middle_stages_compile_once_and_equal_jit(monkeypatch, factory):
     assert_trees_close(actual, expected, rtol=1e-5)
     assert sum(compiles) >= 3, f"moved {sum(compiles)} programs; stage 2's F, B and post phase equal stage 1's"
     exe = pipelined.executable_for(*state, batch)
-    assert isinstance(exe, _executor.Executable) and exe.num_programs - sum(compiles) == exe.num_compiled
+    assert isinstance(exe, _executor.Executable)
+    if factory is tiny_scanned_gpt:  # also equal programs on one device: the sums of each stacked gradient's parts
+        assert exe.num_compiled <= exe.num_programs - sum(compiles)
+    else:
+        assert exe.num_programs - sum(compiles) == exe.num_compiled
 
 
 def test_shard_copies_only_between_mirrored_layouts():

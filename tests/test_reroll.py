@@ -16,8 +16,8 @@ import autopp.core._stage
 import autopp.runtime._step
 from autopp.core import eval_jaxpr_with, slice_jaxpr
 from autopp.core._reroll import find_scan_runs, reroll_scans
-from autopp.models import GPT, GPTConfig, make_train_step
-from tests._helpers import assert_trees_close, run_steps
+from autopp.models import make_train_step
+from tests._helpers import assert_trees_close, run_steps, tiny_scanned_gpt
 
 W = jax.random.normal(jax.random.key(0), (6, 8, 8)) * 0.4
 B = jax.random.normal(jax.random.key(1), (6, 8))
@@ -59,7 +59,7 @@ def _reverse(w, b, x, s):
 @pytest.mark.parametrize("f", [_stacked_outputs, _reverse], ids=["stacked-outputs", "reverse"])
 def test_rolled_back_equals_the_unrolled_jaxpr_and_jit(f):
     unrolled = _unrolled(f, W, B, X, SCALE)
-    rolled, runs = reroll_scans(unrolled)
+    rolled, runs, _ = reroll_scans(unrolled)
     assert [(r.count, r.step) for r in runs] == [(6, -1 if f is _reverse else 1)]
     (scan,) = _scans(rolled)
     assert scan.params["length"] == 6 and scan.params["reverse"] == (f is _reverse)
@@ -85,7 +85,7 @@ def test_only_whole_iterations_of_a_slice_are_rolled():
     later = {a for e in unrolled.jaxpr.eqns[cut_to:] for a in e.invars
              if not isinstance(a, jax.extend.core.Literal)} | set(unrolled.jaxpr.outvars)
     sub, ins, _ = slice_jaxpr(unrolled, range(cut_from, cut_to), lambda v: v in later, "stage")
-    rolled, (part,) = reroll_scans(sub)
+    rolled, (part,), _ = reroll_scans(sub)
     assert (part.count, part.first_row) == (2, 2)
     seen = {}
 
@@ -118,32 +118,19 @@ def test_a_kept_variable_leaves_its_run_unrolled():
     assert find_scan_runs(unrolled.jaxpr, keep={inside}) == []
 
 
-class _ScannedGPT(GPT):
-    """The zoo GPT with its blocks stacked and run by ``lax.scan``, as many JAX models are written."""
-
-    def init(self, key):
-        params = super().init(key)
-        params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])
-        return params
-
-    def apply(self, params, tokens):
-        x, _ = jax.lax.scan(lambda h, p: (self.block(p, h), None), self.embed(params, tokens), params["blocks"])
-        return self.head(params, x)
-
-
 @pytest.mark.parametrize("num_stages, schedule", [(1, "1f1b"), (2, "1f1b"), (4, "zb-h1")])
 def test_a_scanned_model_trains_like_jit_with_its_iterations_rolled(monkeypatch, num_stages, schedule):
     runs_of = {}
     original = reroll_scans
 
     def spy(closed, **kwargs):
-        out, runs = original(closed, **kwargs)
+        out, runs, bases = original(closed, **kwargs)
         runs_of[kwargs["name"]] = runs
-        return out, runs
+        return out, runs, bases
 
     monkeypatch.setattr(autopp.core._stage, "reroll_scans", spy)  # each stage's programs
     monkeypatch.setattr(autopp.runtime._step, "reroll_scans", spy)  # the one-stage program
-    model, tx = _ScannedGPT(GPTConfig(layers=8, hidden=32, heads=4, seq=16, vocab=64)), optax.sgd(0.1)
+    model, tx = tiny_scanned_gpt(), optax.sgd(0.1)
     params = model.init(jax.random.key(0))
     state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 16)
     step = make_train_step(model.loss, tx)

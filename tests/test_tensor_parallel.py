@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopp
 from autopp.runtime._tensor import tensor_specs
-from tests._helpers import (assert_trees_close, assert_within_microbatch_noise, gpt_case, make_optimizer,
+from tests._helpers import (assert_within_microbatch_noise, gpt_case, make_optimizer,
                            microbatched_jit, run_steps, tiny_gpt, with_jit_reference)
 
 # Megatron-LM's split of a GPT block: fused qkv and the MLP's first matmul by columns (their biases with them),
