@@ -221,9 +221,17 @@ class StagePrograms:
         seeds = [self.seed_of_output.get(i) for i in diff_out_idx]
         out_avals = [g.outputs[i].aval for i in diff_out_idx]
 
+        acc_packing = plan_packing([g.inputs[i].aval for i in param_idx], list(grad_shardings))
+        self.acc_packing = acc_packing
+        """How the gradient accumulators are held between actions: small ones packed per dtype and layout, as the
+        residuals are, so that a backward takes and returns a few buffers instead of one per parameter;
+        ``acc_packing.unpack`` gives each parameter's gradient (in :attr:`param_idx` order)."""
+        n_acc = self.num_acc = acc_packing.num_buffers
+
         def accumulate(grad_acc, first, by_input):
             # a select, not a multiply: a reused buffer may hold inf or nan
-            return [jnp.where(first, by_input[i], a + by_input[i]) for a, i in zip(grad_acc, param_idx)]
+            accs = acc_packing.unpack(grad_acc)
+            return acc_packing.pack([jnp.where(first, by_input[i], a + by_input[i]) for a, i in zip(accs, param_idx)])
 
         def apply_vjp(vjp_leaves, cts, grad_acc, first):
             vjp_fn = jax.tree_util.tree_unflatten(treedef, vjp_leaves)
@@ -232,7 +240,6 @@ class StagePrograms:
             return (*accumulate(grad_acc, first, by_input), *[by_input[i] for i in act_idx])
 
         has_flag = self.has_flag
-        n_acc = len(param_idx)
 
         def bwd(*args):
             kept_vals = packing.unpack(args[:num_kept])
@@ -257,30 +264,29 @@ class StagePrograms:
         res_shardings = packing.buffer_shardings()
         self.fwd = jax.jit(fwd, in_shardings=tuple(in_shardings),
                            out_shardings=tuple(out_shardings_fwd) + res_shardings)
-        acc_shardings = tuple(grad_shardings)
+        acc_shardings = tuple(acc_packing.buffer_shardings())
         act_ct = tuple(act_ct_shardings)
-        n_bwd_in = num_kept + len(forwarded) + n_ct + len(param_idx)
+        n_bwd_in = num_kept + len(forwarded) + n_ct + n_acc
         self.bwd = jax.jit(bwd, out_shardings=acc_shardings + act_ct,
-                           donate_argnums=tuple(range(n_bwd_in - len(param_idx), n_bwd_in)))
+                           donate_argnums=tuple(range(n_bwd_in - n_acc, n_bwd_in)))
         self._bwd_fn, self._acc_shardings, self._act_ct_shardings = bwd, acc_shardings, act_ct
         self._residual_sharding = residual_sharding
         self._bwd_in_avals = (packing.buffer_avals()
                               + [jax.ShapeDtypeStruct(in_avals[i].shape, in_avals[i].dtype) for i in forwarded]
                               + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-                              + [jax.ShapeDtypeStruct(g.inputs[i].aval.shape, g.inputs[i].aval.dtype)
-                                 for i in param_idx]
+                              + acc_packing.buffer_avals()
                               + ([jax.ShapeDtypeStruct((), jnp.bool_)] if has_flag else []))
         self._split = None
         flag_sh = (flag_sharding,) if has_flag else ()
         self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings + flag_sh,
                                out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
-                               donate_argnums=tuple(range(n_in, n_in + len(param_idx))))
+                               donate_argnums=tuple(range(n_in, n_in + n_acc)))
 
     def _split_backward(self):
         """Build ``bwd_input`` / ``bwd_weight`` (on first use: only zero-bubble schedules need them)."""
         traced = jax.make_jaxpr(self._bwd_fn)(*self._bwd_in_avals)
         jaxpr = traced.jaxpr
-        n_acc, n_flag = len(self.param_idx), int(self.has_flag)
+        n_acc, n_flag = self.num_acc, int(self.has_flag)
         n_args = len(jaxpr.invars) - n_acc - n_flag
         acc_out, ct_out = jaxpr.outvars[:n_acc], jaxpr.outvars[n_acc:]
 

@@ -17,9 +17,10 @@ from jax.extend import core as jex_core
 from autopp.profiler._costs import OpCost
 from autopp.profiler._layer_stage import layer_graph, layer_stage_programs
 
-CACHE_VERSION = 3
-"""Version 3: times of the runtime's stage programs (:class:`autopp.core.StagePrograms`) with small residuals
-packed between forward and backward; version 2 timed them unpacked, version 1 a plain ``jit`` of the layer's
+CACHE_VERSION = 4
+"""Version 4: times of the runtime's stage programs (:class:`autopp.core.StagePrograms`) with small gradient
+accumulators packed too, and a scanned layer reading its rows relative to a row base; version 3 packed only the
+residuals between forward and backward, version 2 packed nothing, version 1 timed a plain ``jit`` of the layer's
 VJP."""
 
 
@@ -83,9 +84,9 @@ def measure_layer(closed: jex_core.ClosedJaxpr, diff: Sequence[bool] | None = No
     forwarded = [args[i] for i in progs.forwarded_inputs]
     cts = jax.device_put([jnp.ones(graph.outputs[i].aval.shape, graph.outputs[i].aval.dtype)
                           for i in progs.diff_out_idx], device)
-    n_acc = len(progs.param_idx)
+    n_acc = progs.num_acc
     flag = [jax.device_put(jnp.asarray(True), device)] if progs.has_flag else []
-    acc = [jax.device_put(jnp.zeros(args[i].shape, args[i].dtype), device) for i in progs.param_idx]
+    acc = [jax.device_put(jnp.zeros(a.shape, a.dtype), device) for a in progs.acc_packing.buffer_avals()]
 
     def backward():
         nonlocal acc

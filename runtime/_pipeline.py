@@ -150,13 +150,10 @@ class Pipeline:
 
     def lay_out_accumulators(self) -> None:
         """Gradient accumulators: the first accumulating action of a stage ignores their contents (``first``)."""
-        b, st = self.b, self.st
+        b = self.b
         for s, pr in enumerate(self.programs):
             if pr.param_idx:
-                g = st.graphs[s]
-                avals = [g.inputs[i].aval for i in pr.param_idx]
-                ks = [st.invar_pos[g.inputs[i]] for i in pr.param_idx]
-                shardings = [st.layout_of(s, k, a.shape) for k, a in zip(ks, avals)]
+                avals, shardings = pr.acc_packing.buffer_avals(), list(pr.acc_packing.buffer_shardings())
                 self.acc[s] = b.emit(reused_buffers(avals, shardings), [], len(avals), f"gradient buffers stage {s}")
                 self.accumulators.append((s, len(b.tl.tasks) - 1, tuple(self.acc[s])))
             else:

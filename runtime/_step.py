@@ -379,6 +379,15 @@ class StepBuilder:
         spec, grad, fwd = st.spec, st.grad, st.fwd
         for k, slot in reduced.items():
             self.avail[(grad.outvars[k], st.out_stage[k])] = slot
+        # Each stage's gradients out of its accumulators (small ones are packed, see StagePrograms.acc_packing).
+        grads_of = {}
+        for s, pr in enumerate(programs):
+            if pr.acc_packing.groups:
+                fn = jax.jit(lambda *bufs, packing=pr.acc_packing: tuple(packing.unpack(bufs)),
+                             out_shardings=tuple(pr.acc_packing.shardings))
+                grads_of[s] = self.emit(fn, acc[s], len(pr.param_idx), f"unpack gradients stage {s}")
+            else:  # nothing packed: the buffers are the gradients, in parameter order
+                grads_of[s] = acc[s]
         # Gradients: each on its owner, contributions of other stages (shared parameters) added.
         for j, k in enumerate(spec.diff_indices):
             outer = grad.outvars[1 + spec.num_aux + j]
@@ -389,7 +398,7 @@ class StepBuilder:
                 pos = st.graphs[s].inputs.index(fwd.invars[k])
                 if pos not in programs[s].param_idx:
                     continue
-                slot = acc[s][programs[s].param_idx.index(pos)]
+                slot = grads_of[s][programs[s].param_idx.index(pos)]
                 if s != o:
                     (slot,) = self.put([home], [slot], f"send shared grad {s}->{o}")
                 contrib.append(slot)
