@@ -111,8 +111,9 @@ class StagePrograms:
       the VJP keeps, minus residuals that are inputs (those are passed to ``bwd`` from the inputs). ``row_bases``
       (:attr:`row_bases`, int32 scalars; usually none) say where the stage's rows of each stacked input begin.
     * ``bwd(*residuals, *forwarded_inputs, *cotangents, *grad_acc, first) -> (*grad_acc, *input_cotangents)``:
-      ``cotangents`` are one per differentiable output (already summed); ``grad_acc`` one per
-      differentiable *parameter* input (donated); ``input_cotangents`` one per differentiable activation input.
+      ``cotangents`` are one per differentiable output (already summed); ``grad_acc`` the gradient accumulators of the
+      differentiable *parameter* inputs, small ones packed (:attr:`acc_packing`; donated); ``input_cotangents`` one
+      per differentiable activation input.
       ``first`` (a boolean scalar, present when there are accumulators) starts the accumulation: the
       accumulators' contents are then ignored, not added, so any buffer of the right layout can start a step
       (the runtime reuses the previous step's accumulators instead of a program that makes zeros).
