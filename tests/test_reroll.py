@@ -148,3 +148,17 @@ def test_a_scanned_model_trains_like_jit_with_its_iterations_rolled(monkeypatch,
     rolled = [r for runs in runs_of.values() for r in runs]
     assert len(rolled) == num_stages and all(r.count >= 2 for r in rolled)
     assert sum(r.count for r in rolled) >= 8 - (num_stages - 1)
+
+
+@pytest.mark.parametrize("layout, recompute", [({"fsdp": 2}, ("full", "selective")), ({"tensor": 2}, ("none", "none"))])
+def test_a_scanned_model_with_sharded_stages_trains_like_jit(layout, recompute):
+    """Rolled iterations read their rows of stacked parameters that are sharded (FSDP, tensor) and recomputed."""
+    model, tx = tiny_scanned_gpt(), optax.sgd(0.1)
+    params = model.init(jax.random.key(0))
+    state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 16)
+    step = make_train_step(model.loss, tx)
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, layout=layout, recompute=recompute,
+                                   devices=jax.devices()[:4])
+    got, _ = run_steps(pipelined, state, batch)
+    want, _ = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(got, want, rtol=0, atol=1e-6)
