@@ -13,6 +13,10 @@ A run is rolled only when its data flow is a scan's: every iteration reads the s
 iteration's results (the carry) and its own rows; nothing else. Anything else (an iteration reading one two steps
 back, a value of the run that must keep its identity, such as a sharding constraint's target) leaves the run
 unrolled, as before.
+
+With ``relative_rows`` a program reads its rows of each stacked input relative to a row base it takes as an int32
+argument, instead of at fixed rows: two pipeline stages that run the same iterations at different depths are then
+one program, compiled once.
 """
 
 from __future__ import annotations
