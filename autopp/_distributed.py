@@ -98,10 +98,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if coordinator_address is not None and ":" not in coordinator_address:
         raise ValueError(f"autopp.distributed.initialize: coordinator_address={coordinator_address!r}; give "
                          "'host:port', e.g. '127.0.0.1:12345'.")
-    if cpu_collectives is None:
-        cpu_collectives = os.environ.get("AUTOPP_CPU_COLLECTIVES") or None
+    source = "cpu_collectives"
+    if cpu_collectives is None and os.environ.get("AUTOPP_CPU_COLLECTIVES"):
+        cpu_collectives, source = os.environ["AUTOPP_CPU_COLLECTIVES"], "$AUTOPP_CPU_COLLECTIVES"
     if cpu_collectives not in CPU_COLLECTIVES:
-        raise ValueError(f"autopp.distributed.initialize: cpu_collectives={cpu_collectives!r}; give one of "
+        raise ValueError(f"autopp.distributed.initialize: {source}={cpu_collectives!r}; give one of "
                          f"{', '.join(map(repr, CPU_COLLECTIVES))} (None: no collective across processes on CPU).")
     if not failure_timeout_s > 0:
         raise ValueError(f"autopp.distributed.initialize: failure_timeout_s={failure_timeout_s!r}; give a "

@@ -168,11 +168,11 @@ def _atom_sig(a) -> str:
     return _aval_sig(a.aval)
 
 
-def eqn_signature(eqn) -> str:
+def eqn_signature(eqn, literal_values: bool = True) -> str:
     """What makes two equations the same computation: the primitive, its parameters (nested jaxprs as text), the
-    types of its inputs (literal values included) and outputs."""
+    types of its inputs (literal values included, unless ``literal_values`` is False) and outputs."""
     params = ",".join(f"{k}={_param_str(v)}" for k, v in sorted(eqn.params.items()))
-    ins = ",".join(_atom_sig(a) for a in eqn.invars)
+    ins = ",".join(_atom_sig(a) if literal_values else _aval_sig(a.aval) for a in eqn.invars)
     outs = ",".join(_aval_sig(v.aval) for v in eqn.outvars)
     return f"{eqn.primitive.name}[{params}]({ins})->({outs})"
 

@@ -28,7 +28,7 @@ import jax
 from jax.extend import core as jex_core
 
 from autopp.core import _compat
-from autopp.core._jaxpr import _aval_sig, _param_str, literal_signature
+from autopp.core._jaxpr import eqn_signature, literal_signature
 
 Literal = jex_core.Literal
 
@@ -116,10 +116,7 @@ def _block_signature(eqns, start, period, header_length, cache):
             continue
         s = cache.get(j)
         if s is None:  # literal values are compared by _analyse: a literal may be the carry's initial value
-            e = eqns[j]
-            params = ",".join(f"{k}={_param_str(v)}" for k, v in sorted(e.params.items()))
-            s = cache[j] = (f"{e.primitive.name}[{params}]({','.join(_aval_sig(a.aval) for a in e.invars)})"
-                            f"->({','.join(_aval_sig(v.aval) for v in e.outvars)})")
+            s = cache[j] = eqn_signature(eqns[j], literal_values=False)
         sig.append(s)
     return sig
 

@@ -144,12 +144,12 @@ class StagePrograms:
         self.seed_of_output = dict(seed_of_output)
         constraints = dict(constraints or {})
         closed = jex_core.ClosedJaxpr(g.jaxpr, g.consts)
-        self.scan_runs, self.row_bases = [], []
+        self.row_bases = []
         if not constraints:  # a constrained activation must keep its identity: leave the iterations unrolled
-            closed, self.scan_runs, self.row_bases = reroll_scans(closed, name=f"stage {g.index}", relative_rows=True)
-        """``scan_runs``: runs of whole ``lax.scan`` iterations this stage's programs run as one scan; ``row_bases``: the
-        int32 values ``fwd`` and ``fwd_bwd`` take after the inputs, the least row the stage reads of each stacked input
-        (:mod:`autopp.core._reroll`), so that stages running the same iterations at other depths are one program."""
+            closed, _, self.row_bases = reroll_scans(closed, name=f"stage {g.index}", relative_rows=True)
+        """``row_bases``: the int32 values ``fwd`` and ``fwd_bwd`` take after the inputs, the least row the stage reads of
+        each stacked input: whole ``lax.scan`` iterations run as one scan, and stages running the same iterations at
+        other depths are one program (:mod:`autopp.core._reroll`)."""
         in_avals = [v.aval for v in g.inputs] + [jax.ShapeDtypeStruct((), jnp.int32)] * len(self.row_bases)
         n_in = len(in_avals)
         in_shardings = list(in_shardings) + [flag_sharding] * len(self.row_bases)

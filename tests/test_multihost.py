@@ -96,9 +96,12 @@ def test_four_processes_of_uneven_stages(tmp_path):
     _check("uneven4", 4, tmp_path)
 
 
-def test_cpu_collectives_are_checked():
+def test_cpu_collectives_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="cpu_collectives='nccl'"):
         autopp.distributed.initialize("127.0.0.1:1", 2, 0, cpu_collectives="nccl")
+    monkeypatch.setenv("AUTOPP_CPU_COLLECTIVES", "nccl")
+    with pytest.raises(ValueError, match="AUTOPP_CPU_COLLECTIVES='nccl'"):
+        autopp.distributed.initialize("127.0.0.1:1", 2, 0)
     assert not autopp.distributed.is_initialized()
 
 
