@@ -40,6 +40,24 @@ def _check_count(name: str, value) -> None:
         raise ValueError(f"{_WHO}: {name} must be a positive int, got {value}; use e.g. {name}=1.")
 
 
+def _check_donate_argnums(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"{_WHO}: donate_argnums must be an int or a sequence of ints, got {value!r} "
+                        f"({type(value).__name__}).") from None
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"{_WHO}: donate_argnums must hold ints (argument positions), got {i!r} in {value!r}.")
+        if i < 0:
+            raise ValueError(f"{_WHO}: donate_argnums={value!r} holds {i}; give non-negative positions, e.g. "
+                             "donate_argnums=(0, 1) for step(params, opt_state, batch).")
+    return tuple(sorted({int(i) for i in items}))
+
+
 def check_layout_axes(layout: dict, who: str) -> None:
     """``layout`` sizes only the axes data, fsdp and tensor, each with a positive int; else a ValueError naming
     ``who``."""
@@ -120,7 +138,12 @@ class ParallelizeConfig:
     directory; None uses JAX's configured directory, else ``$XDG_CACHE_HOME/autopp/xla`` (unless the environment
     sets ``AUTOPP_COMPILATION_CACHE=0``); False leaves JAX's configuration alone. See :mod:`autopp._compile_cache`."""
 
+    donate_argnums: tuple[int, ...] = ()
+    """Positional arguments whose buffers the step may reuse for its results (as ``jax.jit``'s); given as an int,
+    a sequence of ints or None (none)."""
+
     def __post_init__(self) -> None:
+        _set(self, "donate_argnums", _check_donate_argnums(self.donate_argnums))
         plan = self.plan
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(plan)

@@ -79,7 +79,8 @@ class Parallelized(Generic[_P, _R]):
             ph.done("traced the step")
         plan, forward = source_plan(self.config, self._step_fn, args, traced)
         with phase(f"compiling the {plan.num_stages}-stage pipeline") as ph:
-            exe = build_executable(traced, plan, forward, self.config.devices)
+            exe = build_executable(traced, plan, forward, self.config.devices,
+                                   donated=_donated_leaves(args, self.config.donate_argnums))
             ph.done(f"built {exe.num_programs} program(s) for {plan.num_stages} stage(s); they compile in the "
                     "background and the first step runs each as soon as it is ready")
         return Built(traced, plan, forward, exe)
@@ -138,6 +139,21 @@ class Parallelized(Generic[_P, _R]):
 
 
 
+def _donated_leaves(args: tuple, donate_argnums: tuple[int, ...]) -> frozenset[int]:
+    """Indices of the flat leaves of ``args`` that belong to the donated positional arguments."""
+    bad = [i for i in donate_argnums if i >= len(args)]
+    if bad:
+        raise ValueError(f"autopp.parallelize: donate_argnums={donate_argnums} names argument(s) {bad}, but the step "
+                         f"was called with {len(args)} positional argument(s); donate only arguments it takes.")
+    out, start = set(), 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donate_argnums:
+            out.update(range(start, start + n))
+        start += n
+    return frozenset(out)
+
+
 def _leaf_signature(x) -> tuple:
     """A step argument's shape and dtype, the part of the signature a build depends on (fast for arrays)."""
     if isinstance(x, jax.Array) and getattr(x, "weak_type", None) is False:  # (typed PRNG keys have none)
@@ -163,12 +179,13 @@ def parallelize(
     recompute: str | Sequence[str] | None = None,
     layout: dict[str, int] | Sequence[dict[str, int]] | None = None,
     compilation_cache: str | bool | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
 ) -> Callable[[Callable[_P, _R]], Parallelized[_P, _R]]: ...
 
 
 def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, schedule=None, devices=None,
                 batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None, recompute=None,
-                layout=None, compilation_cache=None):
+                layout=None, compilation_cache=None, donate_argnums=None):
     """Run a training step as an MPMD pipeline over ``devices``.
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
@@ -204,12 +221,17 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     loads them instead of compiling: ``compilation_cache`` is its directory (default: JAX's configured one, else
     ``$XDG_CACHE_HOME/autopp/xla``; ``False`` leaves JAX's configuration alone).
 
+    ``donate_argnums`` (as for ``jax.jit``): positional arguments whose buffers the step may reuse for its results,
+    typically the parameters and optimizer state (``donate_argnums=(0, 1)`` for ``step(params, opt_state, batch)``);
+    the caller must not use them after the call. Each stage's update then writes the new state into the old one's
+    buffers instead of holding both. The batch is never donated.
+
     Usable bare (``@autopp.parallelize``) or with keywords (``@autopp.parallelize(num_stages=4)``).
     """
     config = ParallelizeConfig(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
                                devices=devices, batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan,
                                virtual_stages=virtual_stages, recompute=recompute, layout=layout,
-                               compilation_cache=compilation_cache)
+                               compilation_cache=compilation_cache, donate_argnums=donate_argnums)
     if step_fn is None:
         return lambda f: _wrap(f, config)
     return _wrap(step_fn, config)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.profiler._costs import OpCost, aval_bytes, eqn_cost
+from autopp.profiler._costs import REDUCTIONS, OpCost, aval_bytes, eqn_cost
 
 Literal = jex_core.Literal
 _ZERO = OpCost(0.0, 0.0, 0.0, 0.0)
@@ -163,21 +163,32 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
     hoisted = [i for i in ids if not dependent(i) and i not in region_of]
     hoisted_set = set(hoisted)
     if hoisted:
-        fixed = [0.0, 0.0, 0.0, 0.0]
-        inside = set()
-        for i in hoisted:
-            c = eqn_cost(eqns[i])
-            share = eqn_share(i)
-            fixed[0] += c.flops * share
-            fixed[1] += c.transcendentals * share
-            for a in _reads(eqns[i]):
-                if a not in inside:
-                    fixed[2] += sum(nbytes(a))
-            for v in eqns[i].outvars:
-                inside.add(v)
-                fixed[2] += sum(nbytes(v))
-                fixed[3] += sum(nbytes(v))
-        kernels.append(ScaledKernel(FUSED, None, _ZERO, OpCost(*fixed), per_step=True))
+        # Element-wise chains fuse (an optimizer update reads each parameter, gradient and moment once and writes
+        # each result once); a value that needs a finished reduction (clipping's global norm) starts a new kernel,
+        # since no kernel waits for a reduction over the whole grid that it is still computing.
+        for group in _reduction_bounded(hoisted, eqns):
+            fixed = [0.0, 0.0, 0.0, 0.0]
+            for i in group:
+                c = eqn_cost(eqns[i])
+                share = eqn_share(i)
+                fixed[0] += c.flops * share
+                fixed[1] += c.transcendentals * share
+            inside: set = set()
+            read: set = set()
+            for i in group:
+                for a in _reads(eqns[i]):
+                    if a not in inside and a not in read:
+                        read.add(a)
+                        fixed[2] += sum(nbytes(a))
+                inside.update(eqns[i].outvars)
+            members = set(group)
+            read_outside = {a for j in range(group[0], group[-1] + 1) if j not in members for a in _reads(eqns[j])}
+            for i in group:
+                for v in eqns[i].outvars:
+                    if used_after(v, group[-1]) or v in read_outside:
+                        fixed[2] += sum(nbytes(v))
+                        fixed[3] += sum(nbytes(v))
+            kernels.append(ScaledKernel(FUSED, None, _ZERO, OpCost(*fixed), per_step=True))
     ids = [i for i in ids if i not in hoisted_set]
 
     def add_traffic(members, inside: set, b: list, f: list) -> None:
@@ -298,6 +309,22 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
     end_epilogue()
     close_run()
     return kernels
+
+
+def _reduction_bounded(ids: Sequence[int], eqns) -> list[list[int]]:
+    """``ids`` cut into runs such that no equation reads a reduction (:data:`REDUCTIONS`) made earlier in its own
+    run: the kernels XLA can fuse a chain of parameter-only work into."""
+    groups: list[list[int]] = [[]]
+    reduced: set = set()
+    for i in ids:
+        e = eqns[i]
+        if groups[-1] and any(a in reduced for a in _reads(e)):
+            groups.append([])
+            reduced = set()
+        groups[-1].append(i)
+        if e.primitive.name in REDUCTIONS:
+            reduced.update(e.outvars)
+    return [g for g in groups if g]
 
 
 def _reads(e):

@@ -141,7 +141,12 @@ class Executable:
 
         for slot, _ in self.const_slots:
             add(slot, 1)
+        gone: set = set()  # donated slots: their buffers became the donating task's outputs
         for task in self.tasks:
+            for d in task.donated:
+                if d not in gone:
+                    gone.add(d)
+                    add(d, -1)
             for o in task.outs:
                 add(o, 1)
             temp = 0
@@ -152,7 +157,8 @@ class Executable:
             for dev in task.devices or live:
                 peak[dev] = max(peak[dev], live[dev] + temp // max(1, len(task.devices)))
             for f in task.frees:
-                add(f, -1)
+                if f not in gone:
+                    add(f, -1)
         return dict(sorted(peak.items()))
 
     def describe(self) -> list[str]:

@@ -33,7 +33,8 @@ __all__ = ["MESH_AXES", "Executable", "PipelineConfig", "Program", "StageMeshes"
 def build_program(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
                   schedule, recompute: Sequence[str] | None = None,
                   layouts: Sequence[dict[str, int]] | None = None, param_specs: Sequence | None = None,
-                  zero1: bool = False, sequence_vars=frozenset()) -> tuple[Program, Compiler, StageMeshes]:
+                  zero1: bool = False, sequence_vars=frozenset(),
+                  donated=frozenset()) -> tuple[Program, Compiler, StageMeshes]:
     """The step laid out as tasks, before any pass (arguments as :func:`build_split_executable`'s); with the compiler
     that lowered its programs (and started compiling them) and the stages' meshes."""
     meshes = StageMeshes(stage_devices, layouts)
@@ -43,7 +44,8 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
                          f"({split.num_stages} stages).")
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
                             recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
-                            zero1=bool(zero1), sequence_vars=frozenset(sequence_vars))
+                            zero1=bool(zero1), sequence_vars=frozenset(sequence_vars),
+                            donated=frozenset(donated))
     step = analyse(traced, forward, split, meshes, config)
     compiler = Compiler()
     return StepBuilder(step, TaskList(compiler.lower)).build(), compiler, meshes
@@ -52,17 +54,18 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
 def build_split_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
                            schedule, recompute: Sequence[str] | None = None,
                      layouts: Sequence[dict[str, int]] | None = None, param_specs: Sequence | None = None,
-                     zero1: bool = False, sequence_vars=frozenset()) -> Executable:
+                     zero1: bool = False, sequence_vars=frozenset(), donated=frozenset()) -> Executable:
     """Build the step's instruction list for a split of the forward (what :func:`build_executable` reads off a plan).
     ``forward`` is the loss's forward jaxpr at microbatch size;
     ``recompute`` gives each stage's recomputation mode (default none); ``layouts`` each stage's mesh axis sizes
     (``data``, ``fsdp``, ``tensor``; default all data); ``param_specs`` each stage's parameter layouts over its
     tensor axis from a plan (default: Megatron's rule); ``zero1`` shards optimizer state over the data axis;
-    ``sequence_vars``: forward activations split along their sequence over the tensor axis (sequence parallelism)."""
+    ``sequence_vars``: forward activations split along their sequence over the tensor axis (sequence parallelism);
+    ``donated``: the step's flat inputs whose buffers the step may reuse for its results (``donate_argnums``)."""
     program, compiler, meshes = build_program(
         traced, forward, split, stage_devices, num_microbatches=num_microbatches, loss_reduction=loss_reduction,
         schedule=schedule, recompute=recompute, layouts=layouts, param_specs=param_specs, zero1=zero1,
-        sequence_vars=sequence_vars)
+        sequence_vars=sequence_vars, donated=donated)
     program = _passes.reuse_accumulators(program, compiler)
     program = _passes.localize(program, meshes.devices)
     program = _passes.insert_frees(program)
@@ -89,11 +92,13 @@ def sequence_boundary_activations(forward: jex_core.ClosedJaxpr, traced: TracedS
 
 
 def build_executable(traced: TracedStep, plan: Plan, forward: jex_core.ClosedJaxpr,
-                     devices: Sequence[jax.Device]) -> Executable:
+                     devices: Sequence[jax.Device], donated=frozenset()) -> Executable:
     """The executable that runs a complete ``plan`` for ``traced`` on ``devices`` (which hold every device the plan
     names); ``forward`` is the loss's forward at microbatch size, the program the plan's equations index. Nothing
     is chosen here: every stage's devices, mesh, equations, recomputation and parameter layouts, the schedule and
-    the sequence-parallel boundaries are read from the plan, so a replayed plan builds the same programs."""
+    the sequence-parallel boundaries are read from the plan, so a replayed plan builds the same programs.
+    ``donated``: indices of the step's flat inputs whose buffers the step may reuse for its results (the leaves of
+    ``parallelize``'s ``donate_argnums``)."""
     if any(st.equations is None for st in plan.stages):
         raise ValueError("the plan's stages name no forward equations (a plan made offline); replay it with "
                          "autopp.parallelize(step, plan=plan), which completes it for the traced step.")
@@ -113,4 +118,5 @@ def build_executable(traced: TracedStep, plan: Plan, forward: jex_core.ClosedJax
     return build_split_executable(traced, forward, split, stage_devices, num_microbatches=plan.num_microbatches,
                                   loss_reduction=plan.loss_reduction, schedule=sched,
                                   recompute=tuple(st.recompute for st in plan.stages), layouts=layouts,
-                                  param_specs=param_specs, zero1=plan.zero1, sequence_vars=sequence_vars)
+                                  param_specs=param_specs, zero1=plan.zero1, sequence_vars=sequence_vars,
+                                  donated=donated)

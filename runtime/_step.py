@@ -46,6 +46,9 @@ class PipelineConfig:
     sequence_vars: frozenset = frozenset()
     """Forward activations laid out along their sequence (second) dimension over the stage's tensor axis (sequence
     parallelism: the values between layers); their cotangents follow."""
+    donated: frozenset = frozenset()
+    """Indices of the step's flat inputs whose buffers may be reused for its results (``donate_argnums``): the
+    programs that read them last donate them."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -273,20 +276,27 @@ class StepBuilder:
         return s
 
     # -- outer programs -------------------------------------------------------------------------
-    def outer_program(self, eqn_ids: list[int], loc: int, label: str, consumers_outside) -> None:
+    def outer_program(self, eqn_ids: list[int], loc: int, label: str, consumers_outside,
+                      last_reader=lambda v, ids: False) -> None:
         outside = consumers_outside(set(eqn_ids))
         closed, ins, outs = slice_jaxpr(self.step.traced.jaxpr, eqn_ids, lambda v: v in outside, label)
         if not outs:
             return
         sub, consts = closed.jaxpr, closed.consts
         in_slots = [self.need(v, loc) for v in ins]
+        # Donated step inputs (their placed slot, read by nothing after this program) are donated here: the update
+        # writes the new parameters and optimizer state into the old ones' buffers.
+        ids = set(eqn_ids)
+        donate = tuple(j for j, (v, s) in enumerate(zip(ins, in_slots))
+                       if self.placed_input.get(self.invar_index.get(v)) == s and last_reader(v, ids))
         # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,
         # so that the next step finds them at home.
         st = self.step
         fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
                      in_shardings=tuple(self.tl.slot_avals[s].sharding for s in in_slots),
-                     out_shardings=tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v in outs))
-        out_slots = self.emit(fn, in_slots, len(outs), label)
+                     out_shardings=tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v in outs),
+                     donate_argnums=donate)
+        out_slots = self.tl.emit(fn, in_slots, len(outs), label, donated=[in_slots[j] for j in donate])
         for v, s in zip(outs, out_slots):
             self.avail[(v, loc)] = s
 
@@ -348,9 +358,19 @@ class StepBuilder:
         for (i, loc), ph in pl.phase.items():
             if pl.region[i] == "post":
                 post[(ph, loc)].append(i)
+        def last_reader(v, ids):
+            """Whether a post-processing program made of equations ``ids`` is the last to read step input ``v``
+            (then it may donate it): ``v`` is donated, lives on one stage, is no step output, and every other
+            equation that reads it ran before (preprocessing, the gradient)."""
+            k = self.invar_index.get(v)
+            if k is None or k not in st.config.donated or v in step_outs or len(pl.input_homes.get(k, ())) != 1:
+                return False
+            return all(i in ids or i == st.traced.grad_index or pl.region.get(i) == "pre" for i in users_of[v])
+
         for key in sorted(post):
             ph, loc = key
-            self.outer_program(sorted(post[key]), loc, f"post phase {ph} stage {loc}", consumers_outside)
+            self.outer_program(sorted(post[key]), loc, f"post phase {ph} stage {loc}", consumers_outside,
+                               last_reader)
 
         # Outputs.
         outputs, output_slots = [], set()
@@ -456,11 +476,16 @@ class StepBuilder:
         in_sh = [st.meshes.batch_sharding(0, v.aval.shape) if b
                  else st.layout_of(0, st.label.get(v), v.aval.shape, v)
                  for v, b in zip(jaxpr.invars, traced.batch_mask)]
+        # donated inputs (not the batch, nor an input the step returns as it is) give their buffers to the results
+        returned = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        donate = tuple(k for k, v in enumerate(jaxpr.invars)
+                       if k in st.config.donated and not traced.batch_mask[k] and v not in returned)
         fn = jax.jit(whole, in_shardings=tuple(in_sh),
                      out_shardings=tuple(st.layout_of(0, st.label.get(v), v.aval.shape, v)
                                          if not isinstance(v, Literal) else st.meshes.replicated[0]
-                                         for v in jaxpr.outvars))
+                                         for v in jaxpr.outvars), donate_argnums=donate)
         placed = self.emit(place(self.tl.avals(self.input_slots), in_sh), self.input_slots, len(in_sh),
                            f"place {len(in_sh)} inputs on stage 0")
-        outs = self.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update")
+        outs = self.tl.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update",
+                            donated=[placed[k] for k in donate])
         return self.tl.program(self.input_slots, outs, [lambda env, slot=slot: env[slot] for slot in outs])

@@ -35,6 +35,9 @@ class Task:
     lowered: Any = None
     """The lowered program of a jitted ``fn`` for the task's input types (None for a transfer, and after
     ``compile``)."""
+    donated: tuple[int, ...] = ()
+    """Input slots whose buffers the program donates to its outputs (arguments given in ``donate_argnums``): dead
+    once the task starts."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -119,8 +122,9 @@ class TaskList:
     def avals(self, slots) -> list:
         return [self.slot_avals[i] for i in slots]
 
-    def emit(self, fn, ins, n_out, label) -> list[int]:
-        """Append a task; a jitted program is lowered now for its input types."""
+    def emit(self, fn, ins, n_out, label, donated=()) -> list[int]:
+        """Append a task; a jitted program is lowered now for its input types. ``donated``: the input slots the
+        program donates (it was jitted with their positions in ``donate_argnums``)."""
         lowered = None
         if isinstance(fn, Transfer):
             out_avals = list(fn.out_avals)
@@ -131,7 +135,7 @@ class TaskList:
         assert len(out_avals) == n_out, (label, len(out_avals), n_out)
         outs = [self.new_slot(a) for a in out_avals]
         self.tasks.append(Task(fn, tuple(ins), tuple(outs), label, devices=devices_of(out_avals),
-                               lowered=lowered))
+                               lowered=lowered, donated=tuple(donated)))
         return outs
 
     def const(self, value) -> int:

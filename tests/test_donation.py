@@ -1,0 +1,81 @@
+"""``donate_argnums``: the step reuses the donated state's buffers for its results, as ``jax.jit`` does; it trains
+exactly like plain jit, deletes what it donated (never the batch), and its memory report counts a donated buffer
+once, as XLA does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import autopp
+from autopp.models import MLP, MLPConfig, make_train_step
+
+from _helpers import assert_trees_close, tiny_gpt
+
+
+def _sgd_case(model, batch_size):
+    tx = optax.sgd(0.1)
+    params = model.init(jax.random.key(0))
+    return tx, make_train_step(model.loss, tx), params, tx.init(params), model.batch(jax.random.key(1), batch_size)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_donated_state_trains_like_jit_and_is_deleted(num_stages):
+    model = tiny_gpt()
+    tx, step, params, opt_state, batch = _sgd_case(model, 8)
+    donated = autopp.parallelize(step, num_stages=num_stages, num_microbatches=4,
+                                 devices=jax.devices()[:2 * num_stages], donate_argnums=(0, 1))
+    reference = jax.jit(make_train_step(model.loss, tx, value_and_grad=jax.value_and_grad))
+    expected = (params, opt_state)
+    state = jax.tree.map(jnp.copy, (params, opt_state))
+    previous = None
+    for _ in range(3):
+        *state, loss = donated(*state, batch)
+        if previous is not None:  # the last step's results were at home: this step wrote into their buffers
+            assert all(x.is_deleted() for x in jax.tree.leaves(previous[0]))
+        previous = state
+        *expected, _ = reference(*expected, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(batch))
+    assert_trees_close(tuple(state), tuple(expected), rtol=1e-6, atol=1e-6)
+    labels = [t.label for t in donated.executable_for(*state, batch).tasks if t.donated]
+    assert labels, "no program donates the state"
+
+
+def test_without_donation_nothing_is_deleted():
+    _, step, params, opt_state, batch = _sgd_case(tiny_gpt(), 8)
+    plain = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:4])
+    state = plain(params, opt_state, batch)[:2]
+    plain(*state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    assert not any(t.donated for t in plain.executable_for(*state, batch).tasks)
+
+
+@pytest.mark.parametrize("donate", [None, (0, 1)])
+def test_memory_report_counts_donated_buffers_once(donate):
+    """On one stage the step is one program: its peak is XLA's own accounting of that program (arguments, results
+    less what aliases a donated argument, temporaries). XLA decides how much a donation saves (on CPU it trades the
+    aliased results for temporaries); the report must agree with it either way."""
+    model = MLP(MLPConfig(sizes=(512, 512, 512, 8)))
+    _, step, params, opt_state, batch = _sgd_case(model, 4)
+    s = autopp.parallelize(step, num_stages=1, num_microbatches=2, devices=jax.devices()[:1], donate_argnums=donate)
+    (program,) = [t.fn for t in s.executable_for(params, opt_state, batch).tasks if hasattr(t.fn, "memory_analysis")]
+    m = program.memory_analysis()
+    xla = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    assert (m.alias_size_in_bytes > 0) == (donate is not None)
+    assert sum(s.memory_report(params, opt_state, batch).values()) == pytest.approx(xla, rel=1e-3)
+
+
+@pytest.mark.parametrize("bad, error, match", [("0", TypeError, "donate_argnums"), ((0, 1.5), TypeError, "1.5"),
+                                               (-1, ValueError, "non-negative"), (True, TypeError, "True")])
+def test_bad_donate_argnums(bad, error, match):
+    with pytest.raises(error, match=match):
+        autopp.parallelize(lambda p, b: p, num_stages=1, donate_argnums=bad)
+
+
+def test_donate_argnums_past_the_arguments_is_refused():
+    _, step, params, opt_state, batch = _sgd_case(tiny_gpt(), 8)
+    s = autopp.parallelize(step, num_stages=1, num_microbatches=2, devices=jax.devices()[:1], donate_argnums=(0, 5))
+    with pytest.raises(ValueError, match=r"argument\(s\) \[5\].*3 positional"):
+        s(params, opt_state, batch)
