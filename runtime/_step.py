@@ -358,6 +358,7 @@ class StepBuilder:
         for (i, loc), ph in pl.phase.items():
             if pl.region[i] == "post":
                 post[(ph, loc)].append(i)
+
         def last_reader(v, ids):
             """Whether a post-processing program made of equations ``ids`` is the last to read step input ``v``
             (then it may donate it): ``v`` is donated, lives on one stage, is no step output, and every other
