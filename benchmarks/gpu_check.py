@@ -69,7 +69,7 @@ def _llama(small):
     return Llama(cfg), 4
 
 
-def _llama_args(model, batch, donate_safe=True):
+def _llama_args(model, batch):
     import jax
     import optax
 
