@@ -23,6 +23,7 @@ from autopp.runtime import _passes
 from autopp.runtime._executable import Executable
 from autopp.runtime._meshes import MESH_AXES, StageMeshes
 from autopp.runtime._passes import Compiler
+from autopp.runtime._segments import segment_stages
 from autopp.runtime._step import PipelineConfig, StepBuilder, analyse
 from autopp.runtime._tasks import Program, Task, TaskList, Transfer
 
@@ -37,15 +38,23 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
                   donated=frozenset()) -> tuple[Program, Compiler, StageMeshes]:
     """The step laid out as tasks, before any pass (arguments as :func:`build_split_executable`'s); with the compiler
     that lowered its programs (and started compiling them) and the stages' meshes."""
-    meshes = StageMeshes(stage_devices, layouts)
     recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
     if len(recompute) != split.num_stages or not set(recompute) <= set(RECOMPUTE_MODES):
         raise ValueError(f"recompute={recompute!r}: give one of 'none', 'full', 'selective' per stage "
                          f"({split.num_stages} stages).")
+    stage_of = tuple(range(split.num_stages))
+    if split.num_stages > 1 and not sequence_vars:  # (sequence parallelism keeps a stage's iterations unrolled)
+        seg = segment_stages(forward, traced.microbatched_grad_inputs, traced.spec.diff_mask, split, schedule)
+        if seg.num_segments > split.num_stages:
+            split, stage_of, schedule = seg.split, seg.stage_of, seg.schedule
+            stage_devices, recompute = seg.per_segment(stage_devices), tuple(seg.per_segment(recompute))
+            layouts = None if layouts is None else seg.per_segment(layouts)
+            param_specs = None if param_specs is None else seg.per_segment(param_specs)
+    meshes = StageMeshes(stage_devices, layouts)
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
                             recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
                             zero1=bool(zero1), sequence_vars=frozenset(sequence_vars),
-                            donated=frozenset(donated))
+                            donated=frozenset(donated), stage_of=stage_of)
     step = analyse(traced, forward, split, meshes, config)
     compiler = Compiler()
     return StepBuilder(step, TaskList(compiler.lower)).build(), compiler, meshes

@@ -237,20 +237,20 @@ class Pipeline:
         fused = set()
         for _rank, act in dispatch_order(schedule):
             s, m = act.stage, act.microbatch
-            pr = progs[s]
+            pr, ps = progs[s], self.st.config.plan_stage(act.stage)  # (the plan's stage names the task)
             if act.kind == "F":
                 ins = self.input_slots(s, m)
                 nxt = next_in_row.get(act)
                 n_o = len(pr.graph.outputs)
                 if pr.can_fuse and nxt is not None and nxt.kind == "B" and nxt.stage == s and nxt.microbatch == m:
                     outs = b.emit(pr.fwd_bwd, ins + acc[s] + self.flag(s), n_o + len(acc[s]) + len(pr.act_idx),
-                                  f"{s}F{m}+{s}B{m}")
+                                  f"{ps}F{m}+{ps}B{m}")
                     self.ship_outputs(s, m, outs[:n_o])
                     acc[s] = outs[n_o:n_o + len(acc[s])]
                     self.ship_input_cts(s, m, outs[n_o + len(acc[s]):])
                     fused.add(nxt)
                     continue
-                outs = b.emit(pr.fwd, ins, n_o + pr.num_kept, f"{s}F{m}")
+                outs = b.emit(pr.fwd, ins, n_o + pr.num_kept, f"{ps}F{m}")
                 self.fwd_state[(s, m)] = (ins, outs[n_o:])
                 self.ship_outputs(s, m, outs[:n_o])
             elif act.kind == "B":
@@ -260,7 +260,7 @@ class Pipeline:
                 forwarded = [ins[i] for i in pr.forwarded_inputs]
                 cts = self.output_cts(s, m)
                 outs = b.emit(pr.bwd, kept + forwarded + cts + acc[s] + self.flag(s),
-                              len(acc[s]) + len(pr.act_idx), f"{s}B{m}")
+                              len(acc[s]) + len(pr.act_idx), f"{ps}B{m}")
                 acc[s] = outs[:len(acc[s])]
                 self.ship_input_cts(s, m, outs[len(acc[s]):])
             elif act.kind == "I":
@@ -269,7 +269,7 @@ class Pipeline:
                 args = kept + forwarded + self.output_cts(s, m)
                 bwd_input = pr.bwd_input  # splits the backward, which sets num_stash
                 n_ct = len(pr.act_idx)
-                outs = (b.emit(bwd_input, args, n_ct + pr.num_stash, f"{s}I{m}")
+                outs = (b.emit(bwd_input, args, n_ct + pr.num_stash, f"{ps}I{m}")
                         if n_ct + pr.num_stash else [])
                 self.ship_input_cts(s, m, outs[:n_ct])
                 self.w_state[(s, m)] = ([args[k] for k in pr.weight_args], outs[n_ct:])
@@ -277,7 +277,7 @@ class Pipeline:
                 self.fwd_state.pop((s, m))
                 w_args, stash = self.w_state.pop((s, m))
                 if acc[s]:
-                    acc[s] = b.emit(pr.bwd_weight, w_args + stash + acc[s] + self.flag(s), len(acc[s]), f"{s}W{m}")
+                    acc[s] = b.emit(pr.bwd_weight, w_args + stash + acc[s] + self.flag(s), len(acc[s]), f"{ps}W{m}")
 
     def reduce_outputs(self) -> None:
         """Loss and aux: reduce the per-microbatch values on the stage that produced them."""

@@ -19,7 +19,7 @@ from autopp.core import RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, reroll_sc
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
-from autopp.runtime._passes import sum_program, zeros_program
+from autopp.runtime._passes import zeros_program
 from autopp.runtime._placement import place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
 from autopp.runtime._tensor import tensor_specs
@@ -49,6 +49,12 @@ class PipelineConfig:
     donated: frozenset = frozenset()
     """Indices of the step's flat inputs whose buffers may be reused for its results (``donate_argnums``): the
     programs that read them last donate them."""
+    stage_of: tuple[int, ...] = ()
+    """The plan's stage of each of the runtime's stages, where the runtime cut stages into segments
+    (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
+
+    def plan_stage(self, s: int) -> int:
+        return self.stage_of[s] if self.stage_of else s
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -215,6 +221,36 @@ def _label_outer(traced) -> tuple[dict, set]:
     return label, {v for v in label if v in io and v not in on_param and v not in grads}
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Unpack:
+    """Gradients held in accumulator buffers ``slots``: ``packing`` (a :class:`autopp.core.Packing`) unpacks them
+    into one gradient per parameter; None: one buffer, the gradient itself."""
+
+    slots: tuple[int, ...]
+    packing: Any
+
+    def unpack(self, *buffers) -> tuple:
+        return tuple(self.packing.unpack(buffers)) if self.packing is not None else buffers
+
+
+def _evaluate(values, xs) -> list:
+    """The values a program computes from its arguments ``xs`` (see :meth:`StepBuilder._arguments`): each
+    accumulator group unpacked once, parts summed."""
+    unpacked = {}
+    out = []
+    for kind, spec in values:
+        if kind == "slot":
+            out.append(xs[spec])
+            continue
+        total = None
+        for u, positions, i in spec:
+            if u not in unpacked:
+                unpacked[u] = u.unpack(*[xs[p] for p in positions])
+            total = unpacked[u][i] if total is None else total + unpacked[u][i]
+        out.append(total)
+    return out
+
+
 class StepBuilder:
     """Lays out the step's tasks (one :class:`TaskList`) and returns them as a :class:`Program` for the passes.
     ``avail`` maps (outer variable, stage) to the slot holding it there."""
@@ -230,12 +266,24 @@ class StepBuilder:
         self.placed_input: dict[int, int] = {}
         self.placement = None
         self._seeds: dict[tuple, int] = {}
+        self.derived: dict[tuple, tuple] = {}
+        """(outer variable, stage) -> its value as parts computed inside the program that reads it: a tuple of
+        (:class:`_Unpack`, index), summed (a gradient out of its stages' packed accumulators, see :meth:`publish`)."""
 
     def emit(self, fn, ins, n_out, label) -> list[int]:
         return self.tl.emit(fn, ins, n_out, label)
 
     def put(self, shardings, ins, label) -> list[int]:
-        return self.tl.emit(put(self.tl.avals(ins), shardings), ins, len(ins), label)
+        """Slots holding ``ins`` at ``shardings``: a value already laid out so (handed between segments of one
+        stage, :mod:`autopp.runtime._segments`) is its own slot; the others move in one transfer task."""
+        outs = list(ins)
+        move = [j for j, (i, sh) in enumerate(zip(ins, shardings)) if self.tl.slot_avals[i].sharding != sh]
+        if move:
+            moved = self.tl.emit(put(self.tl.avals([ins[j] for j in move]), [shardings[j] for j in move]),
+                                 [ins[j] for j in move], len(move), label)
+            for j, slot in zip(move, moved):
+                outs[j] = slot
+        return outs
 
     def seed_slot(self, s, aval, value) -> int:
         """A constant on stage ``s`` made once at build time (a cotangent: the loss seed or zeros; the ``first``
@@ -254,6 +302,11 @@ class StepBuilder:
             return self.avail[key]
         if isinstance(v, Literal):
             raise AssertionError("literals are inlined")
+        pending = [l for (u, l) in self.derived if u is v and (u, l) not in self.avail]
+        if pending:  # a gradient read as an array of its own: every pending one of its stage made by one program
+            self._materialize(pending[0])
+            if key in self.avail:
+                return self.avail[key]
         st, meshes = self.step, self.step.meshes
         if v in self.outer_consts:
             s = self.tl.const(jax.device_put(self.outer_consts[v], meshes.replicated[loc]))
@@ -283,21 +336,56 @@ class StepBuilder:
         if not outs:
             return
         sub, consts = closed.jaxpr, closed.consts
-        in_slots = [self.need(v, loc) for v in ins]
+        # Gradients still in their packed accumulators are unpacked (and shared ones summed) inside this program.
+        in_slots, values = self._arguments([self.derived[(v, loc)] if (v, loc) in self.derived
+                                            and (v, loc) not in self.avail else v for v in ins], loc)
         # Donated step inputs (their placed slot, read by nothing after this program) are donated here: the update
         # writes the new parameters and optimizer state into the old ones' buffers.
         ids = set(eqn_ids)
-        donate = tuple(j for j, (v, s) in enumerate(zip(ins, in_slots))
-                       if self.placed_input.get(self.invar_index.get(v)) == s and last_reader(v, ids))
+        donate = tuple(sorted({j for v, (kind, j) in zip(ins, values) if kind == "slot"
+                               and self.placed_input.get(self.invar_index.get(v)) == in_slots[j]
+                               and last_reader(v, ids)}))
         # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,
         # so that the next step finds them at home.
         st = self.step
-        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *xs)),
+        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *_evaluate(values, xs))),
                      in_shardings=tuple(self.tl.slot_avals[s].sharding for s in in_slots),
                      out_shardings=tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v in outs),
                      donate_argnums=donate)
         out_slots = self.tl.emit(fn, in_slots, len(outs), label, donated=[in_slots[j] for j in donate])
         for v, s in zip(outs, out_slots):
+            self.avail[(v, loc)] = s
+
+    def _arguments(self, items, loc) -> tuple[list[int], list]:
+        """A program's argument slots (each once) and how it computes each of ``items`` from them: an outer
+        variable (its slot on ``loc``) as ``("slot", position)``, derived parts (see :attr:`derived`) as
+        ``("parts", ((unpack, argument positions, index), ...))``."""
+        slots, position, values = [], {}, []
+
+        def arg(slot):
+            if slot not in position:
+                position[slot] = len(slots)
+                slots.append(slot)
+            return position[slot]
+
+        for item in items:
+            if isinstance(item, tuple):
+                values.append(("parts", tuple((u, tuple(arg(x) for x in u.slots), i) for u, i in item)))
+            else:
+                values.append(("slot", arg(self.need(item, loc))))
+        return slots, values
+
+    def _materialize(self, loc) -> None:
+        """Every derived value on ``loc`` not yet held as an array, made by one program (laid out as the
+        parameters they serve)."""
+        st = self.step
+        pending = [(v, parts) for (v, l), parts in self.derived.items() if l == loc and (v, l) not in self.avail]
+        in_slots, values = self._arguments([parts for _, parts in pending], loc)
+        fn = jax.jit(lambda *xs: tuple(_evaluate(values, xs)),
+                     in_shardings=tuple(self.tl.slot_avals[s].sharding for s in in_slots),
+                     out_shardings=tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v, _ in pending))
+        out_slots = self.emit(fn, in_slots, len(pending), f"gradients stage {loc}")
+        for (v, _), s in zip(pending, out_slots):
             self.avail[(v, loc)] = s
 
     # -- the whole step -------------------------------------------------------------------------
@@ -400,35 +488,45 @@ class StepBuilder:
         spec, grad, fwd = st.spec, st.grad, st.fwd
         for k, slot in reduced.items():
             self.avail[(grad.outvars[k], st.out_stage[k])] = slot
-        # Each stage's gradients out of its accumulators (small ones are packed, see StagePrograms.acc_packing).
-        grads_of = {}
-        for s, pr in enumerate(programs):
-            if pr.acc_packing.groups:
-                fn = jax.jit(lambda *bufs, packing=pr.acc_packing: tuple(packing.unpack(bufs)),
-                             out_shardings=tuple(pr.acc_packing.shardings))
-                grads_of[s] = self.emit(fn, acc[s], len(pr.param_idx), f"unpack gradients stage {s}")
-            else:  # nothing packed: the buffers are the gradients, in parameter order
-                grads_of[s] = acc[s]
+        # Each stage's gradients out of its accumulators (small ones are packed, see StagePrograms.acc_packing):
+        # unpacked inside the program that reads them, where that program runs on the same devices.
+        unpack = {s: _Unpack(tuple(acc[s]), pr.acc_packing) for s, pr in enumerate(programs) if pr.acc_packing.groups}
+        unpacked: dict[int, list[int]] = {}
+
+        def part(s, idx, o, home):
+            """Stage ``s``'s gradient of its ``idx``-th parameter as a part of a gradient on stage ``o`` (laid out
+            there as ``home``): (unpack, index) where it is unpacked inside the program that reads it, else a slot."""
+            if s not in unpack:  # nothing packed: the buffers are the gradients, in parameter order
+                slot = acc[s][idx]
+            elif st.meshes.devices[s] == st.meshes.devices[o]:
+                return unpack[s], idx
+            else:
+                if s not in unpacked:
+                    fn = jax.jit(unpack[s].unpack, out_shardings=tuple(unpack[s].packing.shardings))
+                    unpacked[s] = self.emit(fn, acc[s], len(programs[s].param_idx), f"unpack gradients stage {s}")
+                slot = unpacked[s][idx]
+            if s != o:
+                (slot,) = self.put([home], [slot], f"send shared grad {s}->{o}")
+            return slot
+
         # Gradients: each on its owner, contributions of other stages (shared parameters) added.
         for j, k in enumerate(spec.diff_indices):
             outer = grad.outvars[1 + spec.num_aux + j]
             o = st.owner[k]
             home = st.layout_of(o, k, fwd.invars[k].aval.shape)
-            contrib = []
+            parts = []
             for s in st.users[k]:
                 pos = st.graphs[s].inputs.index(fwd.invars[k])
-                if pos not in programs[s].param_idx:
-                    continue
-                slot = grads_of[s][programs[s].param_idx.index(pos)]
-                if s != o:
-                    (slot,) = self.put([home], [slot], f"send shared grad {s}->{o}")
-                contrib.append(slot)
-            if not contrib:
+                if pos in programs[s].param_idx:
+                    parts.append(part(s, programs[s].param_idx.index(pos), o, home))
+            if not parts:
                 aval = fwd.invars[k].aval
-                contrib = self.emit(zeros_program([aval], [home]), [], 1, f"zero grad {st.invar_name(k)}")
-            if len(contrib) > 1:
-                contrib = self.emit(sum_program(len(contrib), home), contrib, 1, f"sum shared grad {st.invar_name(k)}")
-            self.avail[(outer, o)] = contrib[0]
+                parts = self.emit(zeros_program([aval], [home]), [], 1, f"zero grad {st.invar_name(k)}")
+            if len(parts) == 1 and isinstance(parts[0], int):
+                self.avail[(outer, o)] = parts[0]
+            else:  # summed (and unpacked) inside the program that reads it
+                self.derived[(outer, o)] = tuple(p if isinstance(p, tuple) else (_Unpack((p,), None), 0)
+                                                 for p in parts)
 
     def build_single_program(self) -> Program:
         """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it.

@@ -81,7 +81,7 @@ def test_a_step_that_returns_its_gradients_starts_from_zeros_each_step():
         assert_trees_close(grads, want_grads)
     labels = pipelined.executable_for(params, batch).description
     for s in range(4):
-        unpacked = f"unpack gradients stage {s}" in labels
+        unpacked = f"gradients stage {s}" in labels  # the program that unpacks the returned gradients
         assert (f"zero gradients stage {s}" in labels) == (not unpacked), (s, labels)
         assert (f"keep gradient buffers stage {s}" in labels) == unpacked, (s, labels)
 

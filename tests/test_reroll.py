@@ -144,10 +144,13 @@ def test_a_scanned_model_trains_like_jit_with_its_iterations_rolled(monkeypatch,
     if num_stages == 1:
         assert [(r.count, r.first_row) for r in runs_of["forward"]] == [(8, 0)]
         return
-    assert sorted(runs_of) == [f"stage {s}" for s in range(num_stages)]
+    # the first and the last stage run as segments (embedding | iterations, iterations | head): one program
+    # name per segment, one rolled run per plan stage, in a segment of its own
+    assert sorted(runs_of) == [f"stage {s}" for s in range(num_stages + 2)]
     rolled = [r for runs in runs_of.values() for r in runs]
     assert len(rolled) == num_stages and all(r.count >= 2 for r in rolled)
     assert sum(r.count for r in rolled) >= 8 - (num_stages - 1)
+    assert not runs_of["stage 0"] and not runs_of[f"stage {num_stages + 1}"]
 
 
 @pytest.mark.parametrize("layout, recompute", [({"fsdp": 2}, ("full", "selective")), ({"tensor": 2}, ("none", "none"))])
@@ -162,3 +165,50 @@ def test_a_scanned_model_with_sharded_stages_trains_like_jit(layout, recompute):
     got, _ = run_steps(pipelined, state, batch)
     want, _ = run_steps(jax.jit(step), state, batch)
     assert_trees_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_segments_of_a_schedule_run_in_order_on_their_stages_rank():
+    """A stage cut into segments runs its segments' forwards in order and their backwards in reverse, where the
+    plan's schedule runs the stage (written by hand for 1F1B on 2 stages, each cut in two)."""
+    from autopp.core import Schedule
+    from autopp.runtime._segments import expand_schedule
+
+    plan = Schedule.from_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1", num_stages=2, num_microbatches=2)
+    got = expand_schedule(plan, (0, 0, 1, 1))
+    assert got.to_text() == ("0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1\n"
+                             "2F0 3F0 3B0 2B0 2F1 3F1 3B1 2B1")
+    assert got.num_stages == 4 and got.stage_to_rank() == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_every_stage_of_a_scanned_model_runs_its_iterations_as_one_program(monkeypatch):
+    """Issue 15 (the first call at depth): the first and the last stage are cut around their rolled iterations
+    (:mod:`autopp.runtime._segments`), so every stage's iterations run as the middle stages' program. XLA compiles
+    two programs with a loop in all (the iterations' forward and backward), where a stage compiled whole made one
+    forward and one backward per distinct stage (six for four stages); the step still equals plain jit."""
+    from autopp.runtime import _passes
+
+    texts = []
+    real = _passes.compile_reusable
+
+    def spy(lowered, key):
+        texts.append(lowered.as_text())
+        return real(lowered, key)
+
+    monkeypatch.setattr(_passes, "compile_reusable", spy)
+    model, tx = tiny_scanned_gpt(), optax.sgd(0.1)
+    params = model.init(jax.random.key(0))
+    state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 16)
+    step = make_train_step(model.loss, tx)
+    pipelined = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="1f1b",
+                                   devices=jax.devices()[:4])
+    got, got_losses = run_steps(pipelined, state, batch)
+    want, want_losses = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    assert sum("stablehlo.while" in t for t in texts) == 2
+    # tasks are named by the plan's stages: stage 0's forward is two tasks (embedding, iterations), the last
+    # stage's iterations run forward and backward around its fused head
+    labels = pipelined.executable_for(*state, batch).description
+    assert labels.count("0F0") == 2 and labels.count("0B0") == 2
+    assert labels.count("3F0") == 1 and labels.count("3F0+3B0") == 1 and labels.count("3B0") == 1
+    assert pipelined.plan_for(*state, batch).num_stages == 4
