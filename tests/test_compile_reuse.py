@@ -64,7 +64,8 @@ def test_different_programs_have_different_keys():
     assert _compat.device_free_key(a) == _compat.device_free_key(c)
 
 
-@pytest.mark.parametrize("factory", [tiny_mlp, tiny_gpt, tiny_scanned_gpt])
+# the scanned GPT on the same 4-stage plan: tests/test_reroll.py checks that all its stages share two loop programs
+@pytest.mark.parametrize("factory", [tiny_mlp, tiny_gpt, pytest.param(tiny_scanned_gpt, marks=pytest.mark.slow)])
 def test_equal_middle_stages_compile_once_and_equal_jit(monkeypatch, factory):
     """The split repeats the middle stages (the GPT's start inside a block, at the same point of each block),
     so their forward, backward and optimizer programs compile once and load onto the other stage's device. With
