@@ -237,19 +237,26 @@ class KernelTimeModel:
         samples = [(list(k), float(t)) for k, t in samples if t > 0]
         if len(samples) < 6:
             raise ValueError(f"KernelTimeModel.calibrate needs at least 6 measured samples, got {len(samples)}.")
-        arrays = []
-        for kernels, t in samples:
-            mm = np.array([(c.flops, c.bytes_accessed) for k, c in kernels if k == "matmul"]).reshape(-1, 2)
-            fu = np.array([(c.flops, c.bytes_accessed, c.transcendentals) for k, c in kernels if k != "matmul"])
-            arrays.append((mm, fu.reshape(-1, 3), t))
+        # Every sample's kernels in two flat arrays (matmuls; everything else) with the sample each belongs to:
+        # one objective evaluation is a few vector operations, not a Python loop over samples (Nelder-Mead
+        # evaluates it ~10^4 times).
+        mm = np.array([(c.flops, c.bytes_accessed, i) for i, (kernels, _) in enumerate(samples)
+                       for k, c in kernels if k == "matmul"], dtype=np.float64).reshape(-1, 3)
+        fu = np.array([(c.flops, c.bytes_accessed, c.transcendentals, i) for i, (kernels, _) in enumerate(samples)
+                       for k, c in kernels if k != "matmul"], dtype=np.float64).reshape(-1, 4)
+        mm_of, fu_of = mm[:, 2].astype(np.intp), fu[:, 3].astype(np.intp)
+        log_measured = np.log([t for _, t in samples])
+        num_samples = len(samples)
 
-        def predict(logp, mm, fu):
+        def predict(logp):
             P, W, T, fm, fe, f0 = np.exp(np.clip(logp, lo, hi))
-            total = (np.maximum(mm[:, 0] / P, mm[:, 1] / W) + fm * mm[:, 0] / (mm[:, 0] + f0)).sum()
-            return total + (np.maximum(fu[:, 0] / P, fu[:, 1] / W) + fu[:, 2] / T + fe).sum()
+            per_mm = np.maximum(mm[:, 0] / P, mm[:, 1] / W) + fm * mm[:, 0] / (mm[:, 0] + f0)
+            per_fu = np.maximum(fu[:, 0] / P, fu[:, 1] / W) + fu[:, 2] / T + fe
+            return (np.bincount(mm_of, per_mm, minlength=num_samples)
+                    + np.bincount(fu_of, per_fu, minlength=num_samples))
 
         def objective(logp):
-            return sum(abs(math.log(predict(logp, mm, fu) / t)) for mm, fu, t in arrays) / len(arrays)
+            return float(np.mean(np.abs(np.log(predict(logp)) - log_measured)))
 
         # Physically sensible ranges (rates per second, floors in seconds, FLOPs); a constant the samples do
         # not constrain (e.g. no memory-bound kernel) settles at a bound instead of running off to infinity.

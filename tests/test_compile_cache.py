@@ -41,7 +41,9 @@ _PROCESS = textwrap.dedent("""
 
 
 def _process(cache_dir):
-    env = {k: v for k, v in os.environ.items() if k != "AUTOPP_COMPILATION_CACHE"}
+    env = {k: v for k, v in os.environ.items()  # the tests' own cache (tests/conftest.py) stays out of this one
+           if k not in ("AUTOPP_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR",
+                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
     out = subprocess.run([sys.executable, "-c", _PROCESS, str(cache_dir), ROOT], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
