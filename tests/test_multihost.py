@@ -16,7 +16,7 @@ import pytest
 
 import autopp
 from autopp._launch import free_port, launch, process_env
-from _helpers import gpt_case
+from _helpers import gpt_case, run_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_multihost_worker.py")
@@ -30,10 +30,8 @@ def _reference() -> tuple[list[float], dict[str, np.ndarray]]:
     multi-process run must give, as the single-process pipelines do (tests/test_parallelize.py,
     tests/test_schedules_run.py)."""
     step_fn, state, batch = gpt_case()
-    jitted, losses = jax.jit(step_fn), []
-    for _ in range(worker_plans.STEPS):
-        *state, loss = jitted(*state, batch)
-        losses.append(float(loss))
+    state, losses = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS)
+    losses = [float(x) for x in losses]
     params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state[0])[0]}
     return losses, params
 
