@@ -10,9 +10,12 @@ from autopp.core._compat import (
     call_body,
     copy_shards,
     device_free_key,
+    device_list,
     distributed_client,
     is_local,
     is_tracer,
+    lowered_devices,
+    map_sharding,
     marking_fused_attention,
     name_stack,
     new_jaxpr,
@@ -73,5 +76,6 @@ from autopp.core._plan import (
 )
 from autopp.core._reroll import ScanRun, find_scan_runs, reroll_scans
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs
+from autopp.core._twins import DeviceMapped
 
 __all__ = [name for name in dir() if not name.startswith("_")]

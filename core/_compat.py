@@ -52,6 +52,28 @@ def new_jaxpr(constvars, invars, outvars, eqns, effects, name: str = "autopp") -
 _MODULE_NAME = re.compile(r"^module @[\w.$-]+", re.MULTILINE)
 
 
+def lowered_devices(lowered):
+    """The devices a lowered program runs on (a ``DeviceList``), or None. A stand-in for a lowered program (the
+    runtime's programs mapped onto other devices) gives them as ``mapped_devices``."""
+    mapped = getattr(lowered, "mapped_devices", None)
+    if mapped is not None:
+        return mapped
+    return getattr(getattr(lowered, "_lowering", None), "_device_list", None)
+
+
+def device_list(devices):
+    """``devices`` as the ``DeviceList`` JAX's executables are made for."""
+    from jax._src.interpreters import pxla
+
+    return pxla._create_device_list(tuple(devices))
+
+
+def map_sharding(sharding, devmap):
+    """``sharding`` with each device ``d`` replaced by ``devmap[d]`` (NamedSharding, SingleDeviceSharding; TypeError
+    for others, KeyError for a device ``devmap`` does not name)."""
+    return _map_sharding(sharding, devmap)
+
+
 def device_free_key(lowered) -> tuple | None:
     """A key equal for two lowered programs that differ only in the devices they run on (same StableHLO,
     same number of devices, same platform), or None when that cannot be told. Shardings in StableHLO name
@@ -73,7 +95,7 @@ def device_free_key(lowered) -> tuple | None:
 
 def is_local(lowered) -> bool:
     """Whether a lowered program runs on this process's devices only (always, in a single-process run)."""
-    devices = getattr(getattr(lowered, "_lowering", None), "_device_list", None)
+    devices = lowered_devices(lowered)
     if devices is None or jax.process_count() == 1:
         return True
     me = jax.process_index()
@@ -117,7 +139,7 @@ def retarget(compiled, lowered, serialized=None):
     unloaded = source._unloaded_executable
     if unloaded is None or unloaded.host_callbacks or unloaded.ordered_effects or unloaded.unordered_effects:
         raise ValueError("executable with callbacks or effects")
-    target_devices = lowered._lowering._device_list
+    target_devices = lowered_devices(lowered)
     if target_devices == unloaded.device_list:
         return compiled
     if len(target_devices) != len(unloaded.device_list):

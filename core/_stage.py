@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +15,7 @@ from autopp.core._trace import eval_jaxpr_with
 from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, slice_jaxpr
 from autopp.core._packing import plan_packing
 from autopp.core._reroll import reroll_scans
+from autopp.core._twins import DeviceMapped, device_map, twin_key
 
 Literal = jex_core.Literal
 
@@ -128,11 +130,22 @@ class StagePrograms:
 
     ``constraints``: forward variable -> sharding, applied where the stage's forward defines the value (its
     cotangent takes the same layout): sequence parallelism's activations between layers.
+
+    ``twins``: a dict shared by the stages of one step. A stage whose programs equal an earlier stage's up to
+    their devices (:mod:`autopp.core._twins`) takes that stage's programs as
+    :class:`~autopp.core.DeviceMapped` ones instead of tracing and differentiating its own. Its
+    ``residual_sharding`` must then give, for each shape, the layout the earlier stage's gives on the mapped
+    devices (checked for the shapes the programs use; a stage that fails the check makes its own programs).
     """
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
                  in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
-                 flag_sharding, recompute: str = "none", constraints: dict | None = None):
+                 flag_sharding, recompute: str = "none", constraints: dict | None = None,
+                 twins: dict | None = None):
+        own_kwargs = dict(is_param=is_param, seed_of_output=seed_of_output, in_shardings=in_shardings,
+                          out_shardings_fwd=out_shardings_fwd, grad_shardings=grad_shardings,
+                          act_ct_shardings=act_ct_shardings, residual_sharding=residual_sharding,
+                          flag_sharding=flag_sharding, recompute=recompute, constraints=constraints)
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -150,6 +163,20 @@ class StagePrograms:
         """``row_bases``: the int32 values ``fwd`` and ``fwd_bwd`` take after the inputs, the least row the stage reads of
         each stacked input: whole ``lax.scan`` iterations run as one scan, and stages running the same iterations at
         other depths are one program (:mod:`autopp.core._reroll`)."""
+        self._twin = None
+        """(source stage's programs, device map, this stage's own programs on demand) of a twin stage."""
+        keyed = None
+        if twins is not None and not constraints:
+            flags = (tuple(g.diff_inputs), tuple(g.diff_outputs), tuple(is_param),
+                     tuple(sorted(self.seed_of_output.items())), len(self.row_bases), recompute)
+            keyed = twin_key(closed, flags, [*in_shardings, *out_shardings_fwd, *grad_shardings,
+                                             *act_ct_shardings, flag_sharding])
+            source = twins.get(keyed[0]) if keyed is not None else None
+            devmap = device_map(source._twin_devices, keyed[1]) if source is not None else None
+            if devmap is not None:
+                real = functools.cache(lambda: StagePrograms(graph, **own_kwargs))
+                if self._become_twin(source, devmap, real, residual_sharding, grad_shardings, act_ct_shardings):
+                    return
         in_avals = [v.aval for v in g.inputs] + [jax.ShapeDtypeStruct((), jnp.int32)] * len(self.row_bases)
         n_in = len(in_avals)
         in_shardings = list(in_shardings) + [flag_sharding] * len(self.row_bases)
@@ -282,9 +309,47 @@ class StagePrograms:
         self.fwd_bwd = jax.jit(fwd_bwd, in_shardings=tuple(in_shardings) + acc_shardings + flag_sh,
                                out_shardings=tuple(out_shardings_fwd) + acc_shardings + act_ct,
                                donate_argnums=tuple(range(n_in, n_in + n_acc)))
+        if keyed is not None:
+            self._twin_devices = keyed[1]
+            twins.setdefault(keyed[0], self)
+
+    def _become_twin(self, source: StagePrograms, devmap: dict, real, residual_sharding, grad_shardings,
+                     act_ct_shardings) -> bool:
+        """Take ``source``'s programs on the devices ``devmap`` maps them to; False (nothing taken) when this
+        stage lays out a residual unlike ``source``."""
+        res_sh = tuple(residual_sharding(a.shape) for a in source.packing.avals)
+        if any(_compat.map_sharding(a, devmap) != b for a, b in zip(source.packing.shardings, res_sh)):
+            return False
+        not_shared = ("_bwd_input", "_bwd_weight", "_stash_shardings", "_twin_devices", "num_stash", "weight_args")
+        for name, value in vars(source).items():  # what the programs are, apart from their devices
+            if name not in vars(self) and name not in not_shared:
+                setattr(self, name, value)
+        self.packing = dataclasses.replace(source.packing, shardings=res_sh)
+        self.acc_packing = dataclasses.replace(source.acc_packing, shardings=tuple(grad_shardings))
+        self._residual_sharding = residual_sharding
+        self._acc_shardings = tuple(self.acc_packing.buffer_shardings())
+        self._act_ct_shardings = tuple(act_ct_shardings)
+        self._bwd_fn = None
+        self._split = None
+        self._twin = (source, devmap, real)
+        for name in ("fwd", "bwd", "fwd_bwd"):
+            setattr(self, name, DeviceMapped(getattr(source, name), devmap, lambda name=name: getattr(real(), name)))
+        return True
 
     def _split_backward(self):
         """Build ``bwd_input`` / ``bwd_weight`` (on first use: only zero-bubble schedules need them)."""
+        if self._twin is not None:
+            source, devmap, real = self._twin
+            if source._split is None:
+                source._split_backward()
+            if all(_compat.map_sharding(sh, devmap) == self._residual_sharding(shape)
+                   for shape, sh in source._stash_shardings):
+                self._bwd_input = DeviceMapped(source._bwd_input, devmap, lambda: real().bwd_input)
+                self._bwd_weight = DeviceMapped(source._bwd_weight, devmap, lambda: real().bwd_weight)
+            else:  # a stash laid out otherwise here: this stage's own split
+                self._bwd_input, self._bwd_weight = real().bwd_input, real().bwd_weight
+            self.num_stash, self.weight_args, self._split = source.num_stash, source.weight_args, True
+            return
         traced = jax.make_jaxpr(self._bwd_fn)(*self._bwd_in_avals)
         jaxpr = traced.jaxpr
         n_acc, n_flag = self.num_acc, int(self.has_flag)
@@ -325,6 +390,7 @@ class StagePrograms:
             traced.consts)
         self.num_stash = len(stash)
         stash_sh = tuple(self._residual_sharding(v.aval.shape) for v in stash)
+        self._stash_shardings = [(v.aval.shape, sh) for v, sh in zip(stash, stash_sh)]
         self._bwd_input = jax.jit(lambda *a: tuple(jax.core.eval_jaxpr(input_jaxpr.jaxpr, input_jaxpr.consts, *a)),
                                   out_shardings=self._act_ct_shardings + stash_sh)
         n_w = len(self.weight_args) + len(stash)

@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autopp.core import device_free_key, is_local, retarget, serialize_compiled
+from autopp.core import (DeviceMapped, device_free_key, device_list, is_local, lowered_devices, map_sharding, retarget,
+                         serialize_compiled)
 
 from autopp.runtime._tasks import Program, Task, give_back
 
@@ -104,6 +105,33 @@ def compile_reusable(lowered, key) -> CompiledProgram:
         return CompiledProgram(compiled, key, None)
 
 
+def _mapped_aval(aval, devmap):
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None:
+        return aval
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=map_sharding(sharding, devmap),
+                                weak_type=getattr(aval, "weak_type", False))
+
+
+class MappedLowered:
+    """What the build reads of a lowered program (its devices, argument and output types) for ``source``'s program
+    on the devices ``devmap`` maps its own to (a :class:`~autopp.core.DeviceMapped` program): nothing is traced or
+    lowered for it. It compiles as ``source`` does, and the executable is loaded onto its devices; ``real()``
+    lowers the program for its own devices, for when that cannot be done."""
+
+    def __init__(self, source, devmap: dict, real):
+        self.source, self._real = source, real
+        self.mapped_devices = device_list(devmap[d] for d in lowered_devices(source))
+        self.args_info, self.out_tree = source.args_info, source.out_tree
+        self.out_info = jax.tree.map(lambda a: _mapped_aval(a, devmap), source.out_info)
+
+    def compile(self):
+        return self._real().compile()
+
+    def as_text(self) -> str:
+        return self._real().as_text()
+
+
 class Compiler:
     """Lowers each distinct (program, input types) once and starts compiling it on a thread pool (XLA compiles
     without the GIL); a program equal up to its devices to one already compiling is not compiled again (the
@@ -120,12 +148,26 @@ class Compiler:
         key = (id(fn), tuple(in_avals))
         lowered = self._lowered.get(key)
         if lowered is None:
-            lowered = self._lowered[key] = fn.lower(*in_avals)
+            lowered = self._lowered[key] = (self._lower_mapped(fn, in_avals) if isinstance(fn, DeviceMapped)
+                                            else fn.lower(*in_avals))
             self._keep_alive.append(fn)
             key = self._key(lowered)
             if key not in self._compiling and is_local(lowered):  # another process's stage: not compiled here
                 self._compiling[key] = self._submit(lowered)
         return lowered
+
+    def _lower_mapped(self, fn: DeviceMapped, in_avals):
+        """A program of another stage on this stage's devices: the source lowered for the arguments mapped back to
+        its devices (once for all stages that run it), read as this stage's (:class:`MappedLowered`)."""
+        inverse = {b: a for a, b in fn.devmap.items()}
+        try:
+            source_avals = [_mapped_aval(a, inverse) for a in in_avals]
+        except (KeyError, TypeError):  # an argument on other devices or of a layout not mapped: lower its own
+            return fn.real().lower(*in_avals)
+        source = self.lower(fn.source, source_avals)
+        if lowered_devices(source) is None:
+            return fn.real().lower(*in_avals)
+        return MappedLowered(source, fn.devmap, lambda: fn.real().lower(*in_avals))
 
     def future(self, lowered) -> concurrent.futures.Future:
         """The compilation of ``lowered`` or of a program equal to it up to devices (started now if none is)."""
@@ -144,6 +186,8 @@ class Compiler:
             self._pool = None
 
     def _key(self, lowered):
+        if isinstance(lowered, MappedLowered):
+            return self._key(lowered.source)
         if id(lowered) not in self._keys:
             self._keys[id(lowered)] = device_free_key(lowered)
         key = self._keys[id(lowered)]

@@ -22,11 +22,13 @@ Literal = jex_core.Literal
 
 
 def stage_programs(step) -> list[StagePrograms]:
-    """Each stage's forward, backward (and split backward) programs with the shardings of their values."""
+    """Each stage's forward, backward (and split backward) programs with the shardings of their values; a stage that
+    runs an earlier stage's programs on other devices takes them mapped (its batch and residual layouts follow from
+    its mesh's shape alone, as :class:`~autopp.core.StagePrograms` asks of twins)."""
     meshes, fwd, config = step.meshes, step.fwd, step.config
     seed = 1.0 / config.num_microbatches if config.loss_reduction == "mean" else 1.0
     loss_var = fwd.outvars[0]
-    progs = []
+    progs, twins = [], {}
     for g in step.graphs:
         s = g.index
         rep = meshes.replicated[s]
@@ -52,7 +54,8 @@ def stage_programs(step) -> list[StagePrograms]:
         progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
                                    out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
                                    residual_sharding=functools.partial(meshes.batch_sharding, s),
-                                   flag_sharding=rep, recompute=config.recompute[s], constraints=constraints))
+                                   flag_sharding=rep, recompute=config.recompute[s], constraints=constraints,
+                                   twins=twins))
     return progs
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopp
-from autopp.core import _compat
+from autopp.core import _compat, _stage
 from autopp.runtime import _executor, _passes
 
 from _helpers import assert_trees_close, model_case, run_steps, tiny_gpt, tiny_mlp, tiny_scanned_gpt
@@ -93,6 +93,70 @@ def test_equal_middle_stages_compile_once_and_equal_jit(monkeypatch, factory):
         assert exe.num_compiled <= exe.num_programs - sum(compiles)
     else:
         assert exe.num_programs - sum(compiles) == exe.num_compiled
+
+
+def _recording_builds(monkeypatch):
+    """Record every program the build lowers ((fn, lowered) pairs) and count the stages whose programs are traced
+    and differentiated (``forward_with_vjp``: once per stage that makes its own programs)."""
+    lowerings, vjps = [], []
+    real_lower, real_vjp = _passes.Compiler.lower, _stage.forward_with_vjp
+
+    def lower(self, fn, in_avals):
+        lowered = real_lower(self, fn, in_avals)
+        lowerings.append((fn, lowered))
+        return lowered
+
+    def vjp(*args, **kwargs):
+        vjps.append(1)
+        return real_vjp(*args, **kwargs)
+
+    monkeypatch.setattr(_passes.Compiler, "lower", lower)
+    monkeypatch.setattr(_stage, "forward_with_vjp", vjp)
+    return lowerings, vjps
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_equal_stages_are_traced_and_lowered_once(monkeypatch, schedule):
+    """The GPT's middle stages run one program on different devices: the later one takes the earlier one's
+    programs mapped onto its devices, so it is neither differentiated nor lowered. What the build reads off a
+    mapped program (devices, output types) is what lowering it for real gives, and the step equals plain jit."""
+    lowerings, vjps = _recording_builds(monkeypatch)
+    step, state, batch = model_case(tiny_gpt, 16)
+    expected, _ = run_steps(jax.jit(step), state, batch)
+    pipelined = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule=schedule,
+                                   devices=jax.devices()[:4])
+    actual, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(actual, expected, rtol=1e-5)
+
+    mapped = {id(lo): (fn, lo) for fn, lo in lowerings if isinstance(lo, _passes.MappedLowered)}
+    assert mapped, "no stage took another stage's programs"
+    twin_stages = {id(fn.devmap) for fn, _ in mapped.values()}  # one device map per twin stage
+    assert len(vjps) == 4 - len(twin_stages) and len(twin_stages) >= 1, (len(vjps), len(twin_stages))
+    kinds = {"fwd", "bwd", "fwd_bwd"} | ({"<lambda>"} if schedule == "zb-h1" else set())
+    assert {getattr(fn.source, "__name__", None) for fn, _ in mapped.values()} <= kinds
+    for fn, lo in mapped.values():
+        real = lo._real()  # the twin's own program, lowered now: the truth the stand-in must match
+        assert _compat.device_free_key(real) == _compat.device_free_key(lo.source)
+        assert list(_compat.lowered_devices(real)) == list(lo.mapped_devices)
+        assert set(lo.mapped_devices).isdisjoint(_compat.lowered_devices(lo.source))
+        want, got = jax.tree.leaves(real.out_info), jax.tree.leaves(lo.out_info)
+        assert [(a.shape, a.dtype, a.sharding) for a in want] == [(a.shape, a.dtype, a.sharding) for a in got]
+    assert len(vjps) == 4  # lowering the twins for real made their own programs, once per stage
+
+
+def test_mapped_programs_that_cannot_be_loaded_compile_their_own(monkeypatch):
+    """When an executable cannot be moved onto a twin stage's devices, the twin makes, lowers and compiles its own
+    programs, and the step still equals plain jit."""
+    _, vjps = _recording_builds(monkeypatch)
+    monkeypatch.setattr(_passes, "retarget_or_none", lambda program, lowered: None)
+    step, state, batch = model_case(tiny_gpt, 16)
+    expected, _ = run_steps(jax.jit(step), state, batch)
+    pipelined = autopp.parallelize(step, num_stages=4, num_microbatches=4, schedule="1f1b",
+                                   devices=jax.devices()[:4])
+    pipelined.executable_for(*state, batch)  # every program compiled
+    assert len(vjps) == 4  # three stages built their programs, the twin its own when it had to compile
+    actual, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(actual, expected, rtol=1e-5)
 
 
 def test_shard_copies_only_between_mirrored_layouts():
