@@ -55,8 +55,11 @@ def _sharding_key(sharding) -> tuple[tuple, tuple] | None:
 
 
 def _const_key(c) -> tuple:
-    arr = np.asarray(c) if not isinstance(c, jax.Array) or c.is_fully_addressable else None
-    if arr is None or arr.dtype == object or arr.nbytes > _CONST_HASH_BYTES:
+    nbytes = getattr(c, "nbytes", None)
+    if nbytes is None or nbytes > _CONST_HASH_BYTES or (isinstance(c, jax.Array) and not c.is_fully_addressable):
+        return ("id", id(c))
+    arr = np.asarray(c)
+    if arr.dtype == object:
         return ("id", id(c))
     if arr.size <= 64:
         return ("value", literal_signature(arr))

@@ -115,6 +115,32 @@ def _recording_builds(monkeypatch):
     return lowerings, vjps
 
 
+def test_twin_keys_tell_programs_apart_and_pair_devices_one_to_one():
+    from jax.sharding import SingleDeviceSharding
+
+    from autopp.core import _twins
+
+    devs = jax.devices()
+
+    def closed(c):
+        return jax.make_jaxpr(lambda x: jnp.tanh(x * c))(np.ones(4, np.float32))
+
+    def key(c, *shardings):
+        return _twins.twin_key(closed(c), ("flags",), shardings)
+
+    c = np.arange(4.0, dtype=np.float32)
+    mesh_a, mesh_b = Mesh(np.array(devs[0:2]), ("data",)), Mesh(np.array(devs[2:4]), ("data",))
+    (ka, da), (kb, db) = key(c, NamedSharding(mesh_a, P("data"))), key(c.copy(), NamedSharding(mesh_b, P("data")))
+    assert ka == kb and da != db  # the same program on other devices (equal constants, other objects)
+    assert _twins.device_map(da, db) == {devs[0]: devs[2], devs[1]: devs[3]}
+    assert key(c + 1, NamedSharding(mesh_b, P("data")))[0] != ka  # another constant
+    assert key(c, NamedSharding(mesh_b, P()))[0] != ka  # another layout
+    assert key(c, SingleDeviceSharding(devs[0]))[0] != ka
+    assert _twins.device_map(da, da) is None  # the same devices: nothing to map
+    assert _twins.device_map(((devs[0], devs[1]),), ((devs[2], devs[2]),)) is None  # not one-to-one
+    assert _twins.device_map(((devs[0],), (devs[0],)), ((devs[2],), (devs[3],))) is None  # inconsistent
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_equal_stages_are_traced_and_lowered_once(monkeypatch, schedule):
     """The GPT's middle stages run one program on different devices: the later one takes the earlier one's
