@@ -86,8 +86,9 @@ def twin_key(closed, flags: Sequence, shardings: Sequence) -> tuple[tuple, tuple
 
 
 def device_map(source_devices: tuple, devices: tuple) -> dict | None:
-    """The one-to-one map from a source stage's devices to a twin's (both as :func:`twin_key` lists them), or None
-    when they do not pair up consistently, are the same devices, or are not all this process's."""
+    """The one-to-one map from a source stage's devices to a twin's (both as :func:`twin_key` lists them; the same
+    devices map to themselves: model chunks of one device group), or None when they do not pair up consistently or
+    are not all this process's."""
     devmap: dict = {}
     for src, dst in zip(source_devices, devices):
         if len(src) != len(dst):
@@ -95,7 +96,7 @@ def device_map(source_devices: tuple, devices: tuple) -> dict | None:
         for a, b in zip(src, dst):
             if devmap.setdefault(a, b) != b:
                 return None
-    if len(set(devmap.values())) != len(devmap) or all(a == b for a, b in devmap.items()):
+    if len(set(devmap.values())) != len(devmap):
         return None
     me = jax.process_index()
     if any(d.process_index != me for pair in devmap.items() for d in pair):

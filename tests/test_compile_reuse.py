@@ -136,7 +136,7 @@ def test_twin_keys_tell_programs_apart_and_pair_devices_one_to_one():
     assert key(c + 1, NamedSharding(mesh_b, P("data")))[0] != ka  # another constant
     assert key(c, NamedSharding(mesh_b, P()))[0] != ka  # another layout
     assert key(c, SingleDeviceSharding(devs[0]))[0] != ka
-    assert _twins.device_map(da, da) is None  # the same devices: nothing to map
+    assert _twins.device_map(da, da) == {devs[0]: devs[0], devs[1]: devs[1]}  # another chunk on the same devices
     assert _twins.device_map(((devs[0], devs[1]),), ((devs[2], devs[2]),)) is None  # not one-to-one
     assert _twins.device_map(((devs[0],), (devs[0],)), ((devs[2],), (devs[3],))) is None  # inconsistent
 
