@@ -3,7 +3,8 @@
 The middle stages of a deep model, and the scan segments of a scanned one (:mod:`autopp.core._reroll`), run the
 same computation with the same layouts on other devices. XLA already compiles such programs once (the runtime
 loads the executable onto the other devices, :func:`autopp.core.retarget`), but each stage used to be traced,
-differentiated and lowered on its own: about a quarter of a scanned model's first call on CPU.
+differentiated and lowered on its own: about 1 s of the 32-layer scanned GPT's 6 s first call on 4 stages on
+CPU.
 
 :func:`twin_key` says, before a stage's programs are made, what they are up to their devices: the stage's forward
 jaxpr as text (variables named by position), its constants, which inputs are parameters, the loss seeds, the
