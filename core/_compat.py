@@ -68,12 +68,6 @@ def device_list(devices):
     return pxla._create_device_list(tuple(devices))
 
 
-def map_sharding(sharding, devmap):
-    """``sharding`` with each device ``d`` replaced by ``devmap[d]`` (NamedSharding, SingleDeviceSharding; TypeError
-    for others, KeyError for a device ``devmap`` does not name)."""
-    return _map_sharding(sharding, devmap)
-
-
 def device_free_key(lowered) -> tuple | None:
     """A key equal for two lowered programs that differ only in the devices they run on (same StableHLO,
     same number of devices, same platform), or None when that cannot be told. Shardings in StableHLO name
@@ -102,7 +96,9 @@ def is_local(lowered) -> bool:
     return all(d.process_index == me for d in devices)
 
 
-def _map_sharding(sharding, devmap):
+def map_sharding(sharding, devmap):
+    """``sharding`` with each device ``d`` replaced by ``devmap[d]`` (NamedSharding, SingleDeviceSharding; TypeError
+    for others, KeyError for a device ``devmap`` does not name)."""
     from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
     if isinstance(sharding, SingleDeviceSharding):
@@ -159,8 +155,8 @@ def retarget(compiled, lowered, serialized=None):
     loaded = backend.deserialize_executable(serialized, target_devices, options)
     moved = dataclasses.replace(
         unloaded, xla_executable=loaded, device_list=target_devices,
-        input_shardings=[_map_sharding(s, devmap) for s in unloaded.input_shardings],
-        output_shardings=[_map_sharding(s, devmap) for s in unloaded.output_shardings])
+        input_shardings=[map_sharding(s, devmap) for s in unloaded.input_shardings],
+        output_shardings=[map_sharding(s, devmap) for s in unloaded.output_shardings])
     params = compiled._params
     return type(compiled)(moved.load(), list(params.const_args), lowered.args_info, lowered.out_tree,
                           compiled._no_kwargs, params.in_types, params.out_types)
