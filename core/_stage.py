@@ -131,9 +131,9 @@ class StagePrograms:
     ``constraints``: forward variable -> sharding, applied where the stage's forward defines the value (its
     cotangent takes the same layout): sequence parallelism's activations between layers.
 
-    ``twins``: a dict shared by the stages of one step. A stage whose programs equal an earlier stage's up to
-    their devices (:mod:`autopp.core._twins`) takes that stage's programs as
-    :class:`~autopp.core.DeviceMapped` ones instead of tracing and differentiating its own. Its
+    ``twins``: a dict shared by the stages of one step (key -> the stages that made their own programs). A stage
+    whose programs equal an earlier stage's up to their devices (:mod:`autopp.core._twins`) takes that stage's
+    programs as :class:`~autopp.core.DeviceMapped` ones instead of tracing and differentiating its own. Its
     ``residual_sharding`` must then give, for each shape, the layout the earlier stage's gives on the mapped
     devices (checked for the shapes the programs use; a stage that fails the check makes its own programs).
     """
@@ -171,11 +171,11 @@ class StagePrograms:
                      tuple(sorted(self.seed_of_output.items())), len(self.row_bases), recompute)
             keyed = twin_key(closed, flags, [*in_shardings, *out_shardings_fwd, *grad_shardings,
                                              *act_ct_shardings, flag_sharding])
-            source = twins.get(keyed[0]) if keyed is not None else None
-            devmap = device_map(source._twin_devices, keyed[1]) if source is not None else None
-            if devmap is not None:
-                real = functools.cache(lambda: StagePrograms(graph, **own_kwargs))
-                if self._become_twin(source, devmap, real, residual_sharding, grad_shardings, act_ct_shardings):
+            real = functools.cache(lambda: StagePrograms(graph, **own_kwargs))
+            for source in twins.get(keyed[0], ()) if keyed is not None else ():  # one this stage's devices map from
+                devmap = device_map(source._twin_devices, keyed[1])  # (None: another process's devices)
+                if devmap is not None and self._become_twin(source, devmap, real, residual_sharding, grad_shardings,
+                                                            act_ct_shardings):
                     return
         in_avals = [v.aval for v in g.inputs] + [jax.ShapeDtypeStruct((), jnp.int32)] * len(self.row_bases)
         n_in = len(in_avals)
@@ -311,7 +311,7 @@ class StagePrograms:
                                donate_argnums=tuple(range(n_in, n_in + n_acc)))
         if keyed is not None:
             self._twin_devices = keyed[1]
-            twins.setdefault(keyed[0], self)
+            twins.setdefault(keyed[0], []).append(self)
 
     def _become_twin(self, source: StagePrograms, devmap: dict, real, residual_sharding, grad_shardings,
                      act_ct_shardings) -> bool:

@@ -170,6 +170,30 @@ def test_equal_stages_are_traced_and_lowered_once(monkeypatch, schedule):
     assert len(vjps) == 4  # lowering the twins for real made their own programs, once per stage
 
 
+def test_a_stage_maps_from_the_first_equal_stage_whose_devices_it_can_use(monkeypatch):
+    """Eight one-device stages of the tiny GPT: stages 3 and 5 run stage 1's programs. With stage 1 taken for another
+    process's (its device refused as a source, as ``device_map`` refuses devices of other processes), stage 3 makes
+    its own programs and stage 5 takes stage 3's instead; the step still equals plain jit."""
+    real_map, maps = _stage.device_map, []
+    foreign = jax.devices()[1]
+
+    def device_map(source_devices, devices):
+        if any(foreign in group for group in source_devices):
+            return None
+        devmap = real_map(source_devices, devices)
+        maps.append(devmap)
+        return devmap
+
+    monkeypatch.setattr(_stage, "device_map", device_map)
+    step, state, batch = model_case(tiny_gpt, 16)
+    expected, _ = run_steps(jax.jit(step), state, batch)
+    pipelined = autopp.parallelize(step, num_stages=8, num_microbatches=4, schedule="1f1b", devices=jax.devices())
+    actual, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(actual, expected, rtol=1e-5)
+    devs = jax.devices()
+    assert {devs[3]: devs[5]} in maps, [{a.id: b.id for a, b in m.items()} for m in maps if m]
+
+
 def test_mapped_programs_that_cannot_be_loaded_compile_their_own(monkeypatch):
     """When an executable cannot be moved onto a twin stage's devices, the twin makes, lowers and compiles its own
     programs, and the step still equals plain jit."""
