@@ -132,10 +132,25 @@ class MappedLowered:
         return self._real().as_text()
 
 
+_in_flight: dict[Any, concurrent.futures.Future] = {}
+"""Device-free key -> its compilation while it runs, whichever :class:`Compiler` started it: a step built again
+(another signature, a replayed plan) while the first build still compiles waits for those compilations instead of
+compiling the same programs beside them (and reading JAX's persistent cache entries while they are being written,
+which JAX reports as unreadable: it writes them in place)."""
+_in_flight_lock = threading.Lock()
+
+
+def _forget(key, future) -> None:
+    with _in_flight_lock:
+        if _in_flight.get(key) is future:
+            del _in_flight[key]
+
+
 class Compiler:
     """Lowers each distinct (program, input types) once and starts compiling it on a thread pool (XLA compiles
-    without the GIL); a program equal up to its devices to one already compiling is not compiled again (the
-    ``compile`` pass loads that executable onto its devices), nor is another process's."""
+    without the GIL); a program equal up to its devices to one already compiling (here or in another build of this
+    process) is not compiled again (the ``compile`` pass loads that executable onto its devices), nor is another
+    process's."""
 
     def __init__(self):
         self._lowered: dict[tuple, Any] = {}  # (program id, input types) -> lowered
@@ -194,9 +209,20 @@ class Compiler:
         return key if key is not None else id(lowered)
 
     def _submit(self, lowered) -> concurrent.futures.Future:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
-        return self._pool.submit(compile_reusable, lowered, self._key(lowered))
+        key = self._key(lowered)
+        shared = isinstance(key, tuple)  # (not an id: a program without a device-free key is this build's alone)
+        with _in_flight_lock:
+            running = _in_flight.get(key) if shared else None
+            if running is not None:
+                return running
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+            future = self._pool.submit(compile_reusable, lowered, key)
+            if shared:
+                _in_flight[key] = future
+        if shared:
+            future.add_done_callback(lambda f: _forget(key, f))
+        return future
 
 
 def retarget_or_none(program: CompiledProgram, lowered):

@@ -223,3 +223,40 @@ def test_retarget_moves_the_executable():
     out = deferred(x)
     assert out.devices() == {jax.devices()[1]}
     np.testing.assert_array_equal(np.asarray(out), np.full((4,), 2.0))
+
+
+def test_builds_share_the_compilations_still_running(monkeypatch):
+    """A program equal up to its devices to one another build of this process is still compiling waits for that
+    compilation (and is loaded onto its own devices) instead of compiling beside it; a build after it has finished
+    compiles again (JAX's persistent cache, when configured, serves it)."""
+    import threading
+
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    release, compiled_keys = threading.Event(), []
+    real = _passes.compile_reusable
+
+    def held(lowered, key):
+        compiled_keys.append(key)
+        assert release.wait(120)
+        return real(lowered, key)
+
+    monkeypatch.setattr(_passes, "compile_reusable", held)
+    fn = jax.jit(lambda v: jnp.tanh(v) * 2)
+    on = [jax.ShapeDtypeStruct((8,), jnp.float32, sharding=SingleDeviceSharding(d)) for d in jax.devices()[:2]]
+    first, second = _passes.Compiler(), _passes.Compiler()
+    try:
+        lowered_a, lowered_b = first.lower(fn, [on[0]]), second.lower(fn, [on[1]])
+        running = first.future(lowered_a)
+        assert second.future(lowered_b) is running and not running.done()
+    finally:
+        release.set()
+    x = jax.device_put(np.arange(8.0, dtype=np.float32), jax.devices()[1])
+    out = _passes._Deferred(second.future(lowered_b), lowered_b)(x)
+    assert out.devices() == {jax.devices()[1]}
+    np.testing.assert_allclose(np.asarray(out), np.tanh(np.arange(8.0)) * 2, rtol=1e-6)
+    assert len(compiled_keys) == 1
+    third = _passes.Compiler()
+    assert third.future(third.lower(fn, [on[0]])) is not running  # finished: no longer shared
+    first.close(), second.close(), third.close()
