@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from autopp.core import (DeviceMapped, device_free_key, device_list, is_local, lowered_devices, map_sharding, retarget,
                          serialize_compiled)
 
-from autopp.runtime._tasks import Program, Task, give_back
+from autopp.runtime._tasks import Program, Task, give_back, sds
 
 
 # -- compilations that other devices can reuse -------------------------------------------------------------
@@ -107,10 +107,7 @@ def compile_reusable(lowered, key) -> CompiledProgram:
 
 def _mapped_aval(aval, devmap):
     sharding = getattr(aval, "sharding", None)
-    if sharding is None:
-        return aval
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=map_sharding(sharding, devmap),
-                                weak_type=getattr(aval, "weak_type", False))
+    return aval if sharding is None else sds(aval, map_sharding(sharding, devmap))
 
 
 class MappedLowered:
