@@ -492,6 +492,7 @@ class StepBuilder:
         # unpacked inside the program that reads them, where that program runs on the same devices.
         unpack = {s: _Unpack(tuple(acc[s]), pr.acc_packing) for s, pr in enumerate(programs) if pr.acc_packing.groups}
         unpacked: dict[int, list[int]] = {}
+        sent: dict[tuple[int, int, int], _Unpack] = {}
 
         def part(s, idx, o, home):
             """Stage ``s``'s gradient of its ``idx``-th parameter as a part of a gradient on stage ``o`` (laid out
@@ -500,6 +501,10 @@ class StepBuilder:
                 slot = acc[s][idx]
             elif st.meshes.devices[s] == st.meshes.devices[o]:
                 return unpack[s], idx
+            elif (packed := self._send_packed(s, idx, o, unpack[s], sent)) is not None:
+                if not isinstance(packed, int):
+                    return packed, idx
+                slot = packed
             else:
                 if s not in unpacked:
                     fn = jax.jit(unpack[s].unpack, out_shardings=tuple(unpack[s].packing.shardings))
@@ -527,6 +532,29 @@ class StepBuilder:
             else:  # summed (and unpacked) inside the program that reads it
                 self.derived[(outer, o)] = tuple(p if isinstance(p, tuple) else (_Unpack((p,), None), 0)
                                                  for p in parts)
+
+    def _send_packed(self, s: int, idx: int, o: int, unpack: _Unpack, sent: dict):
+        """Stage ``s``'s packed gradient of its ``idx``-th parameter for stage ``o``'s devices without a program of
+        its own: the packed buffer holding it moves to ``o`` as it is (one transfer for all of that buffer's
+        gradients ``o`` reads) and is unpacked inside the program there that reads it -> an :class:`_Unpack` of
+        that buffer; a gradient kept loose -> its accumulator slot (moved by the caller). None where the buffer
+        cannot move as it is: ``o``'s mesh has another shape, or it crosses processes (a cross-process send may
+        still read an accumulator when the next step's backward writes it, see ``reuse_accumulators``)."""
+        packing, meshes = unpack.packing, self.step.meshes
+        group = next((g for g, members in enumerate(packing.groups) if idx in members), None)
+        if group is None:
+            return unpack.slots[len(packing.groups) + packing.loose.index(idx)]
+        if (s, group, o) not in sent:
+            src, dst = meshes.meshes[s], meshes.meshes[o]
+            layout = packing.shardings[packing.groups[group][0]]
+            if (dst.shape != src.shape or getattr(layout, "mesh", None) != src
+                    or {d.process_index for d in meshes.devices[s]} != {d.process_index for d in meshes.devices[o]}):
+                return None
+            (slot,) = self.put([NamedSharding(dst, layout.spec)], [unpack.slots[group]],
+                               f"send packed grads {s}->{o}")
+            sent[(s, group, o)] = _Unpack((slot,), dataclasses.replace(
+                packing, groups=(packing.groups[group],), rows=(packing.rows[group],), loose=()))
+        return sent[(s, group, o)]
 
     def build_single_program(self) -> Program:
         """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it.
