@@ -375,6 +375,11 @@ def cmd_plan(args) -> int:
     from autopp.planner import plan_model
 
     cluster = _cluster(args)
+    if args.out:  # before planning, which may take minutes
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--out {args.out}: the folder {folder} does not exist or cannot be written; create it "
+                             "or write the plan elsewhere.")
     t = time.perf_counter()
     model, what, _ = _planning_model(args, "plan", cluster)
     kwargs = {}
@@ -427,9 +432,9 @@ def cmd_simulate(args) -> int:
     print(f"layout: tp {args.tp} x pp {args.pp} x dp {dp} (FSDP over {args.fsdp}{extras}), microbatch "
           f"{args.microbatch_size} ({est.num_microbatches} per step), {args.schedule}"
           f"{f' v={args.virtual_stages}' if args.virtual_stages > 1 else ''}, recompute {args.recompute}")
-    print(f"step time      {est.step_time_s:10.3f} s   (compute {est.compute_s:.3f}, bubble {est.bubble_s:.3f}, "
-          f"tp {est.tp_comm_s:.3f}, fsdp {est.fsdp_comm_s:.3f}, pp {est.pp_comm_s:.3f}, dp {est.dp_comm_s:.3f}, "
-          f"optimizer {est.optimizer_s:.3f})")
+    print(f"step time      {est.step_time_s:10.4g} s   (compute {est.compute_s:.4g}, bubble {est.bubble_s:.4g}, "
+          f"tp {est.tp_comm_s:.4g}, fsdp {est.fsdp_comm_s:.4g}, pp {est.pp_comm_s:.4g}, dp {est.dp_comm_s:.4g}, "
+          f"optimizer {est.optimizer_s:.4g})")
     print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {est.mfu * 100:.1f}%")
     print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / 2**30:10.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'} "
           f"in {cluster.memory_per_device / 2**30:.0f} GiB)")

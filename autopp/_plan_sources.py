@@ -225,8 +225,9 @@ def _check_offline_plan(plan: Plan, prof: Profile, batch: int) -> None:
     last = plan.stages[-1].layers[1] if plan.stages[-1].layers else None
     if plan.model_fingerprint != prof.structure_fingerprint and last == len(prof.layers) - 1:
         raise ValueError(
-            f"{_WHO}: the plan was made for another model (its layers or parameter shapes differ from this step's: "
-            f"fingerprint {plan.model_fingerprint}, this step {prof.structure_fingerprint}); make the plan for this "
+            f"{_WHO}: the plan was made for another model (its layers, parameter shapes or per-example input "
+            f"shapes, such as the sequence length, differ from this step's: fingerprint {plan.model_fingerprint}, "
+            f"this step {prof.structure_fingerprint}); make the plan for this "
             "step: plan_model(autopp.profiler.profile(step, *args), cluster, global_batch=...).")
     if last != len(prof.layers) - 1:
         raise ValueError(

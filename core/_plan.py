@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from autopp.core._estimate import RECOMPUTE_MODES, Estimate
+from autopp.core._estimate import RECOMPUTE_MODES, SCHEDULES, Estimate
 
 SCHEMA_VERSION = 4
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
@@ -176,6 +176,33 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     """Version of this plan's JSON layout."""
 
+    def __post_init__(self) -> None:
+        def bad(field, value, fix):
+            raise ValueError(f"plan: {field}={value!r} is not valid; {fix}. Make the plan again with "
+                             "step.plan_for(...) or autopp.planner.plan_model(...) rather than editing it by hand.")
+
+        for field in ("num_microbatches", "virtual_stages"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(field, value, "it must be a positive int")
+        if self.microbatch_size is not None and (isinstance(self.microbatch_size, bool)
+                                                 or not isinstance(self.microbatch_size, int)
+                                                 or self.microbatch_size < 1):
+            bad("microbatch_size", self.microbatch_size, "it must be a positive int or null")
+        if self.schedule not in SCHEDULES + ("custom",):
+            bad("schedule", self.schedule, f"use one of {', '.join(SCHEDULES)} (or custom)")
+        if self.loss_reduction not in ("mean", "sum"):
+            bad("loss_reduction", self.loss_reduction, "use mean or sum")
+        for field in ("zero1", "sequence_parallel"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, getattr(self, field), "it must be true or false")
+        if not self.stages or not all(isinstance(st, StagePlan) for st in self.stages):
+            bad("stages", self.stages, "a plan has one or more stages")
+        if not isinstance(self.schedule_text, str) or not isinstance(self.model_fingerprint, str):
+            bad("schedule_text" if not isinstance(self.schedule_text, str) else "model_fingerprint",
+                self.schedule_text if not isinstance(self.schedule_text, str) else self.model_fingerprint,
+                "it must be text")
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -238,6 +265,12 @@ class Plan:
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> Plan:
         """Read a plan from a JSON file path (or from JSON text)."""
+        if isinstance(source, dict):
+            raise TypeError("Plan.from_json takes a file path or JSON text, got a dict; use Plan.from_dict(data) "
+                            "for a plan already parsed.")
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"Plan.from_json takes a file path or JSON text, got {type(source).__name__} "
+                            f"{source!r:.60}; pass the path of a file written by plan.to_json(path).")
         text = str(source)
         origin = "the given text"
         if not text.lstrip().startswith("{"):
@@ -290,6 +323,10 @@ class Plan:
         sched = self.schedule + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         lines = [f"pipeline: {self.num_stages} stage(s), {self.num_microbatches} microbatch(es){mb}, "
                  f"schedule {sched}, loss reduction {self.loss_reduction}"]
+        if self.zero1:
+            lines[0] += ", ZeRO-1 (optimizer state sharded over data)"
+        if self.sequence_parallel:
+            lines[0] += ", sequence parallel"
         if self.cluster is not None:
             lines[0] += f", cluster {self.cluster['num_nodes']}x{self.cluster['devices_per_node']}x" \
                         f"{self.cluster['device']['name']}"
@@ -305,11 +342,16 @@ class Plan:
             )
         if self.predicted is not None:
             e = self.predicted
+            rest = e.peak_memory_bytes_per_gpu - e.param_bytes - e.optimizer_bytes - e.activation_bytes
+            fsdp = any(s.mesh_shape.get("fsdp", 1) > 1 for s in self.stages)
+            rest_text = (f", {'gathered FSDP layers' if fsdp else 'other buffers'} {rest / 2**30:.2f}"
+                         if rest > 0.005 * 2**30 else "")
             lines.append(
                 f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu:.1f} TFLOP/s per device, MFU "
                 f"{100 * e.mfu:.1f}%, peak memory {e.peak_memory_bytes_per_gpu / 2**30:.2f} GiB per device "
                 f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / 2**30:.2f}, "
-                f"optimizer state {e.optimizer_bytes / 2**30:.2f}, activations {e.activation_bytes / 2**30:.2f} GiB)")
+                f"optimizer state {e.optimizer_bytes / 2**30:.2f}, activations {e.activation_bytes / 2**30:.2f}"
+                f"{rest_text} GiB)")
             lines.append(
                 f"  time: compute {e.compute_s:.4g} s, bubble {e.bubble_s:.4g}, tensor-parallel {e.tp_comm_s:.4g}, "
                 f"FSDP {e.fsdp_comm_s:.4g}, pipeline sends {e.pp_comm_s:.4g}, data-parallel {e.dp_comm_s:.4g}, "

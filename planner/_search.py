@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,14 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
         if bad:
             raise ValueError(f"{who}: {name}={values!r} must be a non-empty tuple of {', '.join(valid)} "
                              f"(not {bad}); e.g. {name}={tuple(valid[:2])!r}.")
+    refine_top = positive_int(who, "refine_top", refine_top, 8)
+    max_virtual_stages = positive_int(who, "max_virtual_stages", max_virtual_stages, 4)
+    if num_microbatches is not None:
+        num_microbatches = positive_int(who, "num_microbatches", num_microbatches, 8)
+    if (isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real)
+            or not time_limit_s > 0 or not math.isfinite(time_limit_s)):
+        raise ValueError(f"{who}: time_limit_s must be a positive number of seconds for each CP-SAT stage split, "
+                         f"got time_limit_s={time_limit_s!r}; pass e.g. time_limit_s=5.0.")
     for name, values in (("microbatch_sizes", microbatch_sizes), ("pipeline_degrees", pipeline_degrees),
                          ("tensor_degrees", tensor_degrees)):
         if values is None and name != "microbatch_sizes":
@@ -160,6 +169,9 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                                 options += [(layout, split, r) for r in _by_memory(recompute)]
                             if options:
                                 families.append(options)
+    if not families:
+        raise ValueError(_no_layout_message(cluster, global_batch, blocks, tps, pipeline_degrees, microbatch_sizes,
+                                            num_microbatches))
     # Screen the families in order of their lower bound (compute alone); skip an option that cannot enter the
     # layouts kept for the exact simulation and the CP-SAT split (the refine_top best, and the refine_top best
     # pipelined ones), which the bound proves without evaluating it.
@@ -316,6 +328,35 @@ def _check_layers_fit(sm: StepModel, cluster: Cluster) -> None:
                 f"optimizer state; even split over a node's {t} devices that is {_gib(own / t)} per device, "
                 f"more than a {cluster.device.name}'s {_gib(cap)}, and pipeline or data parallelism cannot "
                 "split one layer further. Use devices with more memory, or a narrower layer.")
+
+
+def _no_layout_message(cluster: Cluster, global_batch: int, blocks: int, tps, pipeline_degrees, microbatch_sizes,
+                       num_microbatches) -> str:
+    """Why the search has no layout to try at all (divisibility and the restrictions given, not memory)."""
+    n = cluster.num_devices
+    degrees = sorted({(tp, pp, n // (tp * pp)) for tp in tps if n % tp == 0 for pp in divisors(n // tp)
+                      if pp <= blocks and (pipeline_degrees is None or pp in pipeline_degrees)})
+    msg = f"plan_model: no layout of {cluster} can run a global batch of {global_batch}"
+    if not tps:
+        return (msg + f": no tensor degree in tensor_degrees divides a node's {cluster.devices_per_node} devices; "
+                f"use some of {divisors(cluster.devices_per_node)}.")
+    if not degrees:
+        return (msg + f": no pipeline degree (pipeline_degrees={pipeline_degrees!r}, at most the step's {blocks} "
+                f"layers) times a tensor degree in {list(tps)} divides its {n} devices. Widen pipeline_degrees "
+                "or tensor_degrees.")
+    data = sorted({dp for _, _, dp in degrees})
+    if not any(global_batch % dp == 0 for dp in data):
+        fits = [global_batch - global_batch % dp for dp in data if global_batch >= dp]
+        hint = f" (e.g. {max(fits)})" if fits else ""
+        return (msg + f": global_batch={global_batch} is not divisible by any data-parallel degree the layouts "
+                f"allow ({data}); use a global batch that is a multiple of one of them{hint}.")
+    if num_microbatches is not None:
+        return (msg + f" in num_microbatches={num_microbatches}: no data-parallel degree dp in {data} leaves "
+                f"{global_batch} / (dp x {num_microbatches}) a whole microbatch; choose num_microbatches dividing "
+                "global_batch / dp, or leave it to the search.")
+    return (msg + f": no microbatch size in microbatch_sizes={tuple(microbatch_sizes)!r} divides the batch of a "
+            f"data-parallel replica (global_batch / dp for dp in {data}), or the schedules asked for need more "
+            "microbatches than that leaves. Add microbatch size 1, or use a larger or rounder global batch.")
 
 
 def _infeasible_message(prof: Profile, cluster: Cluster, global_batch: int, least) -> str:

@@ -367,8 +367,9 @@ def get_device(name: str) -> DeviceSpec:
     key = _normalize(name)
     if key in _LOOKUP:
         return DEVICE_KINDS[_LOOKUP[key]]
-    close = difflib.get_close_matches(key, list(_LOOKUP), n=1)
-    hint = f" Did you mean {_LOOKUP[close[0]]!r}?" if close else ""
+    starting = sorted({_LOOKUP[k] for k in _LOOKUP if k.startswith(key)}) if key else []
+    close = starting or [_LOOKUP[k] for k in difflib.get_close_matches(key, list(_LOOKUP), n=1)]
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     raise ValueError(
         f"Unknown device kind {name!r}; valid kinds are {', '.join(DEVICE_KINDS)} (aliases: "
         f"{', '.join(DEVICE_ALIASES)}).{hint} For another device, build a DeviceSpec or start from the closest "

@@ -114,8 +114,9 @@ class Profile:
     """Per differentiated forward input (parameter): bytes of the parameter, of its gradient and of the optimizer
     state the step keeps for it, from the trace (e.g. fp32 master weights, fp32 gradients, Adam's fp32 moments)."""
     structure_fingerprint: str = ""
-    """Hash of what does not change with the batch size: the layers' names and the parameters' shapes and dtypes.
-    A plan made from this profile (at any batch size) replays on the same step at the plan's global batch."""
+    """Hash of what does not change with the batch size: the layers' names, the parameters' shapes and dtypes, and
+    the other inputs' shapes past the batch dimension (sequence length, ...) and dtypes. A plan made from this
+    profile (at any batch size) replays on the same step at the plan's global batch."""
     param_names: Mapping[int, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """Per differentiated forward input: the pytree path of the step argument it is (``args[0]['blocks'][3]...``)."""
     update_kernels: tuple[ScaledKernel, ...] = dataclasses.field(default=(), repr=False, compare=False)
@@ -355,6 +356,11 @@ def _structure_fingerprint(layers, fwd, diff_idx) -> str:
     h = hashlib.sha256()
     h.update(repr([l.name for l in layers]).encode())
     h.update(repr([fwd.invars[k].aval.str_short() for k in diff_idx]).encode())
+    # the other inputs (the batch) by their per-example shape: a plan made at one sequence length, image size or
+    # feature width does not replay at another, whatever the batch size
+    diff = set(diff_idx)
+    h.update(repr([(v.aval.shape[1:], str(v.aval.dtype)) for k, v in enumerate(fwd.invars)
+                   if k not in diff and hasattr(v.aval, "shape")]).encode())
     return "layers:" + h.hexdigest()[:16]
 
 

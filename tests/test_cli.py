@@ -315,3 +315,36 @@ def test_compare_is_listed_with_its_own_help_without_being_imported():
     (action,) = [a for a in sub._choices_actions if a.dest == "compare"]
     assert action.help == _cli._COMPARE_HELP
     assert _cli._subcommand(["--help"]) is None and _cli._subcommand(["compare", "--steps", "2"]) == "compare"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--global-batch", "13", "--pipeline-degrees", "1", "--tensor-degrees", "1"],
+     "global_batch=13 is not divisible by any data-parallel degree the layouts allow ([8]); use a global batch that "
+     "is a multiple of one of them (e.g. 8)"),
+    (["--global-batch", "16", "--tensor-degrees", "3"], "no tensor degree in tensor_degrees divides a node's 8"),
+    (["--global-batch", "16", "--pipeline-degrees", "64"], "no pipeline degree (pipeline_degrees=(64,), at most"),
+    (["--global-batch", "16", "--microbatch-sizes", "3"], "no microbatch size in microbatch_sizes=(3,) divides"),
+    (["--global-batch", "16", "--time-limit", "0"], "time_limit_s must be a positive number of seconds"),
+])
+def test_plan_with_no_layout_to_try_says_which_restriction(capsys, flags, message):
+    """Divisibility and the restrictions given, not memory ("needs inf GiB ... more nodes"), when nothing is tried."""
+    assert main(["plan", "--layers", "4", "--hidden", "256", "--heads", "8", "--seq", "128", "--vocab", "1024",
+                 "--cluster", "1x8xH100", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "inf GiB" not in err, err
+
+
+def test_plan_out_in_a_missing_folder_fails_before_planning(tmp_path, capsys, monkeypatch):
+    import autopp.planner
+
+    monkeypatch.setattr(autopp.planner, "plan_model", lambda *a, **k: pytest.fail("planned before checking --out"))
+    out = tmp_path / "missing" / "plan.json"
+    assert main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--global-batch", "8",
+                 "--cluster", "1x8xH100", "--out", str(out)]) == 2
+    assert f"--out {out}: the folder" in capsys.readouterr().err
+
+
+def test_unknown_device_suggests_the_kinds_it_begins(capsys):
+    assert main(["simulate", "--layers", "4", "--hidden", "256", "--heads", "8", "--global-batch", "64",
+                 "--cluster", "1x8xA100"]) == 2
+    assert "Did you mean 'A100-40GB' or 'A100-80GB'?" in capsys.readouterr().err

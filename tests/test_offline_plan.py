@@ -48,3 +48,26 @@ def test_config_plan_for_another_model_or_batch_is_refused(case, offline_plan):
     half = jax.tree.map(lambda x: x[:4], batch)
     with pytest.raises(ValueError, match="global_batch=4"):
         autopp.parallelize(step, plan=offline_plan).plan_for(*state, half)
+
+
+def test_config_plan_for_another_sequence_length_is_refused(case, offline_plan):
+    """The same model and batch size at half the sequence length: the plan's memory and times were for 16 tokens."""
+    step, state, batch, _ = case
+    shorter = jax.tree.map(lambda x: x[:, :8], batch)
+    with pytest.raises(ValueError, match="per-example input shapes, such as the sequence length"):
+        autopp.parallelize(step, plan=offline_plan).plan_for(*state, shorter)
+
+
+def test_printed_plan_names_zero1_sequence_parallel_and_all_of_its_peak(offline_plan):
+    """The header says what the stage table cannot (ZeRO-1, sequence parallelism), and the memory parts add up to
+    the peak printed beside them."""
+    e = offline_plan.predicted
+    plain = str(dataclasses.replace(offline_plan, zero1=False, sequence_parallel=False))
+    assert "ZeRO-1" not in plain and "sequence parallel" not in plain and "other buffers" not in plain
+    extra = 2**30  # e.g. the FSDP working set, which is in the peak but in none of the three parts
+    shown = str(dataclasses.replace(offline_plan, zero1=True, sequence_parallel=True,
+                                    predicted=dataclasses.replace(e, peak_memory_bytes_per_gpu=e.peak_memory_bytes_per_gpu
+                                                                  + extra)))
+    assert "ZeRO-1 (optimizer state sharded over data), sequence parallel" in shown.splitlines()[0]
+    rest = e.peak_memory_bytes_per_gpu + extra - e.param_bytes - e.optimizer_bytes - e.activation_bytes
+    assert f"other buffers {rest / 2**30:.2f} GiB" in shown

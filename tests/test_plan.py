@@ -100,3 +100,31 @@ def test_corrupted_and_unknown_version_plans(mlp_case, tmp_path):
         Plan.from_json(path)
     with pytest.raises(ValueError, match=r"cannot read plan file"):
         Plan.from_json(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_microbatches", "two", "num_microbatches='two' is not valid; it must be a positive int"),
+    ("num_microbatches", -1, "num_microbatches=-1 is not valid"),
+    ("schedule", "fastest", "schedule='fastest' is not valid; use one of gpipe"),
+    ("loss_reduction", "max", "loss_reduction='max' is not valid; use mean or sum"),
+    ("zero1", "yes", "zero1='yes' is not valid; it must be true or false"),
+])
+def test_edited_plan_fields_are_checked_on_load(mlp_case, field, value, message):
+    """A hand-edited value fails when the plan is read, naming the field, not later inside JAX."""
+    step, state, batch = mlp_case
+    data = json.loads(autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+                      .to_json())
+    data[field] = value
+    with pytest.raises(ValueError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_from_json_takes_a_path_or_text_only(mlp_case):
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+    with pytest.raises(TypeError, match="got a dict; use Plan.from_dict"):
+        Plan.from_json(plan.to_dict())
+    for fd in (0, 123):  # not file descriptors (0 would read a plan from stdin)
+        with pytest.raises(TypeError, match="takes a file path or JSON text, got int"):
+            Plan.from_json(fd)
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
