@@ -688,6 +688,9 @@ def main(argv=None) -> int:
             raise
         print(f"autopp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (``autopp show plan.json | head``): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not fail
+        return 0
 
 
 if __name__ == "__main__":
