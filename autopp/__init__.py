@@ -1,7 +1,7 @@
 """autopp: automatic MPMD pipeline parallelism for JAX training steps.
 
 The public surface: :func:`parallelize`, :func:`grad`, :func:`value_and_grad`, :class:`Plan`,
-:class:`Cluster`, and the submodules :mod:`autopp.checkpoint` (save and restore training states),
+:class:`Cluster`, :func:`gather` (a pipelined step's outputs onto one device, for plain JAX), and the submodules :mod:`autopp.checkpoint` (save and restore training states),
 :mod:`autopp.distributed` (multi-host runs), :mod:`autopp.models` (the model zoo), :mod:`autopp.baselines`
 (SPMD baselines) and :mod:`autopp.metrics` (per-step metrics).
 
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _ATTRS = {
     "parallelize": "autopp._parallelize",
     "Parallelized": "autopp._parallelize",
+    "gather": "autopp._parallelize",
     "Plan": "autopp.core",
     "StagePlan": "autopp.core",
     "grad": "autopp.core",
@@ -35,7 +36,7 @@ __all__ = sorted([*_ATTRS, *_SUBMODULES])
 
 if TYPE_CHECKING:
     from autopp import baselines, checkpoint, core, distributed, metrics, models, planner, profiler, runtime
-    from autopp._parallelize import Parallelized, parallelize
+    from autopp._parallelize import Parallelized, gather, parallelize
     from autopp.core import Plan, StagePlan, grad, value_and_grad
     from autopp.profiler import Cluster
 

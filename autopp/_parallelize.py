@@ -104,7 +104,8 @@ class Parallelized(Generic[_P, _R]):
         """Run one step like ``step(*args)`` while recording when each task ran on which devices; returns
         ``(outputs, timeline)`` (an :class:`autopp.runtime.Timeline`: events, wall time, host issue time, critical
         path, bubble fraction). ``trace_json`` writes a Chrome/Perfetto trace, ``gantt_png`` a Gantt chart with
-        the plan's predicted timeline beside the measured one when the plan has stage times."""
+        the plan's predicted timeline beside the measured one when the plan has stage times. It is a real step:
+        its outputs are the step's, and arguments named in ``donate_argnums`` are consumed as by a call."""
         from autopp.runtime import run_with_timeline
 
         built, flat = self._lookup(args)
@@ -208,7 +209,12 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     planner's statistics. A ValueError says why when no layout is legal or fits the devices' memory.
     Giving only some of the three skips the planner; the others default to ``num_stages`` = number of devices,
     ``num_microbatches`` = the largest divisor of the batch size that is at most ``2 * num_stages``,
-    ``schedule="1f1b"``. ``devices`` defaults to ``jax.devices()``.
+    ``schedule="1f1b"``. ``devices`` defaults to ``jax.devices()``, split into equal groups, or is one list of
+    devices per group. ``layout`` gives each stage's mesh, ``{"data": d, "fsdp": f, "tensor": t}`` with
+    ``d * f * t`` its device count (one dict for all groups or one per group): FSDP shards parameters, gradients
+    and optimizer state (ZeRO-3), tensor splits matmuls as Megatron does (read off the jaxpr). The step returns
+    each parameter and optimizer state on its stage's devices; :func:`gather` puts them on one device for plain
+    JAX.
 
     ``schedule`` is a name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with ``virtual_stages=v`` model
     chunks per device group (default 2), ``"zb-h1"``), a :class:`autopp.runtime.Schedule`, or its text (one row of
@@ -241,3 +247,22 @@ def _wrap(step_fn, config: ParallelizeConfig) -> Parallelized:
     if not callable(step_fn):
         raise TypeError(f"autopp.parallelize: expected a callable training step, got {type(step_fn).__name__}.")
     return Parallelized(step_fn, config)
+
+
+def gather(tree, device: jax.Device | jax.sharding.Sharding | None = None):
+    """``tree`` with every ``jax.Array`` leaf on ``device`` (default: the first device), for plain JAX after a
+    pipelined step: the step returns each parameter and optimizer state on its own stage's devices (where the next
+    step wants it), and ``jax.jit``, eager operations or a Flax/Equinox module merged from such leaves refuse
+    arrays on different devices. ``device`` may also be a ``jax.sharding.Sharding`` (e.g. replicated over a mesh
+    for evaluation). Other leaves are returned as they are. In a multi-process run use
+    :func:`autopp.distributed.gather`, which brings a value held by another process to every process."""
+    if jax.process_count() > 1:
+        raise ValueError("autopp.gather moves arrays between this process's devices; in a multi-process run use "
+                         "autopp.distributed.gather(x) for each output, which fetches values other processes hold.")
+    target = jax.devices()[0] if device is None else device
+    if not isinstance(target, (jax.Device, jax.sharding.Sharding)):
+        raise TypeError(f"autopp.gather: device must be a jax.Device or a jax.sharding.Sharding, got "
+                        f"{type(target).__name__} {target!r:.60}; pass e.g. device=jax.devices()[0].")
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    moved = iter(jax.device_put([x for x in leaves if isinstance(x, jax.Array)], target))
+    return jax.tree_util.tree_unflatten(treedef, [next(moved) if isinstance(x, jax.Array) else x for x in leaves])

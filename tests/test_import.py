@@ -18,8 +18,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEAVY = ("orbax", "matplotlib", "rich", "ortools", "networkx", "optax")
 """Libraries that must load only when the feature that needs them is used."""
-PUBLIC = ("Cluster", "Parallelized", "Plan", "StagePlan", "baselines", "checkpoint", "distributed", "grad", "metrics",
-          "models", "parallelize", "value_and_grad")
+PUBLIC = ("Cluster", "Parallelized", "Plan", "StagePlan", "baselines", "checkpoint", "distributed", "gather", "grad",
+          "metrics", "models", "parallelize", "value_and_grad")
 
 
 def _run(code: str) -> dict:

@@ -3,6 +3,8 @@ stages, 1F1B) exactly like under plain jax.jit, and a scan over layers is split 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import autopp
@@ -101,6 +103,38 @@ def test_flax_nnx():
         return _mse(nnx.merge(graphdef, state)(x), y)
 
     _assert_trains_like_jit(loss_fn, state, _data(), num_stages=2)
+
+
+def test_gathered_state_is_an_ordinary_module_after_training():
+    """The trained state comes back on its stages' devices (two device sets here, which jit and eager code refuse to
+    mix); autopp.gather puts it on one device, or on a sharding, and the merged module evaluates as jit's does."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    graphdef, state = nnx.split(nnx.Sequential(nnx.Linear(8, HIDDEN, rngs=nnx.Rngs(0)), nnx.relu,
+                                               nnx.Linear(HIDDEN, 4, rngs=nnx.Rngs(1))))
+
+    def loss_fn(state, batch):
+        x, y = batch
+        return _mse(nnx.merge(graphdef, state)(x), y)
+
+    tx, batch = optax.sgd(0.1), _data()
+    step = _step_for(loss_fn, tx)
+    expected, _ = run_steps(jax.jit(step), (state, tx.init(state)), batch)
+    got, _ = run_steps(autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]),
+                       (state, tx.init(state)), batch)
+    assert len({frozenset(x.sharding.device_set) for x in jax.tree.leaves(got[0])}) == 2
+    evaluate = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    want = evaluate(expected[0], batch[0])
+    gathered = autopp.gather(got[0])
+    assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(gathered))
+    np.testing.assert_allclose(evaluate(gathered, batch[0]), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(nnx.merge(graphdef, gathered)(batch[0]), want, rtol=1e-6, atol=1e-6)  # eager
+    replicated = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), PartitionSpec())
+    on_four = autopp.gather((got[0], "a label"), replicated)
+    assert on_four[1] == "a label" and all(x.sharding == replicated for x in jax.tree.leaves(on_four[0]))
+    with pytest.raises(TypeError, match="device must be a jax.Device or a jax.sharding.Sharding, got int"):
+        autopp.gather(got[0], 0)
 
 
 def test_flax_nnx_scan_over_layers():
