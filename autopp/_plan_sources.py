@@ -358,6 +358,14 @@ SOURCES: dict[str, Callable[[ParallelizeConfig, Callable, tuple, TracedStep], So
 
 def source_plan(config: ParallelizeConfig, step_fn: Callable, args: tuple, traced: TracedStep) -> Sourced:
     """The complete plan (and the forward it splits) from the source the config names."""
+    whole = traced.whole_batch_grad_inputs
+    if whole and config.loss_reduction == "mean":
+        raise ValueError(
+            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch (loss input(s) "
+            f"#{', #'.join(map(str, whole))}, e.g. a token count that normalises the loss). Every microbatch's loss "
+            "reads the step's value, so the step's loss is the sum of the microbatch losses, not their mean: pass "
+            "loss_reduction=\"sum\" (a masked token mean, sum(nll * mask) / mask.sum() over the whole batch, is then "
+            "exactly the step's). A scalar meant per microbatch is computed inside the loss instead.")
     return SOURCES[config.source](config, step_fn, args, traced)
 
 

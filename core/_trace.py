@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,14 +47,29 @@ class TracedStep:
         return self.grad_eqn.params["spec"]
 
     @functools.cached_property
-    def microbatched_grad_inputs(self) -> tuple[bool, ...]:
-        """Per input of the gradient equation: whether it derives from a batch argument (is microbatched)."""
+    def _batch_derived_grad_inputs(self) -> tuple[bool, ...]:
         jaxpr = self.jaxpr.jaxpr
         dep = {v for v, b in zip(jaxpr.invars, self.batch_mask) if b}
         for i, e in enumerate(jaxpr.eqns):
             if i != self.grad_index and any(not isinstance(a, jex_core.Literal) and a in dep for a in e.invars):
                 dep.update(e.outvars)
         return tuple(not isinstance(a, jex_core.Literal) and a in dep for a in self.grad_eqn.invars)
+
+    @functools.cached_property
+    def microbatched_grad_inputs(self) -> tuple[bool, ...]:
+        """Per input of the gradient equation: whether it derives from a batch argument and is split with it (is
+        microbatched). A scalar the step derives from the whole batch (a token count that normalises the loss) is
+        not: every microbatch reads it whole (see :attr:`whole_batch_grad_inputs`)."""
+        return tuple(d and bool(getattr(a.aval, "shape", ())) for a, d in
+                     zip(self.grad_eqn.invars, self._batch_derived_grad_inputs))
+
+    @functools.cached_property
+    def whole_batch_grad_inputs(self) -> tuple[int, ...]:
+        """Positions of the gradient equation's inputs that the step derives from the whole batch as scalars
+        (``n = mask.sum()`` passed to the loss): each microbatch's loss reads the step's value, so microbatch losses
+        add up to the step's loss only with ``loss_reduction="sum"``."""
+        return tuple(k for k, (a, d) in enumerate(zip(self.grad_eqn.invars, self._batch_derived_grad_inputs))
+                     if d and not getattr(a.aval, "shape", ()))
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -241,6 +257,16 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
     for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, traced.leaf_paths):
         if is_batch and v.aval.shape[0] % num_microbatches:
             bad.append(f"  {name}: leading dimension {v.aval.shape[0]}")
+    leading = {name: v.aval.shape[0] for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask,
+                                                                    traced.leaf_paths) if is_batch and v.aval.shape}
+    if not bad and len(set(leading.values())) > 1:
+        shown = ", ".join(f"{name}: {n}" for name, n in list(leading.items())[:8])
+        warnings.warn(
+            f"{who}: the batch leaves have different leading dimensions ({shown}); each is split into "
+            f"{num_microbatches} equal parts along axis 0 all the same. That is right for a leaf laid out by example "
+            "(tokens flattened to batch x sequence, say), wrong for one without a batch axis (class weights, a "
+            "position table), which every microbatch needs whole: move such a leaf to another argument of the step "
+            "(batch_argnums names the batch).", stacklevel=3)
     if bad:
         sizes = sorted({v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b})
         ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
@@ -249,6 +275,21 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
             "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) +
             f"\nUse a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size."
         )
+
+
+@contextlib.contextmanager
+def _at_microbatch_size(who: str, num_microbatches: int):
+    """Errors of the step traced at microbatch size, said as such: the step traced at full size, so what failed is
+    almost always a batch leaf that has no batch axis, or code that assumes the full batch size."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{who}: the step traces at the full batch but fails at microbatch size (every batch leaf's leading "
+            f"dimension divided by num_microbatches={num_microbatches}): {type(e).__name__}: {e}\nA batch leaf "
+            "without a batch axis (a position table, class weights) belongs in another argument of the step "
+            "(batch_argnums names the batch); code that assumes the full batch size should read it from the "
+            "arrays' shapes.") from e
 
 
 def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: TracedStep,
@@ -271,7 +312,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_mb and shape and shape[0] % num_microbatches == 0:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
-        with _tracing():
+        with _tracing(), _at_microbatch_size(who, num_microbatches):
             mb_forward = jax.make_jaxpr(spec.loss_fn)(*small)
         mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     else:
@@ -282,7 +323,8 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_batch:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(jax.ShapeDtypeStruct(shape, dtype))
-        mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who)
+        with _at_microbatch_size(who, num_microbatches):
+            mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who)
         mb_forward = mb.spec.forward
         mb_in = [a.aval for a in mb.grad_eqn.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]

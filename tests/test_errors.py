@@ -106,6 +106,35 @@ def test_batch_reduced_before_loss_is_rejected(mlp_setup):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
 
 
+def test_batch_leaf_without_a_batch_axis_is_warned_about(mlp_setup):
+    """A per-feature weight vector in the batch is split along axis 0 like the examples; the step still traces at
+    microbatch size here (its mean does not change), so the warning is all the user sees."""
+    model, _, state, batch = mlp_setup
+    weighted = {**batch, "w": jnp.linspace(0.5, 1.5, 64)}
+
+    def step(params, batch):
+        return autopp.grad(lambda p, b: model.loss(p, b) * jnp.mean(b["w"]))(params, batch)
+
+    with pytest.warns(UserWarning, match=r"(?s)different leading dimensions \(args\[1\]\['w'\]: 64, "
+                                         r"args\[1\]\['x'\]: 16.*move such a leaf to another argument"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]).plan_for(state[0],
+                                                                                                        weighted)
+
+
+def test_step_that_fails_only_at_microbatch_size_says_so(mlp_setup):
+    model, _, state, batch = mlp_setup
+    scaled = {**batch, "scale": jnp.ones((16,))}  # per feature (16 inputs, as many as examples: no warning)
+
+    def step(params, batch):
+        return autopp.grad(lambda p, b: model.loss(p, {**b, "x": b["x"] * b["scale"]}))(params, batch)
+
+    with pytest.raises(
+            ValueError, match=r"(?s)traces at the full batch but fails at microbatch size .*num_microbatches=2.*"
+                              r"Incompatible shapes.*belongs in another argument"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]).plan_for(state[0],
+                                                                                                        scaled)
+
+
 def test_keyword_arguments_rejected(mlp_setup):
     _, step, state, batch = mlp_setup
     with pytest.raises(TypeError, match=r"(?s)positionally.*batch"):

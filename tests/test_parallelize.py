@@ -80,6 +80,36 @@ def test_tied_embedding_between_stages_of_other_mesh_shapes():
     assert_trees_close(got, run_steps(jax.jit(step), state, batch)[0], rtol=1e-6, atol=1e-6)
 
 
+def test_masked_token_mean_over_the_whole_batch():
+    """Padding masks that differ between microbatches: a loss normalised by the step's token count (computed in the
+    step, outside the loss) is exactly plain jit's masked token mean under loss_reduction="sum", and refused under
+    "mean", where each microbatch's losses would be averaged instead (the mistake a per-microbatch count makes)."""
+    model, tx = tiny_gpt(), optax.sgd(0.5)
+    params = model.init(jax.random.key(0))
+    batch = model.batch(jax.random.key(1), 8)
+    keep = jnp.linspace(0.1, 1.0, 8)[:, None]  # example 0 keeps ~10% of its tokens, example 7 all
+    batch["mask"] = (jax.random.uniform(jax.random.key(2), batch["tokens"].shape) < keep).astype(jnp.float32)
+
+    def masked_sum(params, batch, num_tokens):
+        logp = jax.nn.log_softmax(model.apply(params, batch["tokens"]), axis=-1)
+        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+        return jnp.sum(nll * batch["mask"]) / num_tokens
+
+    def step(params, opt_state, batch):
+        loss, grads = autopp.value_and_grad(masked_sum)(params, batch, jnp.sum(batch["mask"]))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    state = (params, tx.init(params))
+    expected, expected_losses = run_steps(jax.jit(step), state, batch)
+    kw = dict(num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    got, losses = run_steps(autopp.parallelize(step, loss_reduction="sum", **kw), state, batch)
+    assert_trees_close(losses, expected_losses, rtol=1e-6, atol=1e-6)
+    assert_trees_close(got, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r'(?s)scalar\(s\) the step computes from the whole batch.*loss_reduction="sum"'):
+        autopp.parallelize(step, **kw)(*state, batch)
+
+
 def test_gradients_and_aux_match_jax():
     """has_aux, argnums over two arguments, a dict batch, and returning grads and aux directly."""
     model = tiny_gpt()
