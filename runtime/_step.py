@@ -489,7 +489,7 @@ class StepBuilder:
         for k, slot in reduced.items():
             self.avail[(grad.outvars[k], st.out_stage[k])] = slot
         # Each stage's gradients out of its accumulators (small ones are packed, see StagePrograms.acc_packing):
-        # unpacked inside the program that reads them, where that program runs on the same devices.
+        # unpacked inside the program that reads them, on the same devices or after the packed buffer moved there.
         unpack = {s: _Unpack(tuple(acc[s]), pr.acc_packing) for s, pr in enumerate(programs) if pr.acc_packing.groups}
         unpacked: dict[int, list[int]] = {}
         sent: dict[tuple[int, int, int], _Unpack] = {}
@@ -538,8 +538,9 @@ class StepBuilder:
         its own: the packed buffer holding it moves to ``o`` as it is (one transfer for all of that buffer's
         gradients ``o`` reads) and is unpacked inside the program there that reads it -> an :class:`_Unpack` of
         that buffer; a gradient kept loose -> its accumulator slot (moved by the caller). None where the buffer
-        cannot move as it is: ``o``'s mesh has another shape, or it crosses processes (a cross-process send may
-        still read an accumulator when the next step's backward writes it, see ``reuse_accumulators``)."""
+        cannot move as it is: ``o``'s mesh has another shape, or the stages are not all in one process (a
+        cross-process send may still read an accumulator when the next step's backward writes it, see
+        ``reuse_accumulators``)."""
         packing, meshes = unpack.packing, self.step.meshes
         group = next((g for g, members in enumerate(packing.groups) if idx in members), None)
         if group is None:
@@ -547,8 +548,8 @@ class StepBuilder:
         if (s, group, o) not in sent:
             src, dst = meshes.meshes[s], meshes.meshes[o]
             layout = packing.shardings[packing.groups[group][0]]
-            if (dst.shape != src.shape or getattr(layout, "mesh", None) != src
-                    or {d.process_index for d in meshes.devices[s]} != {d.process_index for d in meshes.devices[o]}):
+            processes = {d.process_index for d in meshes.devices[s] + meshes.devices[o]}
+            if dst.shape != src.shape or getattr(layout, "mesh", None) != src or len(processes) > 1:
                 return None
             (slot,) = self.put([NamedSharding(dst, layout.spec)], [unpack.slots[group]],
                                f"send packed grads {s}->{o}")
