@@ -144,7 +144,7 @@ def _params(n: int) -> str:
 
 
 def describe_plan(plan) -> str:
-    """``4 stages x (data 2), 1f1b, 8 x mb 4, recompute none``: a plan in one line."""
+    """``4 stages x (data 2), 1f1b, 8 x mb 4, recompute none, ZeRO-1``: a plan in one line."""
     meshes = []
     for st in plan.stages:
         m = " x ".join(f"{k} {v}" for k, v in st.mesh_shape.items() if v > 1 or k == "data")
@@ -155,8 +155,10 @@ def describe_plan(plan) -> str:
     stages = plan.num_stages // max(1, plan.virtual_stages) if plan.virtual_stages > 1 else plan.num_stages
     mb = _microbatches(plan.num_microbatches, plan.microbatch_size)
     sched = f"{sched}, " if stages > 1 else ""  # one stage: plain gradient accumulation, no schedule
+    extras = "".join(f", {name}" for name, on in (("ZeRO-1", plan.zero1), ("sequence parallel",
+                                                                         plan.sequence_parallel)) if on)
     return f"{stages} stage{'s' if stages != 1 else ''} x ({' | '.join(meshes)}), {sched}{mb}, recompute " \
-           f"{'/'.join(rec)}"
+           f"{'/'.join(rec)}{extras}"
 
 
 # -- measured ------------------------------------------------------------------------------------------------------

@@ -43,7 +43,10 @@ def test_compare_for_a_cluster_prints_the_simulators_predictions(capsys, tmp_pat
     out = json.loads(capsys.readouterr().out)
     config = GPTConfig(layers=4, hidden=256, heads=8, seq=256, vocab=1024, dtype="bfloat16", param_dtype="float32")
     rows = {r["name"]: r for r in out["rows"]}
-    assert rows["autopp"]["step_time_s"] == plan_model(config, "2x8xH100", global_batch=64).predicted.step_time_s
+    plan = plan_model(config, "2x8xH100", global_batch=64)
+    assert rows["autopp"]["step_time_s"] == plan.predicted.step_time_s
+    for flag, name in ((plan.zero1, "ZeRO-1"), (plan.sequence_parallel, "sequence parallel")):
+        assert (name in rows["autopp"]["layout"]) == flag, rows["autopp"]["layout"]
     for name in ("data-parallel", "fsdp", "tensor-parallel"):
         kw = rows[name]["simulate_kwargs"]
         assert kw["pp"] == 1 and kw["tp"] * kw["dp"] == 16 and not kw["zero1"] and not kw["sequence_parallel"]
