@@ -22,13 +22,14 @@ import time
 
 import jax
 
+from autopp._launch import LOST_PROCESS_EXIT_CODE
 from autopp.core import distributed_client
 
 _HEARTBEAT_PREFIX = "autopp/heartbeat/"
 _DONE_PREFIX = "autopp/done/"
+_FAILED_PREFIX = "autopp/failed/"
 DEFAULT_FAILURE_TIMEOUT_S = 20.0
 """A peer silent for this long is declared lost (override: ``failure_timeout_s`` or $AUTOPP_FAILURE_TIMEOUT)."""
-LOST_PROCESS_EXIT_CODE = 17
 CPU_COLLECTIVES = (None, "gloo", "mpi")
 """Values of ``initialize(cpu_collectives=)``."""
 
@@ -147,21 +148,29 @@ def _start_watchdog(timeout_s: float) -> None:
     stop = threading.Event()
     interval = min(1.0, timeout_s / 5)
     last_ok = [time.monotonic()]
+    seen: dict[int, tuple[str, float]] = {}  # peer -> (its last heartbeat, when it last changed)
+    finished: set[int] = set()  # peers that ended normally
+
+    def processes(prefix: str) -> set[int]:
+        return {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(prefix)}
 
     def beat() -> None:
-        seen: dict[int, tuple[str, float]] = {}
         count = 0
         while not stop.is_set():
             count += 1
             try:
                 client.key_value_set(f"{_HEARTBEAT_PREFIX}{me}", str(count), allow_overwrite=True)
                 beats = dict(client.key_value_dir_get(_HEARTBEAT_PREFIX))
-                done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(_DONE_PREFIX)}
+                done, failed = processes(_DONE_PREFIX), processes(_FAILED_PREFIX) - {me}
             except Exception:  # noqa: BLE001 - the coordinator is unreachable; the monitor reports it
                 stop.wait(interval)
                 continue
             now = time.monotonic()
             last_ok[0] = now
+            finished.update(done)
+            if failed and not stop.is_set():
+                _lost(f"process {min(failed)} of {n} stopped with an error (its traceback is in its output); "
+                      f"stopping process {me}.")
             for p in range(n):
                 if p == me or p in done or stop.is_set():
                     continue
@@ -190,7 +199,7 @@ def _start_watchdog(timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s + 3 * interval
         while time.monotonic() < deadline:
             try:
-                done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(_DONE_PREFIX)}
+                done = processes(_DONE_PREFIX)
             except Exception:  # noqa: BLE001 - the coordinator is gone; the monitor thread reports it
                 done = set()
             if done >= set(range(n)):
@@ -200,9 +209,30 @@ def _start_watchdog(timeout_s: float) -> None:
 
     previous_hook = sys.excepthook
 
-    def excepthook(exc_type, exc, tb) -> None:  # an error in this process may be a lost peer's doing
-        finish()
+    def excepthook(exc_type, exc, tb) -> None:
+        """An uncaught error: its traceback at once; then, unless a peer turns out lost (its loss may have caused
+        the error: the heartbeat thread then names it and exits), tell the peers this process failed (they stop,
+        naming it, instead of waiting for its transfers) and exit without JAX's shutdown barrier, which would wait
+        for those peers."""
         previous_hook(exc_type, exc, tb)
+        sys.stderr.flush()
+        start = time.monotonic()
+        time.sleep(1.5 * interval)  # heartbeats sent before the error are seen within one poll of the store
+        before = {p: seen.get(p, ("", 0.0))[0] for p in range(n)}
+        deadline = start + timeout_s + 3 * interval
+        while time.monotonic() < deadline:  # until every running peer has beaten since (a lost one never does)
+            if all(p in finished or seen.get(p, ("", 0.0))[0] != before[p] for p in range(n) if p != me):
+                break
+            time.sleep(interval / 4)
+        stop.set()
+        try:
+            client.key_value_set(f"{_FAILED_PREFIX}{me}", "1", allow_overwrite=True)
+            if me == 0:  # the store ends with the coordinator: let the peers read it first (elsewhere, leave at
+                time.sleep(2 * interval)  # once, before the coordinator's exit makes JAX abort this process)
+        except Exception:  # noqa: BLE001 - the coordinator is gone
+            pass
+        sys.stdout.flush()
+        os._exit(1)
 
     for target in (beat, monitor):
         threading.Thread(target=target, name=f"autopp-watchdog-{target.__name__}", daemon=True).start()

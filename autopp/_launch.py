@@ -17,6 +17,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+LOST_PROCESS_EXIT_CODE = 17
+"""Exit status of a process that stops because a peer was lost or failed (:mod:`autopp.distributed`'s watchdog)."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -80,6 +83,12 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     readers = []
+    previous_handler = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM (a scheduler, `timeout`) stops them too
+        def on_terminate(signum, _frame):
+            raise SystemExit(128 + signum)
+
+        previous_handler = signal.signal(signal.SIGTERM, on_terminate)
     try:
         for i in range(num_processes):
             p = subprocess.Popen(list(command), env=process_env(i, num_processes, coordinator, devices_per_process),
@@ -100,6 +109,19 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
                 time.sleep(0.1)
         if failed is None:
             failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
+        if failed is not None and failed[1] == LOST_PROCESS_EXIT_CODE:
+            # a process that stopped because a peer was lost or failed: name the peer that failed first, if one
+            # exits with its own status within the grace time
+            deadline = time.monotonic() + grace_s + 2.0
+            while time.monotonic() < deadline:
+                cause = next(((i, p.returncode) for i, p in enumerate(procs)
+                              if p.poll() not in (None, 0, LOST_PROCESS_EXIT_CODE)), None)
+                if cause is not None:
+                    failed = cause
+                    break
+                if all(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.1)
         if failed is not None:
             i, code = failed
             with lock:
@@ -110,6 +132,8 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
             _stop(p, grace_s)
         for t in readers:
             t.join(timeout=5)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     return 0 if failed is None else (failed[1] if failed[1] > 0 else 128 - failed[1])
 
 

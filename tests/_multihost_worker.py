@@ -3,7 +3,7 @@
 ``python tests/_multihost_worker.py OUT_DIR PLAN [PLAN ...]``: runs each named plan of :data:`PLANS` on the tiny
 GPT for :data:`STEPS` steps and writes ``OUT_DIR/<plan>.<process>.npz`` (losses as seen here, and the parameters
 this process holds, by leaf path). Plan ``die`` runs one step of a 2-stage plan, then process 1 kills itself and
-the others try another step (which can never finish).
+the others try another step (which can never finish); ``raise0`` / ``raise1``: process 0 / 1 raises instead.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def plan_kwargs(name: str, devices) -> dict:
     if name == "uneven4":  # stages of 2, 1, 2 and 1 devices (4 x 2 processes: one stage each, some devices idle)
         return dict(num_microbatches=2, schedule="1f1b",
                     devices=[list(devices[0:2]), [devices[2]], list(devices[4:6]), [devices[6]]])
-    if name == "die":
+    if name in ("die", "raise0", "raise1"):
         return dict(num_stages=2, num_microbatches=2, schedule="1f1b", devices=list(devices))
     raise ValueError(f"unknown plan {name!r}")
 
@@ -61,6 +61,8 @@ def run(name: str, out_dir: str) -> None:
             print(f"step 0 done, loss {losses[0]:.4f}", flush=True)
             if me == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+        if name.startswith("raise") and i == 0 and me == int(name[-1]):
+            raise RuntimeError(f"process {me} raised on purpose")
     held = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state[0])[0]:
         if leaf.addressable_shards:

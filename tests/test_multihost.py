@@ -130,3 +130,64 @@ def test_lost_process_stops_the_others(tmp_path):
     assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
     assert "process 1 of 2 is lost" in text, text[-3000:]
     assert elapsed <= 60, elapsed
+
+
+@pytest.mark.parametrize("raiser", [0, 1])
+def test_an_error_in_one_process_stops_the_run_at_once(tmp_path, raiser):
+    """A process that raises prints its traceback and exits with status 1 without waiting for its peers (nor in
+    JAX's shutdown barrier, which would wait for them); the peer, blocked in the next step's transfers, stops naming
+    it. Process 0 is also the coordinator, whose key-value store ends with it."""
+    out = io.StringIO()
+    t0 = time.monotonic()
+    code = launch([sys.executable, WORKER, str(tmp_path), f"raise{raiser}"], 2, 1, out=out)
+    elapsed = time.monotonic() - t0
+    text = out.getvalue()
+    assert code == 1, text[-3000:]
+    assert f"RuntimeError: process {raiser} raised on purpose" in text, text[-3000:]
+    assert f"autopp launch: process {raiser} exited with status 1" in text, text[-3000:]
+    assert f"process {raiser} of 2 stopped with an error" in text, text[-3000:]
+    assert elapsed < 60, (elapsed, text[-3000:])
+
+
+def test_sigterm_to_launch_stops_its_processes():
+    """A scheduler's or `timeout`'s SIGTERM to `autopp launch` stops the processes it started (they run in their own
+    sessions, so nothing else would)."""
+    import signal
+
+    child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(120)"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from autopp._launch import launch; "
+                               f"sys.exit(launch([sys.executable, '-c', {child!r}], 2, grace_s=1.0))"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = []
+    try:
+        while len(pids) < 2:
+            line = launcher.stdout.readline()
+            assert line, "launch ended before its processes started"
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        alive = list(pids)
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _running(p)]
+            time.sleep(0.1)
+        assert not alive, f"still running after launch was terminated: {alive}"
+    finally:
+        launcher.kill()
+        for p in pids:
+            if _running(p):
+                os.kill(p, 9)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting to be reaped by nobody is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
