@@ -93,10 +93,23 @@ class Checkpointer:
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
                                         or max_to_keep < 1):
             raise ValueError(f"autopp.checkpoint: max_to_keep must be a positive int or None, got {max_to_keep!r}.")
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise ValueError(f"autopp.checkpoint: directory={directory!r} names no directory; give the path of the "
+                             "directory that holds (or will hold) the checkpoints, e.g. 'checkpoints'.")
+        import jax
+
+        if jax.process_count() > 1:
+            raise ValueError("autopp.checkpoint saves and restores a single process's training state; this run has "
+                             f"{jax.process_count()} processes (see docs/limits.md). Gather the state to every "
+                             "process with autopp.distributed.gather and save it from one, or checkpoint each "
+                             "process's own arrays with orbax directly.")
         self.directory = os.path.abspath(os.fspath(directory))
-        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise ValueError(f"autopp.checkpoint: {self.directory} is a file, not a checkpoint directory; give a "
-                             "directory path.")
+        parent = self.directory
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(f"autopp.checkpoint: {parent} is a file, not a directory, so {self.directory} cannot be "
+                             "a checkpoint directory; give a directory path.")
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -331,6 +344,9 @@ def save(directory: str | os.PathLike, step: int, state: Any, *, max_to_keep: in
 
 
 def _existing(directory, what: str) -> None:
+    if os.path.isfile(directory):
+        raise ValueError(f"autopp.checkpoint.{what}: {os.path.abspath(directory)} is a file; give the directory "
+                         "checkpoints were saved in (the one passed to save).")
     if not os.path.isdir(directory):
         raise ValueError(f"autopp.checkpoint.{what}: there is no directory {os.path.abspath(directory)}; give the "
                          "directory checkpoints were saved in.")

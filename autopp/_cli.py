@@ -27,7 +27,10 @@ def _use_cpu_devices(n: int) -> None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -68,7 +71,7 @@ def cmd_demo(args) -> int:
     batch = demo_batch(jax.random.key(1), args.batch_size, args.seq, args.vocab)
     t0 = time.perf_counter()
     plan = step.plan_for(params, opt_state, batch)
-    print(f"traced, split and compiled in {time.perf_counter() - t0:.1f} s")
+    print(f"traced and split in {time.perf_counter() - t0:.1f} s (the programs compile during the first step)")
     print(plan)
     print("schedule (one row per stage):")
     for line in plan.schedule_text.splitlines():
@@ -611,7 +614,8 @@ def main(argv=None) -> int:
     demo.add_argument("--devices", type=_positive, default=8, help="CPU devices to use (default 8)")
     demo.add_argument("--stages", type=_positive, default=4, help="pipeline stages (default 4)")
     demo.add_argument("--microbatches", type=_positive, default=8, help="microbatches per step (default 8)")
-    demo.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b (default 1f1b)")
+    demo.add_argument("--schedule", default="1f1b",
+                      help="gpipe, 1f1b, interleaved-1f1b, zb-h1 or dualpipev (default 1f1b)")
     demo.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
     demo.add_argument("--batch-size", type=_positive, default=32)
     demo.add_argument("--layers", type=_positive, default=4)

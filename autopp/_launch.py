@@ -8,6 +8,7 @@ process fails the others are stopped.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +79,11 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int 
         raise ValueError(f"autopp launch: -n {num_processes!r}; give a positive number of processes.")
     if devices_per_process is not None and (not isinstance(devices_per_process, int) or devices_per_process < 1):
         raise ValueError(f"autopp launch: --devices-per-process {devices_per_process!r}; give a positive integer.")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"autopp launch: --port {port}; give a TCP port between 1 and 65535 (or none: a free one).")
+    if shutil.which(command[0]) is None:
+        raise ValueError(f"autopp launch: cannot run {command[0]!r}: no such program (not a path to an executable "
+                         "file, nor on PATH); e.g. `autopp launch -n 2 -- python train.py`.")
     out = out or sys.stdout
     coordinator = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,8 +119,9 @@ class MetricsLogger:
     * ``tokens_per_step``: default :func:`tokens_in` of the batch argument (``batch_argnums``, default the last);
     * ``flops_per_step``: default the step's FLOPs (forward + backward + update) by
       :func:`autopp.profiler.profile` of the step function (``step.__wrapped__`` for autopp and baseline steps),
-      computed on the first call; a step that does not take its gradient with ``autopp.value_and_grad`` needs
-      ``flops_per_step=``;
+      computed on the first call; for a ``jax.jit`` step that takes its gradient with ``jax.value_and_grad``, XLA's
+      count (``step.lower(*args).cost_analysis()``); for anything else TFLOP/s and MFU show ``-`` (one warning)
+      unless ``flops_per_step=`` is given;
     * ``devices``: the devices the step runs on (default ``step.devices``, else ``jax.devices()``): the divisor
       of TFLOP/s per device, and the kind whose peak gives MFU (``peak_flops``, default
       :func:`known_peak_flops`; CPUs have none, so ``mfu -``);
@@ -164,9 +166,13 @@ class MetricsLogger:
             try:
                 self.flops_per_step = float(profile(fn, *args, batch_argnums=self.batch_argnums).total_flops)
             except ValueError as e:
-                raise ValueError(f"autopp.metrics: cannot count the step's FLOPs ({e}); "
-                                 "pass flops_per_step=.") from None
-        return self.flops_per_step
+                self.flops_per_step = _xla_flops(self.step, args)
+                if self.flops_per_step is None:
+                    self.flops_per_step = 0.0  # counted once: TFLOP/s and MFU show "-" from here on
+                    warnings.warn(f"autopp.metrics: cannot count the step's FLOPs ({e}), and it is not a jax.jit "
+                                  "function XLA can count; TFLOP/s and MFU are left out. Pass flops_per_step= to "
+                                  "have them.", stacklevel=3)
+        return self.flops_per_step or None
 
     def _peak_memory(self, args) -> int | None:
         flat, tree = jax.tree_util.tree_flatten(args)
@@ -216,6 +222,22 @@ class MetricsLogger:
             self.sink(m.line())
         self._last_end = time.perf_counter()  # the next step's time starts after this bookkeeping
         return out
+
+
+def _xla_flops(step, args) -> float | None:
+    """XLA's own FLOP count (``Lowered.cost_analysis()``) of a ``jax.jit`` step for ``args``; None for anything
+    else."""
+    lower = getattr(step, "lower", None)
+    if lower is None:
+        return None
+    try:
+        analysis = lower(*args).cost_analysis()
+    except Exception:  # noqa: BLE001 - not lowerable for these arguments (or no analysis on this backend)
+        return None
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    flops = (analysis or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
 
 
 def log_metrics(step: Callable, **kwargs) -> MetricsLogger:

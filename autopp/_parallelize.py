@@ -73,6 +73,7 @@ class Parallelized(Generic[_P, _R]):
 
     def _build(self, args: tuple) -> Built:
         check_array_leaves(args)
+        _check_launched_processes_joined()
         use_compilation_cache(self.config.compilation_cache)
         with phase("tracing the step") as ph:
             traced = trace_step(self._step_fn, args, normalize_batch_argnums(self.config.batch_argnums, len(args)))
@@ -106,8 +107,15 @@ class Parallelized(Generic[_P, _R]):
         path, bubble fraction). ``trace_json`` writes a Chrome/Perfetto trace, ``gantt_png`` a Gantt chart with
         the plan's predicted timeline beside the measured one when the plan has stage times. It is a real step:
         its outputs are the step's, and arguments named in ``donate_argnums`` are consumed as by a call."""
+        import os
+
         from autopp.runtime import run_with_timeline
 
+        for name, path in (("trace_json", trace_json), ("gantt_png", gantt_png)):  # before the step consumes
+            folder = None if path is None else os.path.dirname(os.path.abspath(os.fspath(path)))  # donated inputs
+            if folder is not None and not os.path.isdir(folder):
+                raise ValueError(f"Parallelized.trace: {name}={path!r} is in a folder that does not exist ({folder}); "
+                                 "create it or write elsewhere. Nothing was run.")
         built, flat = self._lookup(args)
         plan, exe = built.plan, built.executable
         outputs, timeline = run_with_timeline(exe, flat)
@@ -138,6 +146,19 @@ class Parallelized(Generic[_P, _R]):
         """The built instruction list, every program compiled (for inspection and benchmarks)."""
         return self._lookup(args)[0].executable.resolve()
 
+
+
+def _check_launched_processes_joined() -> None:
+    """A process started by ``autopp launch`` (which sets ``$AUTOPP_NUM_PROCESSES``) that never joined the run would
+    train alone on its own devices, as would every other: refuse, naming the missing call."""
+    import os
+
+    launched = os.environ.get("AUTOPP_NUM_PROCESSES", "")
+    if launched.isdigit() and int(launched) > 1 and jax.process_count() == 1:
+        raise ValueError(
+            f"autopp.parallelize: this process was started as one of {launched} (autopp launch sets "
+            "$AUTOPP_NUM_PROCESSES) but has not joined them, so each would train alone on its own devices. Call "
+            "autopp.distributed.initialize() first thing in the program, before any other JAX call.")
 
 
 def _donated_leaves(args: tuple, donate_argnums: tuple[int, ...]) -> frozenset[int]:

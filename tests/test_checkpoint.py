@@ -108,5 +108,23 @@ def test_interrupted_save_is_ignored_and_bad_requests_are_explained(tmp_path):
         autopp.checkpoint.restore(tmp_path, step=5)
     with pytest.raises(ValueError, match="there is no directory"):
         autopp.checkpoint.restore(tmp_path / "missing")
+    afile = tmp_path / "afile"
+    afile.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="afile is a file; give the directory"):
+        autopp.checkpoint.restore(afile)
+    with pytest.raises(ValueError, match="afile is a file, not a directory"):
+        autopp.checkpoint.save(afile / "run", 1, state)
+    with pytest.raises(ValueError, match="directory='' names no directory"):
+        autopp.checkpoint.save("", 1, state)
     flat = autopp.checkpoint.restore(tmp_path)
     assert sorted(flat) == ["['b']", "['count']", "['w']"]
+
+
+def test_a_multi_process_run_is_refused_up_front(tmp_path, monkeypatch):
+    """Before orbax's barrier (which fails on CPU with "Multiprocess computations aren't implemented")."""
+    import jax
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="single process's training state; this run has 2 processes"):
+        autopp.checkpoint.save(tmp_path, 1, _state())
+    assert not any(tmp_path.iterdir())

@@ -348,3 +348,18 @@ def test_unknown_device_suggests_the_kinds_it_begins(capsys):
     assert main(["simulate", "--layers", "4", "--hidden", "256", "--heads", "8", "--global-batch", "64",
                  "--cluster", "1x8xA100"]) == 2
     assert "Did you mean 'A100-40GB' or 'A100-80GB'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "-n", "2", "--", "/nonexistent/program"], "cannot run '/nonexistent/program': no such program"),
+    (["launch", "-n", "2", "--port", "99999", "--", sys.executable], "--port 99999; give a TCP port"),
+])
+def test_launch_refuses_what_it_cannot_start(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_count_that_is_not_a_number_is_named_as_such(capsys):
+    with pytest.raises(SystemExit):
+        main(["launch", "-n", "x", "--", sys.executable])
+    assert "-n/--num-processes: must be a positive integer, got 'x'" in capsys.readouterr().err

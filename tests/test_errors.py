@@ -139,3 +139,11 @@ def test_keyword_arguments_rejected(mlp_setup):
     _, step, state, batch = mlp_setup
     with pytest.raises(TypeError, match=r"(?s)positionally.*batch"):
         autopp.parallelize(step, num_stages=1, devices=jax.devices()[:1])(*state, batch=batch)
+
+
+def test_a_launched_process_that_never_joined_is_refused(mlp_setup, monkeypatch):
+    """Under `autopp launch -n 2` without autopp.distributed.initialize(), each process would train alone."""
+    _, step, state, batch = mlp_setup
+    monkeypatch.setenv("AUTOPP_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match=r"started as one of 2 .* Call autopp.distributed.initialize\(\) first"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(*state, batch)

@@ -81,3 +81,32 @@ def test_bad_arguments_are_refused():
         MetricsLogger(3)
     assert StepMetrics(1, 2.0, 0.5, 10.0, None, None, None).line() == \
         "step 1 | loss 2.0000 | 500.0 ms | 10.0 tok/s | - TFLOP/s/dev | mfu - | mem -"
+
+
+def test_a_plain_jax_step_gets_xlas_flop_count_or_none(case):
+    """A step written with jax.value_and_grad (which autopp's profiler cannot read): a jax.jit one gets XLA's own
+    count; any other callable logs without TFLOP/s (one warning), instead of failing after its step ran."""
+    import optax
+
+    from autopp.models import GPT
+
+    _, _, (params, _), batch = case
+    model, tx = GPT(CONFIG), optax.sgd(0.1)
+
+    def plain(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jitted = jax.jit(plain)
+    state = (params, tx.init(params))
+    logger = log_metrics(jitted, sink=None)
+    logger(*state, batch)
+    assert logger.flops_per_step == jitted.lower(*state, batch).cost_analysis()["flops"] > 0
+    assert logger.history[-1].tflops_per_device > 0
+    lines = []
+    opaque = log_metrics(lambda *a: jitted(*a), sink=lines.append)
+    with pytest.warns(UserWarning, match="TFLOP/s and MFU are left out. Pass flops_per_step="):
+        opaque(*state, batch)
+    opaque(*state, batch)  # counted once: no second warning, no error
+    assert opaque.history[-1].tflops_per_device is None and "| - TFLOP/s/dev |" in lines[-1]

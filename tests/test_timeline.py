@@ -59,3 +59,17 @@ def test_exports(traced_step, tmp_path):
     assert sum(e["ph"] == "X" for e in loaded["traceEvents"]) == len(timeline.events)
     timeline.plot(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bad_output_path_is_refused_before_the_step_runs(tmp_path):
+    """With donation the step consumes its inputs: a trace whose files cannot be written must not run it."""
+    train_step, state, batch = gpt_case()
+    step = autopp.parallelize(train_step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2],
+                              donate_argnums=(0, 1))
+    state = jax.tree.map(lambda x: x + 0, state)  # our own copies, donated below
+    for kw in ({"trace_json": tmp_path / "missing" / "t.json"}, {"gantt_png": tmp_path / "missing" / "g.png"}):
+        with pytest.raises(ValueError, match="in a folder that does not exist .* Nothing was run"):
+            step.trace(*state, batch, **kw)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    (*state, _), _ = step.trace(*state, batch, trace_json=tmp_path / "t.json")
+    assert (tmp_path / "t.json").exists() and not any(x.is_deleted() for x in jax.tree.leaves(state))
