@@ -73,7 +73,8 @@ class Timeline:
         return self.wall_s - self.critical_path_s
 
     def lanes(self) -> list[str]:
-        return list(dict.fromkeys(e.lane for e in self.events))
+        """The lanes in device order (each group's link after it, the host last)."""
+        return _in_device_order(e.lane for e in self.events)
 
     def bubble_fraction(self, kinds: Sequence[str] = ("F", "B", "I", "W", "FB")) -> float:
         """Idle share of the pipeline: 1 - (busy time of the schedule's actions) / (lanes x span of those
@@ -120,7 +121,7 @@ class Timeline:
                                                                                for _, ev in panels)),
                                  squeeze=False)
         for ax, (title, events) in zip(axes[:, 0], panels):
-            lanes = list(dict.fromkeys(e.lane for e in events))
+            lanes = _in_device_order(e.lane for e in events)
             for e in events:
                 y = lanes.index(e.lane)
                 ax.broken_barh([(e.start_s * 1e3, max(e.end_s - e.start_s, 0) * 1e3)], (y - 0.4, 0.8),
@@ -149,6 +150,16 @@ def _predicted_events(plan) -> list[TaskEvent]:
             for r in range(sched.num_ranks)}
     return [TaskEvent(label=str(a), lane=lane[rank_of[a]], start_s=s, end_s=e, issued_s=0.0)
             for a, (s, e) in sorted(times.items(), key=lambda x: x[1])]
+
+
+def _in_device_order(lanes) -> list[str]:
+    """Distinct lanes ordered by their first device id (``devices 2-3`` before ``devices 10-11``, a group's link
+    right after it), the host last."""
+    def key(lane: str):
+        digits = re.search(r"\d+", lane)
+        return (digits is None, int(digits.group()) if digits else 0, lane.startswith("link"), lane)
+
+    return sorted(dict.fromkeys(lanes), key=key)
 
 
 def _lane(task) -> str:

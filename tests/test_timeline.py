@@ -1,6 +1,7 @@
 """The measured timeline of a pipelined step: complete, consistent, exportable, and the step's results unchanged."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -73,3 +74,18 @@ def test_a_bad_output_path_is_refused_before_the_step_runs(tmp_path):
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
     (*state, _), _ = step.trace(*state, batch, trace_json=tmp_path / "t.json")
     assert (tmp_path / "t.json").exists() and not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_lanes_are_in_device_order(traced_step):
+    """Lanes ordered by device (not by first use), the host last: the chart's rows follow the pipeline."""
+    *_, timeline = traced_step
+    lanes = timeline.lanes()
+    groups = [lane for lane in lanes if re.fullmatch(r"devices \d+", lane)]  # (also "devices 0-3": the placing)
+    assert groups == ["devices 0", "devices 1", "devices 2", "devices 3"], lanes
+    assert "host" not in lanes or lanes[-1] == "host"
+    from autopp.runtime._timeline import TaskEvent, Timeline
+
+    first_use = ["host", "devices 10-11", "link to devices 2-3", "devices 2-3", "devices 0-1"]
+    scrambled = Timeline(events=tuple(TaskEvent(label="0F0", lane=lane, start_s=0.0, end_s=1.0, issued_s=0.0)
+                                      for lane in first_use), wall_s=1.0, issue_s=0.0, critical_path_s=1.0)
+    assert scrambled.lanes() == ["devices 0-1", "devices 2-3", "link to devices 2-3", "devices 10-11", "host"]
