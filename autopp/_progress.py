@@ -66,8 +66,10 @@ def _console() -> Console | None:
     from rich.console import Console
 
     console = Console(stderr=True)
-    if (isatty is not None and isatty()) or console.is_jupyter or mode in _ON:
+    if (isatty is not None and isatty()) or console.is_jupyter:
         return console
+    if mode in _ON:  # a log file or pipe: whole lines, not wrapped at rich's default 80 columns
+        return Console(stderr=True, width=200, soft_wrap=True)
     return None
 
 
