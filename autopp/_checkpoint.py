@@ -158,6 +158,12 @@ class Checkpointer:
         if not leaves:
             raise ValueError("autopp.checkpoint.save: the state has no leaves (arrays); pass the training state, "
                              "e.g. (params, opt_state).")
+        deleted = [jax.tree_util.keystr(path) for path, x in leaves if isinstance(x, jax.Array) and x.is_deleted()]
+        if deleted:
+            raise ValueError(
+                f"autopp.checkpoint.save: {len(deleted)} leaf/leaves of the state were deleted, e.g. "
+                f"{', '.join(deleted[:3])}: they were donated to a step (donate_argnums), which reused their buffers. "
+                "Save the state the step returned, not the one passed to it.")
         entries, items = [], {}
         for i, (path, x) in enumerate(leaves):
             entry, value = _describe_leaf(path, x)

@@ -128,3 +128,13 @@ def test_a_multi_process_run_is_refused_up_front(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="single process's training state; this run has 2 processes"):
         autopp.checkpoint.save(tmp_path, 1, _state())
     assert not any(tmp_path.iterdir())
+
+
+def test_a_donated_state_is_named_not_saved(tmp_path):
+    import jax
+
+    state = jax.tree.map(jax.numpy.asarray, _state())
+    jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)  # consumes `state`
+    with pytest.raises(ValueError, match=r"deleted, e.g. \['b'\].*donated to a step.*Save the state the step "
+                                         r"returned"):
+        autopp.checkpoint.save(tmp_path, 1, state)
