@@ -96,8 +96,6 @@ class Checkpointer:
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise ValueError(f"autopp.checkpoint: directory={directory!r} names no directory; give the path of the "
                              "directory that holds (or will hold) the checkpoints, e.g. 'checkpoints'.")
-        import jax
-
         if jax.process_count() > 1:
             raise ValueError("autopp.checkpoint saves and restores a single process's training state; this run has "
                              f"{jax.process_count()} processes (see docs/limits.md). Gather the state to every "

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar, overload
 
@@ -107,8 +108,6 @@ class Parallelized(Generic[_P, _R]):
         path, bubble fraction). ``trace_json`` writes a Chrome/Perfetto trace, ``gantt_png`` a Gantt chart with
         the plan's predicted timeline beside the measured one when the plan has stage times. It is a real step:
         its outputs are the step's, and arguments named in ``donate_argnums`` are consumed as by a call."""
-        import os
-
         from autopp.runtime import run_with_timeline
 
         for name, path in (("trace_json", trace_json), ("gantt_png", gantt_png)):  # before the step consumes
@@ -151,8 +150,6 @@ class Parallelized(Generic[_P, _R]):
 def _check_launched_processes_joined() -> None:
     """A process started by ``autopp launch`` (which sets ``$AUTOPP_NUM_PROCESSES``) that never joined the run would
     train alone on its own devices, as would every other: refuse, naming the missing call."""
-    import os
-
     launched = os.environ.get("AUTOPP_NUM_PROCESSES", "")
     if launched.isdigit() and int(launched) > 1 and jax.process_count() == 1:
         raise ValueError(
