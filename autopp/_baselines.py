@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from autopp._config import check_layout_axes
+from autopp.core import abstract_leaf
 
 BASELINES = ("data-parallel", "fsdp", "tensor-parallel")
 """The named baseline layouts (:func:`baseline`)."""
@@ -72,10 +73,6 @@ def _resolve_layout(layout: dict[str, int] | SpmdLayout | None, n: int, owner: s
         raise ValueError(f"{owner}: layout {lay.to_dict()} needs data x fsdp x tensor = {lay.num_devices} devices but "
                          f"{n} were given; pass devices=jax.devices()[:{lay.num_devices}] or change the layout.")
     return lay
-
-
-def _weak(x) -> bool:
-    return getattr(x, "weak_type", False) or (isinstance(x, (int, float, complex)) and not isinstance(x, bool))
 
 
 class SpmdStep:
@@ -168,8 +165,7 @@ class SpmdStep:
             else:
                 shardings.append(self._meshes.state_sharding(0, shape, specs.get(i)))
         in_tree = jax.tree_util.tree_unflatten(tree, shardings)
-        abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=sh, weak_type=_weak(x))
-                    for x, sh in zip(flat, shardings)]
+        abstract = [abstract_leaf(x, sharding=sh) for x, sh in zip(flat, shardings)]
         out_shape = jax.eval_shape(self._step_fn, *jax.tree_util.tree_unflatten(tree, abstract))
         out_tree = self._out_shardings(args, in_tree, out_shape)
         jitted = jax.jit(self._step_fn, in_shardings=tuple(in_tree), out_shardings=out_tree)

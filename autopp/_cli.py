@@ -58,6 +58,10 @@ def cmd_demo(args) -> int:
     import autopp
     from autopp.models import GPT, GPTConfig, make_train_step
 
+    if args.devices % args.stages:
+        raise SystemExit(f"autopp demo: --stages {args.stages} does not divide --devices {args.devices} (each stage gets "
+                         f"devices / stages of them); use --devices {args.stages * max(1, args.devices // args.stages)} "
+                         f"or --stages that divides {args.devices}.")
     devices = jax.devices()[: args.devices]
     config = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab)
     model = GPT(config)
@@ -439,9 +443,9 @@ def cmd_simulate(args) -> int:
     print(f"step time      {est.step_time_s:10.4g} s   (compute {est.compute_s:.4g}, bubble {est.bubble_s:.4g}, "
           f"tp {est.tp_comm_s:.4g}, fsdp {est.fsdp_comm_s:.4g}, pp {est.pp_comm_s:.4g}, dp {est.dp_comm_s:.4g}, "
           f"optimizer {est.optimizer_s:.4g})")
-    print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {est.mfu * 100:.1f}%")
+    print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {'-' if est.mfu is None else f'{est.mfu * 100:.1f}%'}")
     print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / 2**30:10.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'} "
-          f"in {cluster.memory_per_device / 2**30:.0f} GiB)")
+          f"in {cluster.memory_per_device / 2**30:.1f} GiB)")
     return 0
 
 
@@ -476,13 +480,13 @@ def main(argv=None) -> int:
     demo.add_argument("--schedule", default="1f1b",
                       help="gpipe, 1f1b, interleaved-1f1b, zb-h1 or dualpipev (default 1f1b)")
     demo.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
-    demo.add_argument("--batch-size", type=_positive, default=32)
-    demo.add_argument("--layers", type=_positive, default=4)
-    demo.add_argument("--hidden", type=_positive, default=64)
-    demo.add_argument("--heads", type=_positive, default=4)
-    demo.add_argument("--seq", type=_positive, default=32)
-    demo.add_argument("--vocab", type=_positive, default=128)
-    demo.add_argument("--learning-rate", type=float, default=3e-3)
+    demo.add_argument("--batch-size", type=_positive, default=32, help="(default 32)")
+    demo.add_argument("--layers", type=_positive, default=4, help="(default 4)")
+    demo.add_argument("--hidden", type=_positive, default=64, help="(default 64)")
+    demo.add_argument("--heads", type=_positive, default=4, help="(default 4)")
+    demo.add_argument("--seq", type=_positive, default=32, help="(default 32)")
+    demo.add_argument("--vocab", type=_positive, default=128, help="(default 128)")
+    demo.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     demo.set_defaults(func=cmd_demo)
     prof = sub.add_parser("profile", help="per-layer FLOPs, time and memory of a training step (zoo model or "
                                           "--step)")
@@ -496,13 +500,14 @@ def main(argv=None) -> int:
     _add_model_flags(sim)
     sim.add_argument("--global-batch", type=_positive, required=True)
     _add_cluster_flags(sim)
-    sim.add_argument("--tp", type=_positive, default=1)
-    sim.add_argument("--pp", type=_positive, default=1)
+    sim.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree (default 1)")
+    sim.add_argument("--pp", type=_positive, default=1, help="pipeline stages (default 1)")
     sim.add_argument("--dp", type=_positive, default=None, help="default: devices / (tp * pp)")
-    sim.add_argument("--microbatch-size", type=_positive, default=1)
-    sim.add_argument("--schedule", default="1f1b")
-    sim.add_argument("--recompute", default="full")
-    sim.add_argument("--virtual-stages", type=_positive, default=1)
+    sim.add_argument("--microbatch-size", type=_positive, default=1, help="sequences per microbatch (default 1)")
+    sim.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b)")
+    sim.add_argument("--recompute", default="full", help="none, selective or full (default full)")
+    sim.add_argument("--virtual-stages", type=_positive, default=1,
+                     help="model chunks per stage with interleaved-1f1b (default 1)")
     sim.add_argument("--fsdp", type=_positive, default=1, help="FSDP (ZeRO-3) degree inside dp (default 1)")
     sim.add_argument("--zero1", action="store_true", help="shard the optimizer state over the data-parallel "
                                                           "replicas (ZeRO-1)")

@@ -232,7 +232,10 @@ class ParallelizeConfig:
         if self.num_stages is not None and self.num_stages > len(devices):
             raise ValueError(
                 f"{_WHO}: num_stages={self.num_stages} needs at least {self.num_stages} devices, but {len(devices)} "
-                f"were given ({devices}); use num_stages <= {len(devices)} or pass more devices.")
+                f"were given ({devices}); use num_stages <= {len(devices)} or pass more devices"
+                + ("" if devices[0].platform != "cpu" or len(jax.devices()) > len(devices) else
+                   " (on a CPU-only machine, jax.config.update('jax_num_cpu_devices', 8) before JAX is first used "
+                   "makes 8)") + ".")
         if self.plan is not None:
             missing = sorted({i for st in self.plan.stages for i in st.devices} - {d.id for d in devices})
             if missing:

@@ -240,6 +240,12 @@ def _xla_flops(step, args) -> float | None:
     return float(flops) if flops and flops > 0 else None
 
 
-def log_metrics(step: Callable, **kwargs) -> MetricsLogger:
-    """``MetricsLogger(step, **kwargs)``: ``step = autopp.metrics.log_metrics(autopp.parallelize(train_step))``."""
-    return MetricsLogger(step, **kwargs)
+def log_metrics(step: Callable, *, every: int = 1, sink: Callable[[str], Any] | None = print, loss_index: int = -1,
+                tokens_per_step: int | None = None, flops_per_step: float | None = None,
+                devices: Sequence[jax.Device] | None = None, peak_flops: float | None = None,
+                batch_argnums: int | None = None) -> MetricsLogger:
+    """:class:`MetricsLogger` of ``step`` (the keywords are its own):
+    ``step = autopp.metrics.log_metrics(autopp.parallelize(train_step))``."""
+    return MetricsLogger(step, every=every, sink=sink, loss_index=loss_index, tokens_per_step=tokens_per_step,
+                         flops_per_step=flops_per_step, devices=devices, peak_flops=peak_flops,
+                         batch_argnums=batch_argnums)

@@ -199,9 +199,11 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
         if any(st.layers is None for st in plan.stages):
             raise ValueError(f"{_WHO}: the plan is sequence-parallel but names neither its layers' equations nor its "
                              "stages' layers; make it again with plan_model(profile, ...) or step.plan_for(...).")
+        _check_stage_layers(plan)
         prof = _profile(step_fn, args, traced, config)
         if offline:
             _check_offline_plan(plan, prof, batch_size(traced))
+        _check_stage_layers(plan, len(prof.layers))
         ranges = _layer_ranges(prof, traced, forward)
         if plan.sequence_parallel:
             layer_equations = tuple((a, b - 1) for a, b in ranges)
@@ -216,6 +218,25 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
                                        forward_time_s=old.forward_time_s, backward_time_s=old.backward_time_s)
                    for new, old in zip(fresh, plan.stages))
     return Sourced(dataclasses.replace(plan, stages=stages, layer_equations=layer_equations), forward)
+
+
+def _check_stage_layers(plan: Plan, num_layers: int | None = None) -> None:
+    """A plan's stages name consecutive, non-overlapping ranges of profile layers from the first; with
+    ``num_layers``, ranges that cover exactly the step's layers."""
+    expected = 0
+    for st in plan.stages:
+        first, last = st.layers
+        if first != expected or last < first or (num_layers is not None and last >= num_layers):
+            cover = f"this step's {num_layers} profile layers (0-{num_layers - 1})" if num_layers else "the layers"
+            raise ValueError(
+                f"{_WHO}: the plan's stage {st.index} has layers {[first, last]}, but the stages' layers must be "
+                f"consecutive ranges covering {cover} in order, stage {st.index} beginning at layer {expected}. "
+                "Was the plan edited by hand? Make it again with step.plan_for(...) or plan_model(...).")
+        expected = last + 1
+    if num_layers is not None and expected != num_layers:
+        raise ValueError(
+            f"{_WHO}: the plan's stages cover layers 0-{expected - 1} of this step's {num_layers}; the last stage must "
+            f"end at layer {num_layers - 1}. Make the plan again with step.plan_for(...) or plan_model(...).")
 
 
 def _check_offline_plan(plan: Plan, prof: Profile, batch: int) -> None:

@@ -37,9 +37,11 @@ from autopp.core._jaxpr import (
 )
 from autopp.core._trace import (
     TracedStep,
+    abstract_leaf,
     check_array_leaves,
     check_batch_divisible,
     eval_jaxpr_with,
+    is_weak,
     normalize_batch_argnums,
     trace_microbatch_forward,
     trace_step,

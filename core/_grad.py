@@ -53,7 +53,7 @@ class GradSpec:
     diff_mask: tuple[bool, ...]  # over forward invars
     has_aux: bool
     aux_tree: Any
-    grad_tree: Any  # tree of the gradients (args[argnums]) over the differentiated leaves
+    grad_tree: Any  # tree of the gradients (args[argnums]); an integer leaf (allow_int) gets float0 zeros
     name: str
     loss_fn: Callable | None = None
     """The flattened loss (``flat_args -> [loss, *aux_leaves]``) when it closes over nothing traced in the step
@@ -124,14 +124,16 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     for a in nums:
         for i in range(starts[a], starts[a + 1]):
             arg_mask[i] = True
-    for i, (leaf, d) in enumerate(zip(flat_args, arg_mask)):
-        dtype = jnp.result_type(leaf)
-        if d and not allow_int and not jnp.issubdtype(dtype, jnp.inexact):
+    integer = [d and not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf, d in zip(flat_args, arg_mask)]
+    for leaf, is_int in zip(flat_args, integer):
+        if is_int and not allow_int:
             raise TypeError(
                 f"{name} requires real- or complex-valued inputs (input dtype that is a sub-dtype of "
-                f"np.inexact), but got {dtype.name} for a leaf of argument(s) {nums}. If you want to "
-                "use integer-valued inputs, pass allow_int=True or move the leaf out of argnums."
+                f"np.inexact), but got {jnp.result_type(leaf).name} for a leaf of argument(s) {nums}. If you want "
+                "to use integer-valued inputs, pass allow_int=True or move the leaf out of argnums."
             )
+    # allow_int: an integer leaf is not differentiated; its gradient is float0 zeros, as jax.grad gives
+    in_argnums, arg_mask = arg_mask, [d and not is_int for d, is_int in zip(arg_mask, integer)]
 
     def flat_fun(*leaves):
         out = fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
@@ -184,7 +186,9 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         loss_fn=flat_fun if not lifted_vars else None,
     )
     outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)
-    loss, aux_leaves, grads = outs[0], outs[1 : 1 + spec.num_aux], outs[1 + spec.num_aux :]
+    loss, aux_leaves, diff_grads = outs[0], outs[1 : 1 + spec.num_aux], iter(outs[1 + spec.num_aux :])
+    grads = [np.zeros(np.shape(leaf), jax.dtypes.float0) if is_int else next(diff_grads)
+             for leaf, d, is_int in zip(flat_args, in_argnums, integer) if d]
     aux = jax.tree_util.tree_unflatten(aux_tree, aux_leaves)
     return loss, aux, jax.tree_util.tree_unflatten(grad_tree, grads)
 

@@ -5,7 +5,10 @@ The host spends about 3 us per output buffer of a program call (the runtime's ar
 of small residuals (norm statistics, rotary tables, masks, per-head values). Residuals of at most
 :data:`PACK_MAX_BYTES` per device are therefore concatenated, per dtype and layout, into one buffer by the forward
 program and sliced back by the backward program. Larger residuals stay separate: their kernels dwarf the dispatch
-cost, and packing them would add a copy.
+cost, and packing them would add a copy. Residuals a ``lax.scan`` makes or reads also stay separate (the stage
+program chooses them): the backward's loop takes them as operands, where a slice out of a pack cannot fuse into its
+reader and becomes a kernel of its own, compiled once and launched every call (21 such slices took 0.35 s of
+XLA's CPU compile time for a scanned GPT stage, more than the host time packing saves in hundreds of steps).
 
 Packing keeps every shard on its device: a replicated residual is packed flat, one laid out along its leading
 dimension over ``n`` devices is reshaped to ``(n, -1)`` (each row one device's shard) and packed along the second
@@ -15,7 +18,7 @@ dimension, so neither packing nor unpacking moves data between devices.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,15 +101,16 @@ def _rows(sharding, shape) -> int | None:
     return n if shape[0] % n == 0 else None
 
 
-def plan_packing(avals: Sequence, shardings: Sequence, max_bytes: int = PACK_MAX_BYTES) -> ResidualPacking:
+def plan_packing(avals: Sequence, shardings: Sequence, max_bytes: int = PACK_MAX_BYTES,
+                 keep_loose: Collection[int] = ()) -> ResidualPacking:
     """Group residuals of at most ``max_bytes`` per device by (dtype, sharding, layout); a group of one stays
-    loose."""
+    loose, and so do the positions in ``keep_loose`` (residuals whose unpacking would not fuse into their reader)."""
     by_key: dict = {}
     loose = []
     for i, (a, sh) in enumerate(zip(avals, shardings)):
         n = _rows(sh, a.shape)
         size = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-        if n is None or size // max(n, 1) > max_bytes or size == 0:
+        if n is None or size // max(n, 1) > max_bytes or size == 0 or i in keep_loose:
             loose.append(i)
             continue
         by_key.setdefault((np.dtype(a.dtype).name, sh, n), []).append(i)

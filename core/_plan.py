@@ -347,8 +347,9 @@ class Plan:
             rest_text = (f", {'gathered FSDP layers' if fsdp else 'other buffers'} {rest / 2**30:.2f}"
                          if rest > 0.005 * 2**30 else "")
             lines.append(
-                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu:.1f} TFLOP/s per device, MFU "
-                f"{100 * e.mfu:.1f}%, peak memory {e.peak_memory_bytes_per_gpu / 2**30:.2f} GiB per device "
+                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu:.4g} TFLOP/s per device, MFU "
+                f"{'-' if e.mfu is None else f'{100 * e.mfu:.1f}%'}, "
+                f"peak memory {e.peak_memory_bytes_per_gpu / 2**30:.2f} GiB per device "
                 f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / 2**30:.2f}, "
                 f"optimizer state {e.optimizer_bytes / 2**30:.2f}, activations {e.activation_bytes / 2**30:.2f}"
                 f"{rest_text} GiB)")

@@ -20,6 +20,19 @@ from autopp.core._twins import DeviceMapped, device_map, twin_key
 Literal = jex_core.Literal
 
 
+def _loop_residuals(jaxpr, kept) -> set[int]:
+    """Positions in ``kept`` of the residuals a loop makes or reads (a ``lax.scan``'s stacked outputs and
+    per-iteration inputs): the backward's loop reads them again, and a loop's operand is a buffer of its own, so a
+    residual sliced out of a pack there costs a kernel of its own (compiled, and launched every call) instead of
+    fusing into its reader."""
+    loops = [e for e in jaxpr.eqns if e.primitive.name in _LOOP_PRIMITIVES]
+    touched = {v for e in loops for v in (*e.invars, *e.outvars) if _is_var(v)}
+    return {k for k, r in enumerate(kept) if r in touched}
+
+
+_LOOP_PRIMITIVES = ("scan", "while")
+
+
 def _is_var(a) -> bool:
     return not isinstance(a, Literal)
 
@@ -224,7 +237,8 @@ class StagePrograms:
             else:
                 self.residual_source.append(("kept", len(kept)))
                 kept.append(r)
-        packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape) for r in kept])
+        packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape) for r in kept],
+                               keep_loose=_loop_residuals(traced.jaxpr, kept))
         self.packing = packing
         """How the kept residuals travel from ``fwd`` to ``bwd``: small ones packed (:mod:`autopp.core._packing`)."""
         self.num_kept = packing.num_buffers

@@ -176,6 +176,22 @@ def check_array_leaves(args: Sequence[Any], who: str = "autopp.parallelize") -> 
         )
 
 
+def is_weak(x) -> bool:
+    """Whether JAX treats ``x`` as weakly typed, as ``jax.jit`` does: a Python int, float or complex, or an array
+    made from one (``jnp.asarray(0.1)``). A weak argument takes the other operand's dtype (``bf16_param - lr * g``
+    stays bfloat16)."""
+    return bool(getattr(x, "weak_type", False)) or (isinstance(x, (int, float, complex)) and not isinstance(x, bool))
+
+
+def abstract_leaf(x, **kwargs) -> jax.ShapeDtypeStruct:
+    """``x``'s type as ``jax.jit`` traces it (shape, dtype, weak type); ``kwargs`` go to ``ShapeDtypeStruct``
+    (``shape=`` replaces the shape)."""
+    if isinstance(x, jax.ShapeDtypeStruct) and not kwargs:
+        return x
+    shape = kwargs.pop("shape", np.shape(x))
+    return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x), weak_type=is_weak(x), **kwargs)
+
+
 @contextlib.contextmanager
 def _tracing():
     """How autopp traces user code: the gradient marked, fused attention marked, jit calls inlined."""
@@ -207,8 +223,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
             "array); these are not:\n" + "\n".join(bad) + "\nConvert them with jnp.asarray(...), or move "
             "non-batch values to another argument and set batch_argnums accordingly."
         )
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) if not isinstance(x, jax.ShapeDtypeStruct) else x
-                for _, x in flat_with_paths]
+    abstract = [abstract_leaf(x) for _, x in flat_with_paths]
 
     def flat_step(*leaves):
         out = step_fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
@@ -319,10 +334,10 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
         flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
         small = []
         for x, is_batch in zip(flat, traced.batch_mask):
-            shape, dtype = tuple(np.shape(x)), jax.numpy.result_type(x)
+            shape = tuple(np.shape(x))
             if is_batch:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
-            small.append(jax.ShapeDtypeStruct(shape, dtype))
+            small.append(abstract_leaf(x, shape=shape))
         with _at_microbatch_size(who, num_microbatches):
             mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who)
         mb_forward = mb.spec.forward

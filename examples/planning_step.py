@@ -176,3 +176,12 @@ def llama_70b():
 def tiny():
     """A 4-layer model of the same code at batch 1 (tests)."""
     return abstract_step(TINY)
+
+
+if __name__ == "__main__":  # python examples/planning_step.py: plan the 70B shape for 64 nodes of 8 H100s
+    from autopp.planner import plan_model
+    from autopp.profiler import profile
+
+    step, args, batch_argnums = llama_70b()
+    print(plan_model(profile(step, *args, cluster="64x8xH100", batch_argnums=batch_argnums), "64x8xH100",
+                     global_batch=1024))

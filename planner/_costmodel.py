@@ -433,7 +433,7 @@ class StepModel:
         est = Estimate(
             step_time_s=step,
             tflops_per_gpu=(model_flops + extra) / step / n / 1e12,
-            mfu=model_flops / (step * n * dev.peak_flops("bfloat16")),
+            mfu=None if dev.name == "cpu" else model_flops / (step * n * dev.peak_flops("bfloat16")),
             peak_memory_bytes_per_gpu=int(math.ceil(mem[worst])),
             fits=bool(mem[worst] <= dev.memory_capacity),
             compute_s=comp,

@@ -251,9 +251,16 @@ def split_stages(
     """
     problem = _cut_problem(forward, batch_invars)
     if len(problem.seq) < num_stages:
+        names = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "custom_vjp_call": "jax.custom_vjp",
+                 "custom_jvp_call": "jax.custom_jvp", "pjit": "jax.jit", "jit": "jax.jit"}
+        wrapped = sorted({names.get(p, p) for i in problem.seq for p in [forward.jaxpr.eqns[i].primitive.name]
+                          if jex_core.jaxprs_in_params(forward.jaxpr.eqns[i].params)})
+        why = (f" Its batch-dependent work sits inside {', '.join(wrapped)} call(s) (e.g. jax.checkpoint around the "
+               "whole loss), which a stage boundary cannot cut: apply jax.checkpoint to each layer instead, or "
+               "leave it out and use parallelize's recompute='full'." if wrapped else "")
         raise ValueError(
             f"autopp: the loss has only {len(problem.seq)} operation(s) that depend on the batch, so it cannot "
-            f"be split into {num_stages} pipeline stages; use num_stages <= {max(1, len(problem.seq))}."
+            f"be split into {num_stages} pipeline stages; use num_stages <= {max(1, len(problem.seq))}.{why}"
         )
     bottleneck = _min_bottleneck(problem.costs, num_stages)
     cap = bottleneck * (1 + balance_tolerance)

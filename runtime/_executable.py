@@ -112,8 +112,8 @@ class Executable:
         return dict(sorted(freed.items()))
 
     def held_between_steps(self) -> dict[int, int]:
-        """Bytes per device id the executable keeps allocated between steps: its constants and the gradient
-        accumulators kept for the next step (:meth:`release` frees the latter)."""
+        """Bytes per device id the executable holds now, between steps: its constants and the gradient
+        accumulators kept for the next step (held once a step has run, until :meth:`release` frees them)."""
         held: dict[int, int] = collections.defaultdict(int)
         slots = [s for s, _ in self.const_slots]
         slots += [o for t in self.tasks if isinstance(t.fn, Transfer) and t.fn.pool for o in t.outs]

@@ -286,17 +286,21 @@ class Pipeline:
         """Loss and aux: reduce the per-microbatch values on the stage that produced them."""
         b, st = self.b, self.st
         mean = st.config.loss_reduction == "mean"
+        concatenated = st.concatenated_outputs()
         for k in range(1 + st.spec.num_aux):
             a = st.fwd.outvars[k]
             s = st.out_stage[k]
             if isinstance(a, Literal):
-                self.reduced[k] = b.tl.const(jax.device_put(jnp.asarray(a.val, a.aval.dtype),
+                self.reduced[k] = b.tl.const(jax.device_put(jnp.asarray(st.constant_output(k), a.aval.dtype),
                                                             self.meshes.replicated[s]))
                 continue
             parts = self.out_parts[k]
             assert len(parts) == self.M, (k, len(parts))
-            fn = jax.jit(lambda *xs, mean=mean: (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
-                         out_shardings=(self.meshes.replicated[s],))
+            if k in concatenated:  # per-example values: the whole batch's, in order
+                fn = jax.jit(lambda *xs: (jnp.concatenate(xs),), out_shardings=(self.meshes.replicated[s],))
+            else:
+                fn = jax.jit(lambda *xs, mean=mean: (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
+                             out_shardings=(self.meshes.replicated[s],))
             (self.reduced[k],) = b.emit(fn, parts, 1, f"reduce {'loss' if k == 0 else f'aux {k - 1}'} stage {s}")
 
 

@@ -127,8 +127,14 @@ def place_outer(
         for v in eqns[i].outvars:
             if i in eqn_locs:
                 where[v] = eqn_locs[i]
+    # Constants (equations that read no step input or computed value, e.g. an update of jnp.zeros_like) go
+    # where their readers run, placed after them.
+    constant = set()
     for i in floating:
-        if i in eqn_locs:
+        if i not in eqn_locs and all(producer.get(v) in constant for v in _vars(eqns[i].invars)):
+            constant.add(i)
+    for i in floating:
+        if i in eqn_locs or i in constant:
             continue
         e = eqns[i]
         locs = set().union(*(where.get(v, avail.get(v, frozenset())) for v in _vars(e.invars))) or {default_loc}
@@ -138,6 +144,13 @@ def place_outer(
         for v in _vars(e.invars):
             if v not in avail:
                 required[v] |= locs
+    for i in sorted(constant, reverse=True):
+        e = eqns[i]
+        eqn_locs[i] = frozenset(set().union(*(required.get(v, set()) for v in e.outvars)) or {default_loc})
+        for v in e.outvars:
+            where[v] = eqn_locs[i]
+        for v in _vars(e.invars):
+            required[v] |= eqn_locs[i]
     input_homes = {}
     for k, v in enumerate(jaxpr.invars):
         locs = frozenset(required.get(v, set()))

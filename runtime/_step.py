@@ -118,6 +118,31 @@ class Step:
         zero = self.config.zero1 and var is not None and var in self.opt_state
         return self.meshes.state_sharding(loc, shape, spec, zero=zero)
 
+    def aux_name(self, k) -> str:
+        """Forward output ``k`` (1 + aux leaf index) as the user wrote it, e.g. ``aux['pred']``."""
+        return aux_names(self.spec)[k - 1]
+
+    def concatenated_outputs(self) -> frozenset[int]:
+        """Forward outputs (aux leaves) whose whole-batch value has the microbatches' values stacked along its
+        leading dimension (per-example values: the whole batch's leading dimension is ``num_microbatches`` times
+        the microbatch's, the rest equal), as the step traced at the whole batch shows; they are concatenated, the
+        others averaged or summed."""
+        M = self.config.num_microbatches
+        out = set()
+        for k in range(1, len(self.fwd.outvars)):
+            small, whole = tuple(self.fwd.outvars[k].aval.shape), tuple(self.spec.forward.out_avals[k].shape)
+            if small != whole and small and whole[1:] == small[1:] and whole[0] == M * small[0]:
+                out.add(k)
+        return frozenset(out)
+
+    def constant_output(self, k):
+        """The value of forward output ``k`` when the microbatch's forward makes it a constant: the whole batch's
+        constant (a size read off the batch, ``x.shape[0]``, is the whole batch's, as under ``jax.jit``)."""
+        whole, small = self.spec.forward.jaxpr.outvars[k], self.fwd.outvars[k]
+        if isinstance(whole, Literal):
+            return whole.val
+        return small.val * (1 if self.config.loss_reduction == "mean" else self.config.num_microbatches)
+
     def invar_name(self, k) -> str:
         a = self.grad.invars[k]
         if not isinstance(a, Literal) and a in self.jaxpr.invars:
@@ -125,9 +150,28 @@ class Step:
         return f"loss argument #{k - self.spec.num_lifted}"
 
 
+def aux_names(spec) -> list[str]:
+    """Each aux leaf of the loss as the user wrote it (``aux['pred']``, ``aux[0]``); ``aux`` for a single array."""
+    if not spec.has_aux:
+        return []
+    numbered = jax.tree_util.tree_unflatten(spec.aux_tree, list(range(spec.num_aux)))
+    return ["aux" + jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
+
+
 def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig) -> Step:
     spec, S, fwd = traced.spec, split.num_stages, forward.jaxpr
     diff_mask = list(spec.diff_mask)
+    split_and_differentiated = [k for k, (d, mb) in enumerate(zip(diff_mask, traced.microbatched_grad_inputs))
+                                if d and mb]
+    if split_and_differentiated and config.num_microbatches > 1:
+        outer = traced.jaxpr.jaxpr.invars
+        names = [traced.leaf_paths[outer.index(a)] if a in outer else f"loss argument #{k - spec.num_lifted}"
+                 for k in split_and_differentiated for a in [traced.grad_eqn.invars[k]]]
+        raise ValueError(
+            f"autopp.parallelize: the gradient is taken with respect to {', '.join(names)}, which is split into "
+            "microbatches (a batch input); its gradient would be per microbatch, and that is not supported. Take "
+            "the gradient with respect to parameters only (argnums), or compute an input gradient (saliency, "
+            "adversarial examples) with jax.grad outside the parallelized step.")
     defined_at = {}
     for s, ids in enumerate(split.stage_eqns):
         for i in ids:
@@ -142,14 +186,23 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
         else:
             raise ValueError(
                 "autopp.parallelize: the loss function returns one of its inputs unchanged as "
-                f"{'the loss' if k == 0 else f'aux leaf {k - 1}'}; compute it inside the loss function "
+                f"{'the loss' if k == 0 else aux_names(spec)[k - 1]}; compute it inside the loss function "
                 "(e.g. `x + 0`) or return it from the step directly."
             )
+    names = aux_names(spec)
     for k in range(1, len(fwd.outvars)):
-        dt = fwd.outvars[k].aval.dtype
-        if config.loss_reduction == "mean" and not jnp.issubdtype(dt, jnp.inexact):
+        dt, small, whole = fwd.outvars[k].aval.dtype, fwd.outvars[k].aval.shape, spec.forward.out_avals[k].shape
+        per_example = (small != whole and len(small) > 0 and whole[1:] == small[1:]
+                       and whole[0] == config.num_microbatches * small[0])
+        if small != whole and not per_example:
+            raise ValueError(
+                f"autopp.parallelize: {names[k - 1]} has shape {whole} for the whole batch but {small} for a "
+                f"microbatch; aux values are either the same shape for any batch (averaged or summed over the "
+                "microbatches) or per example (leading dimension the batch's, concatenated). Return it from the "
+                "step outside the gradient instead.")
+        if config.loss_reduction == "mean" and not per_example and not jnp.issubdtype(dt, jnp.inexact):
             raise TypeError(
-                f"autopp.parallelize: aux leaf {k - 1} has dtype {dt}; with loss_reduction='mean' aux "
+                f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux "
                 "values are averaged over microbatches, which needs a floating dtype. Return it as a "
                 "float (e.g. .astype(jnp.float32)) or use loss_reduction='sum'."
             )
@@ -567,6 +620,11 @@ class StepBuilder:
         M, spec = st.config.num_microbatches, st.spec
         fwd, _, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit
         mean = st.config.loss_reduction == "mean"
+        concatenated = st.concatenated_outputs()
+
+        def scale(o):
+            return o / M if mean else o
+
         mb_mask, diff_idx = list(st.mb_invar), spec.diff_indices
         recompute = st.config.recompute[0]
 
@@ -587,13 +645,25 @@ class StepBuilder:
                 if recompute != "none":
                     loss_of = jax.checkpoint(loss_of, policy=RECOMPUTE_POLICIES[recompute])
                 (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
-                return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+                summed = [a for k, a in enumerate(aux, 1) if k not in concatenated]
+                return (jax.tree.map(jnp.add, carry, (loss, summed, grads)),
+                        [a for k, a in enumerate(aux, 1) if k in concatenated])
 
+            summed_avals = [a for k, a in enumerate(fwd.out_avals[1:], 1) if k not in concatenated]
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                 ([fwd.out_avals[0]], list(fwd.out_avals[1:]), [invals[i].aval for i in diff_idx]))
-            (loss, aux, grads), _ = jax.lax.scan(body, (zeros[0][0], zeros[1], zeros[2]), stacked)
-            outs = [loss, *aux, *grads]
-            return [o / M for o in outs] if mean else outs
+                                 ([fwd.out_avals[0]], summed_avals, [invals[i].aval for i in diff_idx]))
+            (loss, summed, grads), stacked_aux = jax.lax.scan(body, (zeros[0][0], zeros[1], zeros[2]), stacked)
+            summed, stacked_aux, aux = iter(summed), iter(stacked_aux), []
+            for k in range(1, len(fwd.out_avals)):
+                if k in concatenated:  # per-example values, the microbatches' in order
+                    y = next(stacked_aux)
+                    aux.append(y.reshape((-1,) + y.shape[2:]))
+                elif isinstance(st.fwd.outvars[k], Literal):
+                    next(summed)
+                    aux.append(jnp.asarray(st.constant_output(k), fwd.out_avals[k].dtype))
+                else:
+                    aux.append(scale(next(summed)))
+            return [scale(loss), *aux, *map(scale, grads)]
 
         traced = st.traced
 

@@ -67,6 +67,12 @@ class Timeline:
     """The longest chain of measured task durations through data dependencies and each group's order: what the
     step would take with no host overhead and no gaps."""
 
+    def __repr__(self) -> str:
+        lanes = self.lanes()
+        return (f"Timeline({len(self.events)} tasks on {len(lanes)} lanes, wall {self.wall_s * 1e3:.4g} ms, host issue "
+                f"{self.issue_s * 1e3:.4g} ms, critical path {self.critical_path_s * 1e3:.4g} ms, bubble fraction "
+                f"{self.bubble_fraction():.3f}; .events has every task)")
+
     @property
     def overhead_s(self) -> float:
         """Wall time the critical path does not explain: host dispatch and runtime gaps."""

@@ -58,10 +58,30 @@ def test_config_plan_for_another_sequence_length_is_refused(case, offline_plan):
         autopp.parallelize(step, plan=offline_plan).plan_for(*state, shorter)
 
 
+@pytest.mark.parametrize("edit", ["overlapping", "gap", "reversed"])
+def test_config_plan_with_hand_edited_stage_layers_is_refused(case, offline_plan, edit):
+    """Stage layers overlapping the next stage's, leaving a gap or reversed: refused naming the stage (before, an
+    IndexError or an internal error); a plan whose layers run past the step's is another model's (tested above)."""
+    step, state, batch, _ = case
+    stages = list(offline_plan.stages)
+    first, last = stages[0].layers
+    nxt_first, nxt_last = stages[1].layers
+    if edit == "reversed":
+        stages[0] = dataclasses.replace(stages[0], layers=(last, first))
+    elif edit == "overlapping":
+        stages[1] = dataclasses.replace(stages[1], layers=(nxt_first - 1, nxt_last))
+    else:
+        stages[1] = dataclasses.replace(stages[1], layers=(nxt_first + 1, nxt_last))
+    edited = dataclasses.replace(offline_plan, stages=tuple(stages))
+    with pytest.raises(ValueError, match=r"stage \d has layers .* consecutive ranges.*edited by hand"):
+        autopp.parallelize(step, plan=edited).plan_for(*state, batch)
+
+
 def test_printed_plan_names_zero1_sequence_parallel_and_all_of_its_peak(offline_plan):
     """The header says what the stage table cannot (ZeRO-1, sequence parallelism), and the memory parts add up to
     the peak printed beside them."""
     e = offline_plan.predicted
+    assert e.mfu is None and "MFU -," in str(offline_plan)  # the host CPU has no datasheet peak
     plain = str(dataclasses.replace(offline_plan, zero1=False, sequence_parallel=False))
     assert "ZeRO-1" not in plain and "sequence parallel" not in plain and "other buffers" not in plain
     extra = 2**30  # e.g. the FSDP working set, which is in the peak but in none of the three parts

@@ -89,3 +89,6 @@ def test_lanes_are_in_device_order(traced_step):
     scrambled = Timeline(events=tuple(TaskEvent(label="0F0", lane=lane, start_s=0.0, end_s=1.0, issued_s=0.0)
                                       for lane in first_use), wall_s=1.0, issue_s=0.0, critical_path_s=1.0)
     assert scrambled.lanes() == ["devices 0-1", "devices 2-3", "link to devices 2-3", "devices 10-11", "host"]
+    # printed as a one-line summary, not every event
+    assert repr(scrambled) == ("Timeline(5 tasks on 5 lanes, wall 1000 ms, host issue 0 ms, critical path 1000 ms, "
+                               f"bubble fraction {scrambled.bubble_fraction():.3f}; .events has every task)")

@@ -1,0 +1,155 @@
+"""Steps a user may write that are not the zoo's ``(params, opt_state, batch) -> (params, opt_state, loss)``: a weakly
+typed learning rate, integer leaves under ``allow_int``, a frozen parameter whose update is a constant, per-example
+and constant aux values, and what is refused. Each is compared with plain ``jax.jit`` of the same step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopp
+from tests._helpers import assert_trees_close
+
+
+def init(key, dtype=jnp.float32):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {"emb": (jax.random.normal(k1, (6, 8)) * 0.5).astype(dtype),
+            "w": (jax.random.normal(k2, (8, 16)) * 0.3).astype(dtype),
+            "head": (jax.random.normal(k3, (16, 4)) * 0.3).astype(dtype)}
+
+
+def logits(p, x):
+    h = jnp.tanh(p["emb"][x].mean(1) @ p["w"])
+    return h @ p["head"]
+
+
+def nll(p, batch):
+    x, y = batch
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits(p, x).astype(jnp.float32)), y[:, None], 1)[:, 0]
+
+
+BATCH = (jax.random.randint(jax.random.key(1), (16, 5), 0, 6), jax.random.randint(jax.random.key(2), (16,), 0, 4))
+
+
+def both(make):
+    """``make(value_and_grad)`` under plain jit and under autopp (2 stages, 4 microbatches)."""
+    return (jax.jit(make(jax.value_and_grad)),
+            autopp.parallelize(make(autopp.value_and_grad), num_stages=2, num_microbatches=4,
+                               devices=jax.devices()[:2]))
+
+
+@pytest.mark.parametrize("lr", [0.1, jnp.asarray(0.1)], ids=["python float", "weak array"])
+def test_a_weakly_typed_learning_rate_keeps_bfloat16_parameters(lr):
+    """``p - lr * g`` with bf16 parameters stays bf16 under jit (``lr`` takes the parameters' dtype); a second step
+    reuses the first one's build."""
+
+    def make(vag):
+        def step(p, lr, batch):
+            loss, g = vag(lambda q, b: nll(q, b).mean())(p, batch)
+            return jax.tree.map(lambda a, b: a - lr * b, p, g), loss
+        return step
+
+    params = init(jax.random.key(0), jnp.bfloat16)
+    plain, pipelined = both(make)
+    want, _ = plain(params, lr, BATCH)
+    got, _ = pipelined(params, lr, BATCH)
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
+    assert_trees_close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
+                       jax.tree.map(lambda a: a.astype(jnp.float32), want), rtol=0, atol=2e-2)
+    pipelined(got, lr, BATCH)
+    assert len(pipelined._cache) == 1
+
+
+def test_integer_leaves_under_allow_int_get_float0_gradients():
+    """An int32 counter among the differentiated parameters (read by the loss or not): jit's gradient for it is
+    float0 zeros, and the float leaves' gradients are the loss's."""
+
+    def make(vag):
+        def step(p, batch):
+            def loss(q, b):
+                return nll(q["net"], b).mean() * (1.0 + 0.0 * q["count"].astype(jnp.float32))
+            value, g = vag(loss, allow_int=True)(p, batch)
+            return {"net": jax.tree.map(lambda a, b: a - 0.1 * b, p["net"], g["net"]), "count": p["count"] + 1}, \
+                g["count"], value
+        return step
+
+    params = {"net": init(jax.random.key(0)), "count": jnp.int32(3)}
+    plain, pipelined = both(make)
+    want, want_count_grad, want_loss = plain(params, BATCH)
+    got, got_count_grad, got_loss = pipelined(params, BATCH)
+    assert got_count_grad.dtype == want_count_grad.dtype == jax.dtypes.float0
+    assert got_count_grad.shape == want_count_grad.shape
+    assert int(got["count"]) == 4
+    assert_trees_close(got["net"], want["net"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+
+
+def test_a_frozen_parameter_whose_update_is_a_constant():
+    """``optax.multi_transform`` with ``set_to_zero`` for the embedding and the head (owned by the first and the
+    last stage): the update is a zeros constant, placed where the parameter lives."""
+    labels = {"emb": "frozen", "w": "train", "head": "frozen"}
+    tx = optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+
+    def make(vag):
+        def step(p, o, batch):
+            loss, g = vag(lambda q, b: nll(q, b).mean())(p, batch)
+            u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, loss
+        return step
+
+    params = init(jax.random.key(0))
+    plain, pipelined = both(make)
+    want = plain(params, tx.init(params), BATCH)
+    got = pipelined(params, tx.init(params), BATCH)
+    assert_trees_close(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[0]["head"]), np.asarray(params["head"]))
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_aux_values_per_example_and_constant_are_the_whole_batchs(num_stages, reduction):
+    """Per-example aux (float and int) comes back for the whole batch, in order; a constant read off the batch's
+    shape is the whole batch's, and a plain constant is itself, under either reduction."""
+
+    def loss(p, b):
+        per_example = nll(p, b)
+        preds = jnp.argmax(logits(p, b[0]), -1)
+        total = per_example.mean() if reduction == "mean" else per_example.sum()
+        return total, {"nll": per_example, "pred": preds, "n": jnp.float32(b[0].shape[0]), "lr": 0.1,
+                       "accuracy": (preds == b[1]).mean() if reduction == "mean" else (preds == b[1]).sum()}
+
+    def make(vag):
+        def step(p, batch):
+            (value, aux), g = vag(loss, has_aux=True)(p, batch)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value, aux
+        return step
+
+    params = init(jax.random.key(0))
+    pipelined = autopp.parallelize(make(autopp.value_and_grad), num_stages=num_stages, num_microbatches=4,
+                                   loss_reduction=reduction, devices=jax.devices()[:num_stages])
+    want = jax.jit(make(jax.value_and_grad))(params, BATCH)
+    got = pipelined(params, BATCH)
+    assert got[2]["nll"].shape == (16,) and got[2]["pred"].dtype == want[2]["pred"].dtype
+    assert float(got[2]["n"]) == 16.0 and float(got[2]["lr"]) == pytest.approx(0.1)
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_gradient_with_respect_to_a_batch_input_is_refused():
+    def step(w, x):
+        return autopp.grad(lambda w_, x_: jnp.tanh(x_ @ w_).mean(), argnums=(0, 1))(w, x)
+
+    with pytest.raises(ValueError, match=r"args\[1\], which is split into microbatches.*jax.grad outside"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            jnp.ones((8, 4)), jnp.ones((16, 8)))
+
+
+def test_a_loss_checkpointed_whole_says_why_it_cannot_be_cut():
+    def step(p, batch):
+        return autopp.grad(jax.checkpoint(lambda q, b: nll(q, b).mean()))(p, batch)
+
+    with pytest.raises(ValueError, match="inside jax.checkpoint call.*each layer"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            init(jax.random.key(0)), BATCH)
