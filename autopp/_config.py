@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from autopp.core import RECOMPUTE_MODES, SCHEDULE_NAMES, Plan, Schedule, validate
+from autopp.core import RECOMPUTE_MODES, SCHEDULE_NAMES, Plan, Schedule, get_schedule, validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 """How microbatch losses and gradients combine."""
@@ -268,13 +268,39 @@ class ParallelizeConfig:
             if schedule == "dualpipev" and v != 2:
                 raise ValueError(f"{_WHO}: dualpipev runs 2 model chunks per device group, not virtual_stages={v}; "
                                  "drop virtual_stages=.")
-            if v > 1 and schedule not in ("interleaved-1f1b", "dualpipev"):
+            if isinstance(schedule, Schedule):
+                if v != schedule.num_stages // schedule.num_ranks:
+                    raise ValueError(f"{_WHO}: a schedule given as text or a Schedule fixes its own model chunks per "
+                                     f"device group (here {schedule.num_stages // schedule.num_ranks}); drop "
+                                     f"virtual_stages={v}.")
+            elif v > 1 and schedule not in ("interleaved-1f1b", "dualpipev"):
                 raise ValueError(f"{_WHO}: virtual_stages={v} needs schedule='interleaved-1f1b' (got {schedule!r}); "
                                  "drop virtual_stages= or use that schedule.")
         elif schedule in ("interleaved-1f1b", "dualpipev"):
             _set(self, "virtual_stages", 2)
         else:
             _set(self, "virtual_stages", 1)
+        self._check_schedule_now()
+
+    def _check_schedule_now(self) -> None:
+        """With the microbatch count given, build the schedule and check the recompute list now, at
+        ``parallelize()``, not at the first step."""
+        schedule, n, v, m = self.schedule, self.num_stages, self.virtual_stages, self.num_microbatches
+        chunks = schedule.num_stages if isinstance(schedule, Schedule) else n * v
+        if isinstance(self.recompute, tuple) and len(self.recompute) != chunks:
+            raise ValueError(f"{_WHO}: recompute has {len(self.recompute)} entries for {chunks} stages (model chunks: "
+                             f"{n} device groups x {chunks // n}); give one per stage or a single mode.")
+        if m is None or isinstance(schedule, Schedule):
+            return
+        try:
+            get_schedule(schedule, n * v, m, virtual_stages=v)
+        except ValueError as e:
+            step = n if schedule == "interleaved-1f1b" else 1
+            near = sorted({max(step, m - m % step), m - m % step + step} - {m})
+            msg = str(e).rstrip(".")
+            hint = "" if "use " in msg else f"; e.g. num_microbatches={' or '.join(str(x) for x in near if x != m)}"
+            raise ValueError(f"{_WHO}: schedule={schedule!r} with num_stages={n} and num_microbatches={m}: "
+                             f"{msg}{hint}.") from None
 
     def group_devices(self, num_groups: int) -> list[tuple[jax.Device, ...]]:
         """The devices of each of ``num_groups`` device groups: the groups given, or consecutive equal slices."""

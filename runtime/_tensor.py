@@ -8,11 +8,16 @@ Walking the equations in order, the rule tracks which activation dimension is sp
   dimension is split and the result is whole (XLA inserts the all-reduce);
 * elementwise operations keep the split (a 1-D parameter added along a split dimension, a bias, is split the
   same way); ``reshape`` carries it to the outer factor of a split dimension (hidden -> heads x head_dim) and
-  back; ``transpose`` permutes it; ``split``/``slice`` along it keep it when every piece divides; a batched
-  ``dot_general`` of two activations split on the same batch dimension (attention per head) keeps it on
-  that batch dimension; reductions over other dimensions keep it;
+  back; ``transpose`` permutes it; ``split``/``slice`` along it keep it when every piece divides, and
+  ``concatenate``/``stack`` of pieces split alike keep it (rotary embeddings); a batched
+  ``dot_general`` of two activations split on the same batch dimension (attention per head), or of one split
+  there and one whole (key/value heads repeated for grouped queries), keeps it on that batch dimension; reductions
+  over other dimensions keep it; a column-parallel result whose heads do not divide over the axis (2 key/value
+  heads, tensor 4) leaves its weight whole instead, as Megatron-LM replicates such heads;
 * any other operation with one result shaped like a split input keeps the split (a nested ``jit`` of a
-  ``jnp.where``, a ``custom_jvp`` activation); anything else ends it (its results are whole).
+  ``jnp.where``, a ``custom_jvp`` activation). A result of split values that no rule follows is *unknown*: a
+  matmul of an unknown activation with a parameter leaves the parameter whole (rather than guess column-parallel and
+  turn every later matmul of the stage the other way round) and makes a whole result.
 
 Only the parameters' specs are returned: XLA's SPMD partitioner derives every other layout, and any choice is
 numerically the same computation, so the rule only decides where communication happens (for a GPT block:
@@ -43,6 +48,8 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
     specs: dict = {}
     alias: dict = {}  # a parameter cast to another dtype -> the parameter
     spread: dict = {}  # a parameter broadcast to an activation's rank -> (the parameter, its dims' positions)
+    lost: set = set()  # values computed from split ones whose split the rules could not follow
+    column_of: dict = {}  # a column-parallel matmul's result -> its weight
 
     def dim_of(a):
         return None if isinstance(a, Literal) else split.get(a)
@@ -54,22 +61,23 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
             specs[p] = tuple(spec)
         return specs.get(p)
 
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        outs = eqn.outvars
-        ins = [alias.get(a, a) if not isinstance(a, Literal) else a for a in eqn.invars]
+    def visit(eqn, name, outs, ins) -> bool:
+        """Record what ``eqn`` splits; True for a matmul with a 2-D parameter (its result is whole unless it
+        is column-parallel)."""
         if name == "convert_element_type" and not isinstance(ins[0], Literal) and ins[0] in params:
             alias[outs[0]] = ins[0]
-            continue
+            return False
         if name == "broadcast_in_dim" and not isinstance(ins[0], Literal) and ins[0] in params:
             spread[outs[0]] = (ins[0], tuple(eqn.params["broadcast_dimensions"]))
-            continue
+            return False
         if name == "dot_general":
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
             lhs, rhs = ins
             for act, w, ac, wc, ab in ((lhs, rhs, lc, rc, lb), (rhs, lhs, rc, lc, rb)):
                 if isinstance(w, Literal) or w not in params or len(w.aval.shape) != 2 or ab:
                     continue
+                if act in lost:  # how the activation is split is unknown: the weight stays whole
+                    return True
                 d = dim_of(act)
                 free_w = [i for i in range(2) if i not in wc][0]
                 if d is not None and d in ac:  # row-parallel
@@ -78,13 +86,15 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
                     out_dims = len(outs[0].aval.shape)
                     # result dims: batch, lhs free, rhs free: the weight's free dim is last when it is the rhs
                     split[outs[0]] = out_dims - 1 if w is rhs else len(lb) + 0
-                break
-            else:
-                dl, dr = dim_of(lhs), dim_of(rhs)
-                if dl is not None and dl in lb and dr is not None and dr in rb and \
-                        list(lb).index(dl) == list(rb).index(dr):
-                    split[outs[0]] = list(lb).index(dl)  # batch dims lead the result
-            continue
+                    column_of[outs[0]] = w
+                return True
+            dl, dr = dim_of(lhs), dim_of(rhs)
+            if dl is not None and dl in lb and (dr is None and rhs not in lost or dr in rb and
+                                                list(lb).index(dl) == list(rb).index(dr)):
+                split[outs[0]] = list(lb).index(dl)  # batch dims lead the result (per head; a whole side repeats)
+            elif dr is not None and dr in rb and dl is None and lhs not in lost:
+                split[outs[0]] = list(rb).index(dr)
+            return False
         if name in _ELEMENTWISE:
             shape = outs[0].aval.shape
             dims = set()
@@ -107,43 +117,55 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
                         k = d - len(shape) + len(a.aval.shape)
                         if 0 <= k < len(a.aval.shape) and a.aval.shape[k] == shape[d]:
                             decide(a, k)
-            continue
+            return False
         if name == "broadcast_in_dim":
             d = dim_of(ins[0])
             if d is not None:
                 split[outs[0]] = eqn.params["broadcast_dimensions"][d]
-            continue
+            return False
         if name == "transpose":
             d = dim_of(ins[0])
             if d is not None:
                 split[outs[0]] = list(eqn.params["permutation"]).index(d)
-            continue
+            return False
         if name == "reshape":
             d = dim_of(ins[0])
             if d is not None:
                 new = _reshape_dim(ins[0].aval.shape, outs[0].aval.shape, d, tp)
                 if new is not None:
                     split[outs[0]] = new
-            continue
+                elif ins[0] in column_of:  # e.g. 2 key/value heads over tensor=4: that weight stays whole
+                    specs.pop(column_of.pop(ins[0]), None)
+                    del split[ins[0]]
+            return False
         if name == "squeeze":
             d = dim_of(ins[0])
             gone = sorted(int(x) % max(1, len(ins[0].aval.shape)) for x in eqn.params["dimensions"])
             if d is not None and d not in gone:
                 split[outs[0]] = d - sum(1 for x in gone if x < d)
-            continue
+            return False
+        if name in ("concatenate", "stack"):  # along another dimension than the split one, pieces split alike
+            dims = {dim_of(a) for a in ins}
+            if len(dims) == 1 and None not in dims:
+                (d,) = dims
+                if name == "stack":  # a new dimension at ``axis``
+                    split[outs[0]] = d + (d >= eqn.params["axis"])
+                elif d != eqn.params["dimension"]:
+                    split[outs[0]] = d
+            return False
         if name in ("split", "slice"):
             d = dim_of(ins[0])
             if d is not None:
                 for o in outs:
                     if o.aval.shape[d] % tp == 0 and (name == "split" or o.aval.shape[d] == ins[0].aval.shape[d]):
                         split[o] = d
-            continue
+            return False
         if name in _REDUCE:
             d = dim_of(ins[0])
             axes = eqn.params.get("axes", ())
             if d is not None and d not in axes:
                 split[outs[0]] = d - sum(1 for a in axes if a < d)
-            continue
+            return False
         # Anything else with one result shaped like a split input (a nested jit of a jnp.where, a custom_jvp
         # activation) keeps the split: the layout is only a choice of where XLA communicates.
         if len(outs) == 1:
@@ -151,6 +173,18 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
             same.discard(None)
             if len(same) == 1:
                 split[outs[0]] = same.pop()
+        return False
+
+    for eqn in jaxpr.eqns:
+        outs = eqn.outvars
+        ins = [alias.get(a, a) if not isinstance(a, Literal) else a for a in eqn.invars]
+        matmul = visit(eqn, eqn.primitive.name, outs, ins)
+        # a result of split (or already unknown) values whose split the rules could not follow: unknown, so that
+        # no later matmul takes it for whole and splits its weight the wrong way (e.g. wo column-parallel after
+        # a rotary embedding the rules do not read, then every later matmul of the stage the other way round)
+        if not matmul and not any(o in split for o in outs) and \
+                any(not isinstance(a, Literal) and (a in split or a in lost) for a in ins):
+            lost.update(outs)
     return specs
 
 

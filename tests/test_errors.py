@@ -147,3 +147,25 @@ def test_a_launched_process_that_never_joined_is_refused(mlp_setup, monkeypatch)
     monkeypatch.setenv("AUTOPP_NUM_PROCESSES", "2")
     with pytest.raises(ValueError, match=r"started as one of 2 .* Call autopp.distributed.initialize\(\) first"):
         autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(*state, batch)
+
+
+@pytest.mark.parametrize("counts, message", [
+    (dict(num_microbatches=3, schedule="interleaved-1f1b"), r"num_microbatches=3: interleaved 1F1B needs .* e\.g\. "
+                                                            r"num_microbatches=2 or 4\."),
+    (dict(num_microbatches=3, schedule="dualpipev"), r"dualpipev needs num_microbatches >= 2 \* num_ranks.*at least 4"),
+    (dict(num_microbatches=4, recompute=("full",)), r"recompute has 1 entries for 2 stages"),
+    (dict(num_microbatches=4, schedule="interleaved-1f1b", recompute=("full", "none")),
+     r"recompute has 2 entries for 4 stages \(model chunks: 2 device groups x 2\)"),
+    (dict(schedule="0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1", virtual_stages=3),
+     r"fixes its own model chunks per device group \(here 2\); drop virtual_stages=3"),
+])
+def test_count_and_schedule_mistakes_are_refused_at_parallelize(counts, message):
+    """Refused when parallelize() is called, naming the value and a fix, not at the first step."""
+    with pytest.raises(ValueError, match=message):
+        autopp.parallelize(lambda p, b: p, devices=jax.devices()[:2], **counts)
+
+
+def test_a_custom_schedule_may_repeat_its_chunks_as_virtual_stages():
+    text = "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1"
+    step = autopp.parallelize(lambda p, b: p, schedule=text, virtual_stages=2, devices=jax.devices()[:2])
+    assert step.config.schedule.num_stages == 4

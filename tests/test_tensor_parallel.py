@@ -2,6 +2,7 @@
 parameters and their optimizer state laid out as planned (checked on the arrays' own shardings)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -36,6 +37,56 @@ def test_the_rule_finds_megatrons_split_in_a_block():
         while spec and spec[-1] is None:
             spec.pop()
         assert P(*spec) == MEGATRON[name], name
+
+
+def _llama_block(x, p, heads, kv_heads, rope):
+    """A Llama block written here: RMSNorm, rotary q/k, grouped-query attention (key/value heads repeated),
+    SwiGLU MLP; ``rope``: "interleaved" (GPT-J / Meta pairs, ``jnp.stack``) or "half" (rotate half)."""
+    b, t, h = x.shape
+    hd = h // heads
+
+    def norm(y, w):
+        return y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-6) * w
+
+    def rotary(y):
+        ang = jnp.arange(t)[:, None] * (1.0 / 10000 ** (jnp.arange(0, hd, 2) / hd))[None]
+        cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+        if rope == "interleaved":
+            y1, y2 = y[..., ::2], y[..., 1::2]
+            return jnp.stack([y1 * cos - y2 * sin, y1 * sin + y2 * cos], -1).reshape(y.shape)
+        y1, y2 = jnp.split(y, 2, axis=-1)
+        return jnp.concatenate([y1 * cos - y2 * sin, y1 * sin + y2 * cos], -1)
+
+    y = norm(x, p["attn_norm"])
+    q = rotary((y @ p["wq"]).reshape(b, t, heads, hd))
+    k = jnp.repeat(rotary((y @ p["wk"]).reshape(b, t, kv_heads, hd)), heads // kv_heads, axis=2)
+    v = jnp.repeat((y @ p["wv"]).reshape(b, t, kv_heads, hd), heads // kv_heads, axis=2)
+    a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / hd ** 0.5, -1)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, h) @ p["wo"]
+    y = norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+
+
+@pytest.mark.parametrize("rope, kv_heads, tp", [("interleaved", 4, 2), ("half", 4, 2), ("interleaved", 2, 4),
+                                                ("half", 2, 4)])
+def test_the_rule_finds_megatrons_split_in_a_llama_block(rope, kv_heads, tp):
+    """Megatron-LM's layout for a Llama block written here: q/k/v and gate/up by columns, o and down by rows; with
+    fewer key/value heads than tensor devices, k and v whole (Megatron replicates such heads). Before, a rotary
+    embedding through ``jnp.stack`` lost the heads' split, and every later matmul was split the other way round."""
+    h, heads, ffn = 32, 4, 64
+    shapes = {"attn_norm": (h,), "wq": (h, h), "wk": (h, kv_heads * h // heads), "wv": (h, kv_heads * h // heads),
+              "wo": (h, h), "mlp_norm": (h,), "w_gate": (h, ffn), "w_up": (h, ffn), "w_down": (ffn, h)}
+    params = {k: jax.ShapeDtypeStruct(s, "float32") for k, s in shapes.items()}
+    with jax.disable_jit():
+        closed = jax.make_jaxpr(lambda x, p: _llama_block(x, p, heads, kv_heads, rope))(
+            jax.ShapeDtypeStruct((2, 8, h), "float32"), params)
+    names = dict(zip(closed.jaxpr.invars[1:], sorted(shapes)))  # a dict's leaves come in key order
+    specs = tensor_specs(closed.jaxpr, list(names), tp)
+    got = {name: P(*specs.get(v, ())) for v, name in names.items()}
+    kv = P(None, "tensor") if kv_heads % tp == 0 else P()
+    want = {"attn_norm": P(), "mlp_norm": P(), "wq": P(None, "tensor"), "wk": kv, "wv": kv, "wo": P("tensor", None),
+            "w_gate": P(None, "tensor"), "w_up": P(None, "tensor"), "w_down": P("tensor", None)}
+    assert got == want
 
 
 @pytest.mark.parametrize("num_stages, layout, num_devices", [
