@@ -396,7 +396,8 @@ def test_simulate_a_traced_step_agrees_with_its_plan(traced_gpt, pipeline_degree
         pytest.skip(f"the plan is not an equal split: {[s.layers for s in plan.stages]}")
     est = _simulate_plan(prof, cluster, plan)
     for name, value in est.to_dict().items():
-        assert value == pytest.approx(getattr(plan.predicted, name), rel=1e-9), name
+        want = getattr(plan.predicted, name)
+        assert value == (want if want is None else pytest.approx(want, rel=1e-9)), name  # (mfu: None on CPU)
 
 
 def test_simulate_agrees_with_the_plan_of_a_model_description(plan, prof):

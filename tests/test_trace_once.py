@@ -71,3 +71,38 @@ def test_a_batch_reduced_before_the_loss_re_traces_the_step():
     got, _ = run_steps(pipelined, state, batch, n=1)
     assert len(calls) == 2
     assert_trees_close(got, run_steps(jax.jit(scaled), state, batch, n=1)[0], rtol=1e-5)
+
+
+def test_a_build_runs_no_full_garbage_collection_and_restores_the_thresholds(monkeypatch):
+    """Tracing, slicing and lowering a step make enough objects to start full collections, each a walk over every
+    object of the process; a build runs the young generations only and leaves the thresholds as it found them."""
+    import gc
+
+    import autopp._parallelize as parallelize_module
+
+    step, state, batch = model_case(tiny_gpt, 8)
+    building, full = [], []
+    real_build = parallelize_module.Parallelized._build
+
+    def build(self, args):
+        building.append(1)
+        try:
+            return real_build(self, args)
+        finally:
+            building.clear()
+
+    def note(phase, info):
+        if phase == "start" and info["generation"] == 2 and building:
+            full.append(1)
+
+    monkeypatch.setattr(parallelize_module.Parallelized, "_build", build)
+    before = gc.get_threshold()
+    gc.set_threshold(50, 2, 2)  # would start full collections often
+    gc.callbacks.append(note)
+    try:
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+        assert gc.get_threshold() == (50, 2, 2)
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*before)
+    assert not full
