@@ -236,7 +236,11 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     if not pool:
         raise ValueError(_infeasible_message(prof, cluster, global_batch, least))
     best_uniform = min((c.step for c in pool if c.status == "UNIFORM"), default=best_uniform)
-    best = min(pool, key=lambda c: (c.step, c.layout.pipeline, c.layout.tensor))
+    # among plans the model cannot tell apart, the fewest stages, tensor devices and microbatches (larger
+    # microbatches launch fewer kernels and run larger matmuls, which this model does not price)
+    fastest = min(c.step for c in pool)
+    best = min((c for c in pool if c.step <= fastest * (1 + 1e-9)),
+               key=lambda c: (c.layout.pipeline, c.layout.tensor, -c.layout.microbatch_size, c.step))
     stats = PlannerStats(wall_time_s=time.perf_counter() - t0, solver_status=best.status,
                          optimality_gap=best.gap, candidates=evaluated, bounded=bounded,
                          best_uniform_step_time_s=best_uniform,
