@@ -39,32 +39,45 @@ class StageSplit:
                 "cut_bytes": list(self.cut_bytes), "stage_starts": list(self.stage_starts)}
 
 
-def _min_bottleneck(costs: list[float], num_stages: int) -> float:
-    """Smallest achievable maximum stage cost for ``num_stages`` contiguous non-empty stages."""
-    lo, hi = max(costs), sum(costs)
+def _min_bottleneck(costs: list[float], num_stages: int, weights: Sequence[float] | None = None) -> float:
+    """Smallest achievable maximum stage cost for ``num_stages`` contiguous non-empty stages; with ``weights``
+    (e.g. each stage's devices), of the stage cost per unit of weight."""
+    if weights is None:
+        lo, hi = max(costs), sum(costs)
+    else:
+        lo, hi = 0.0, sum(costs) / min(weights)
 
-    def stages_needed(cap: float) -> int:
-        count, acc = 1, 0.0
-        for c in costs:
-            if acc + c > cap:
-                count, acc = count + 1, c
-            else:
-                acc += c
-        return count
+    def feasible(cap: float) -> bool:
+        if weights is None:
+            count, acc = 1, 0.0
+            for c in costs:
+                if acc + c > cap:
+                    count, acc = count + 1, c
+                else:
+                    acc += c
+            return count <= num_stages
+        i = 0  # each stage in order takes as much as its share of the cap holds
+        for w in weights:
+            acc = 0.0
+            while i < len(costs) and acc + costs[i] <= cap * w:
+                acc += costs[i]
+                i += 1
+        return i == len(costs)
 
     for _ in range(100):
         if hi - lo <= 1e-9 * max(1.0, hi):
             break
         mid = (lo + hi) / 2
-        if stages_needed(mid) <= num_stages:
+        if feasible(mid):
             hi = mid
         else:
             lo = mid
     return hi
 
 
-def _min_cross_partition(costs, cross, num_stages, cap):
-    """DP over cut positions: stage costs <= cap, minimising the summed bytes of all cuts.
+def _min_cross_partition(costs, cross, num_stages, cap, weights=None):
+    """DP over cut positions: stage costs <= cap (times the stage's weight, with ``weights``), minimising the summed
+    bytes of all cuts.
 
     ``cross[i]`` is the cost of a cut before element i (1 <= i < n). Returns cut positions
     ``0 = c_0 < c_1 < ... < c_S = n`` or None if infeasible.
@@ -79,6 +92,7 @@ def _min_cross_partition(costs, cross, num_stages, cap):
     prev[0] = 0.0
     parents = []
     for k in range(1, num_stages + 1):
+        stage_cap = cap * (1.0 if weights is None else weights[k - 1])
         cur = [inf] * (n + 1)
         par = [-1] * (n + 1)
         window = collections.deque()  # indices i with increasing prev[i], candidates for the start
@@ -89,7 +103,7 @@ def _min_cross_partition(costs, cross, num_stages, cap):
                 while window and prev[window[-1]] >= prev[i_new]:
                     window.pop()
                 window.append(i_new)
-            while prefix[j] - prefix[lo] > cap * (1 + 1e-12) and lo < j:
+            while prefix[j] - prefix[lo] > stage_cap * (1 + 1e-12) and lo < j:
                 lo += 1
             while window and window[0] < lo:
                 window.popleft()
@@ -241,11 +255,13 @@ def split_stages(
     num_stages: int,
     *,
     balance_tolerance: float = 0.05,
+    weights: Sequence[float] | None = None,
 ) -> StageSplit:
     """Assign the forward equations to ``num_stages`` contiguous stages.
 
     Stages are balanced by FLOPs (the bottleneck stage is within ``balance_tolerance`` of the best
-    possible). Among such splits, one whose middle stages repeat the same equations is preferred (a model of
+    possible), per unit of ``weights`` when given (each stage's device count: a group of 3 devices takes 3 times the
+    FLOPs of a group of 1). Among such splits, one whose middle stages repeat the same equations is preferred (a model of
     repeated layers: those stages compile once, see :func:`_repeating_partition`), then the one moving the
     fewest activation bytes.
     """
@@ -262,10 +278,15 @@ def split_stages(
             f"autopp: the loss has only {len(problem.seq)} operation(s) that depend on the batch, so it cannot "
             f"be split into {num_stages} pipeline stages; use num_stages <= {max(1, len(problem.seq))}.{why}"
         )
-    bottleneck = _min_bottleneck(problem.costs, num_stages)
+    if weights is not None and len(set(weights)) == 1:
+        weights = None
+    bottleneck = _min_bottleneck(problem.costs, num_stages, weights)
     cap = bottleneck * (1 + balance_tolerance)
-    cuts = _repeating_partition(problem, num_stages, cap) or _min_cross_partition(problem.costs, problem.cross,
-                                                                                  num_stages, cap)
+    cuts = (_repeating_partition(problem, num_stages, cap) if weights is None else None) or \
+        _min_cross_partition(problem.costs, problem.cross, num_stages, cap, weights)
+    while cuts is None and weights is not None:  # every stage needs an equation: a light stage may take more
+        cap *= 1.25
+        cuts = _min_cross_partition(problem.costs, problem.cross, num_stages, cap, weights)
     assert cuts is not None, "the minimal bottleneck must admit a partition"
     return _split_at(problem, cuts)
 

@@ -102,3 +102,40 @@ def test_uniform_mlp_repeats_whole_layers():
     c = [pos[i] for i in split.stage_starts] + [len(problem.costs)]
     assert c[2] - c[1] == c[3] - c[2] > 0
     assert _signature_slices(problem, c[1], c[2]) == _signature_slices(problem, c[2], c[3])
+
+
+@pytest.mark.parametrize("weights", [(1, 3), (3, 1), (1, 2, 1), (2, 1, 1, 4)])
+def test_stages_weighted_by_their_devices_against_an_exhaustive_search(weights):
+    """Device groups of other sizes: the least bottleneck of FLOPs per device over every contiguous split equals the
+    weighted bisection, and the split the DP returns is within the tolerance of it."""
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0]
+    n, S = len(costs), len(weights)
+    best = min(max(sum(costs[a:b]) / w for (a, b), w in zip(itertools.pairwise((0, *cuts, n)), weights))
+               for cuts in itertools.combinations(range(1, n), S - 1))
+    got = _partition._min_bottleneck(costs, S, list(weights))
+    assert got == pytest.approx(best, rel=1e-6)
+    cuts = _partition._min_cross_partition(costs, [0.0] * (n + 1), S, got * 1.05, list(weights))
+    assert cuts is not None
+    assert max(sum(costs[a:b]) / w for (a, b), w in zip(itertools.pairwise(cuts), weights)) <= got * 1.05 + 1e-9
+
+
+def test_a_group_of_more_devices_gets_more_of_the_model():
+    """``devices=[[d0], [d1, d2, d3]]``: the 3-device group's stage takes about 3 times the FLOPs of the other,
+    and the step equals plain jit."""
+    import autopp
+    from _helpers import assert_trees_close, run_steps
+    import optax
+
+    model, tx = tiny_mlp(), optax.sgd(0.1)
+    params = model.init(jax.random.key(0))
+    state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 24)
+    step = make_step(model, tx)
+    devices = jax.devices()
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=[devices[:1], devices[1:4]])
+    stages = pipelined.plan_for(*state, batch).stages
+    per_device = [s.flops / len(s.devices) for s in stages]
+    assert stages[1].flops > 1.5 * stages[0].flops
+    assert max(per_device) / min(per_device) < 1.6  # equal shares up to whole layers (8 of them)
+    got, _ = run_steps(pipelined, state, batch)
+    want, _ = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(got, want, rtol=0, atol=1e-6)
