@@ -290,6 +290,9 @@ class ParallelizeConfig:
         if isinstance(self.recompute, tuple) and len(self.recompute) != chunks:
             raise ValueError(f"{_WHO}: recompute has {len(self.recompute)} entries for {chunks} stages (model chunks: "
                              f"{n} device groups x {chunks // n}); give one per stage or a single mode.")
+        if isinstance(schedule, Schedule) and m is not None and schedule.num_microbatches != m:
+            raise ValueError(f"{_WHO}: the schedule has {schedule.num_microbatches} microbatch(es) but "
+                             f"num_microbatches={m}; make them agree (or drop num_microbatches=).")
         if m is None or isinstance(schedule, Schedule):
             return
         try:

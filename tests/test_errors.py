@@ -156,6 +156,8 @@ def test_a_launched_process_that_never_joined_is_refused(mlp_setup, monkeypatch)
     (dict(num_microbatches=4, recompute=("full",)), r"recompute has 1 entries for 2 stages"),
     (dict(num_microbatches=4, schedule="interleaved-1f1b", recompute=("full", "none")),
      r"recompute has 2 entries for 4 stages \(model chunks: 2 device groups x 2\)"),
+    (dict(schedule="0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1", num_microbatches=4, num_stages=1),
+     r"the schedule has 2 microbatch\(es\) but num_microbatches=4"),
     (dict(schedule="0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1", virtual_stages=3),
      r"fixes its own model chunks per device group \(here 2\); drop virtual_stages=3"),
 ])
