@@ -105,7 +105,8 @@ def map_sharding(sharding, devmap):
         return SingleDeviceSharding(devmap[sharding._device], memory_kind=sharding.memory_kind)
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
-        devices = np.vectorize(lambda d: devmap[d], otypes=[object])(mesh.devices)
+        devices = np.empty(mesh.devices.shape, dtype=object)
+        devices.flat[:] = [devmap[d] for d in mesh.devices.flat]
         new_mesh = Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
         return NamedSharding(new_mesh, sharding.spec, memory_kind=sharding.memory_kind)
     raise TypeError(f"no device mapping for {type(sharding).__name__}")
