@@ -144,7 +144,8 @@ def _params(n: int) -> str:
 
 
 def describe_plan(plan) -> str:
-    """``4 stages x (data 2), 1f1b, 8 x mb 4, recompute none, ZeRO-1``: a plan in one line."""
+    """``4 stages x (data 2), 1f1b, 8 x mb 4, recompute none, ZeRO-1``: a plan in one line (an interleaved plan:
+    ``4 device groups (16 stages) x ...``)."""
     meshes = []
     for st in plan.stages:
         m = " x ".join(f"{k} {v}" for k, v in st.mesh_shape.items() if v > 1 or k == "data")
@@ -157,8 +158,9 @@ def describe_plan(plan) -> str:
     sched = f"{sched}, " if stages > 1 else ""  # one stage: plain gradient accumulation, no schedule
     extras = "".join(f", {name}" for name, on in (("ZeRO-1", plan.zero1), ("sequence parallel",
                                                                          plan.sequence_parallel)) if on)
-    return f"{stages} stage{'s' if stages != 1 else ''} x ({' | '.join(meshes)}), {sched}{mb}, recompute " \
-           f"{'/'.join(rec)}{extras}"
+    what = (f"{stages} device groups ({plan.num_stages} stages)" if plan.virtual_stages > 1
+            else f"{stages} stage{'s' if stages != 1 else ''}")  # as `autopp show` counts the stages
+    return f"{what} x ({' | '.join(meshes)}), {sched}{mb}, recompute {'/'.join(rec)}{extras}"
 
 
 # -- measured ------------------------------------------------------------------------------------------------------

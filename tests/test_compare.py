@@ -1,5 +1,6 @@
 """``autopp compare``: measured rows on the 8 CPU devices, predicted rows for a cluster equal to the simulator's."""
 
+import dataclasses
 import json
 
 import pytest
@@ -47,6 +48,11 @@ def test_compare_for_a_cluster_prints_the_simulators_predictions(capsys, tmp_pat
     assert rows["autopp"]["step_time_s"] == plan.predicted.step_time_s
     for flag, name in ((plan.zero1, "ZeRO-1"), (plan.sequence_parallel, "sequence parallel")):
         assert (name in rows["autopp"]["layout"]) == flag, rows["autopp"]["layout"]
+    from autopp._compare import describe_plan  # stages counted as `autopp show` counts them
+
+    four = tuple(dataclasses.replace(plan.stages[0], index=i) for i in range(4))
+    interleaved = dataclasses.replace(plan, stages=four, virtual_stages=2, schedule="interleaved-1f1b")
+    assert describe_plan(interleaved).startswith("2 device groups (4 stages) x ("), describe_plan(interleaved)
     for name in ("data-parallel", "fsdp", "tensor-parallel"):
         kw = rows[name]["simulate_kwargs"]
         assert kw["pp"] == 1 and kw["tp"] * kw["dp"] == 16 and not kw["zero1"] and not kw["sequence_parallel"]
