@@ -92,10 +92,7 @@ def _microbatches_for(config: ParallelizeConfig, traced: TracedStep) -> int:
 
 def _schedule_for(config: ParallelizeConfig, num_microbatches: int) -> tuple[str, Schedule]:
     sched = config.schedule
-    if isinstance(sched, Schedule):
-        if sched.num_microbatches != num_microbatches:
-            raise ValueError(f"{_WHO}: the schedule has {sched.num_microbatches} microbatch(es) but the step uses "
-                             f"num_microbatches={num_microbatches}; make them agree.")
+    if isinstance(sched, Schedule):  # (its microbatches agree with num_microbatches: ParallelizeConfig checks)
         return "custom", sched
     v = config.virtual_stages
     return sched, get_schedule(sched, config.num_stages * v, num_microbatches, virtual_stages=v)

@@ -127,13 +127,9 @@ class Step:
         leading dimension (per-example values: the whole batch's leading dimension is ``num_microbatches`` times
         the microbatch's, the rest equal), as the step traced at the whole batch shows; they are concatenated, the
         others averaged or summed."""
-        M = self.config.num_microbatches
-        out = set()
-        for k in range(1, len(self.fwd.outvars)):
-            small, whole = tuple(self.fwd.outvars[k].aval.shape), tuple(self.spec.forward.out_avals[k].shape)
-            if small != whole and small and whole[1:] == small[1:] and whole[0] == M * small[0]:
-                out.add(k)
-        return frozenset(out)
+        return frozenset(k for k in range(1, len(self.fwd.outvars))
+                         if _per_example(self.fwd.outvars[k].aval.shape, self.spec.forward.out_avals[k].shape,
+                                         self.config.num_microbatches))
 
     def constant_output(self, k):
         """The value of forward output ``k`` when the microbatch's forward makes it a constant: the whole batch's
@@ -148,6 +144,13 @@ class Step:
         if not isinstance(a, Literal) and a in self.jaxpr.invars:
             return self.traced.leaf_paths[self.jaxpr.invars.index(a)]
         return f"loss argument #{k - self.spec.num_lifted}"
+
+
+def _per_example(small, whole, num_microbatches: int) -> bool:
+    """Whether a value of shape ``small`` per microbatch and ``whole`` for the whole batch is per example: the
+    whole batch's leading dimension is ``num_microbatches`` times the microbatch's, the rest equal."""
+    small, whole = tuple(small), tuple(whole)
+    return small != whole and len(small) > 0 and whole[1:] == small[1:] and whole[0] == num_microbatches * small[0]
 
 
 def aux_names(spec) -> list[str]:
@@ -192,8 +195,7 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
     names = aux_names(spec)
     for k in range(1, len(fwd.outvars)):
         dt, small, whole = fwd.outvars[k].aval.dtype, fwd.outvars[k].aval.shape, spec.forward.out_avals[k].shape
-        per_example = (small != whole and len(small) > 0 and whole[1:] == small[1:]
-                       and whole[0] == config.num_microbatches * small[0])
+        per_example = _per_example(small, whole, config.num_microbatches)
         if small != whole and not per_example:
             raise ValueError(
                 f"autopp.parallelize: {names[k - 1]} has shape {whole} for the whole batch but {small} for a "
