@@ -165,8 +165,8 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     groups = config.group_devices(sched.num_ranks)
     rank_of = sched.stage_to_rank()
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
-    split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages,
-                         weights=[len(d) for d in stage_devices])  # groups of other sizes: FLOPs per device
+    split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages,  # groups of other sizes:
+                         weights=[len(d) for d in stage_devices], refuse_unbalanced=True)  # FLOPs per device
     stages = _stage_plans(traced, forward, split, stage_devices, _stage_layouts(config, sched, stage_devices),
                           _stage_recompute(config, sched.num_stages))
     plan = Plan(model_fingerprint=traced.fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,

@@ -288,7 +288,9 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
         raise ValueError(
             f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
             "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) +
-            f"\nUse a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size."
+            f"\nUse a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size. A leaf "
+            "without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the step "
+            "(batch_argnums names the batch)."
         )
 
 

@@ -199,7 +199,7 @@ class LayerAnalysis:
         struct_cache: dict[tuple, int] = {}
         struct_ids = []
         for e in beqns:
-            if jex_core.jaxprs_in_params(e.params):
+            if next(jex_core.jaxprs_in_params(e.params), None) is not None:
                 struct_ids.append(struct_interner(structure_signature(e)))
             else:
                 key = (e.primitive.name, len(e.invars), len(e.outvars))

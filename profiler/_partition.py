@@ -249,6 +249,31 @@ def _split_at(problem: _CutProblem, cuts: Sequence[int]) -> StageSplit:
     return StageSplit(stage_eqns=stage_eqns, stage_costs=stage_costs, cut_bytes=cut_bytes, stage_starts=stage_starts)
 
 
+_CALL_NAMES = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "custom_vjp_call": "jax.custom_vjp",
+               "custom_jvp_call": "jax.custom_jvp", "pjit": "jax.jit", "jit": "jax.jit", "cond": "lax.cond/lax.switch",
+               "while": "lax.while_loop"}
+"""Primitives that wrap a sub-computation, as the user wrote them."""
+
+
+def _wraps(eqn) -> bool:
+    """Whether the equation runs a sub-computation (a call a stage boundary cannot cut)."""
+    return next(jex_core.jaxprs_in_params(eqn.params), None) is not None
+
+
+def _uncuttable(calls) -> str:
+    """What to do about the model's work sitting inside calls a stage boundary cannot cut."""
+    fixes = []
+    if "jax.checkpoint" in calls:
+        fixes.append("apply jax.checkpoint to each layer instead of the whole loss, or leave it out and use "
+                     "parallelize's recompute='full'")
+    if "lax.cond/lax.switch" in calls:
+        fixes.append("compute the layers outside the cond and put only what differs between its branches inside "
+                     "it (a loss head, say), or select with jnp.where")
+    if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch"}:
+        fixes.append("call the layers outside it, one call per layer at most")
+    return "To pipeline the model, " + "; ".join(fixes) + "."
+
+
 def split_stages(
     forward: jex_core.ClosedJaxpr,
     batch_invars: Sequence[bool],
@@ -256,6 +281,7 @@ def split_stages(
     *,
     balance_tolerance: float = 0.05,
     weights: Sequence[float] | None = None,
+    refuse_unbalanced: bool = False,
 ) -> StageSplit:
     """Assign the forward equations to ``num_stages`` contiguous stages.
 
@@ -263,21 +289,30 @@ def split_stages(
     possible), per unit of ``weights`` when given (each stage's device count: a group of 3 devices takes 3 times the
     FLOPs of a group of 1). Among such splits, one whose middle stages repeat the same equations is preferred (a model of
     repeated layers: those stages compile once, see :func:`_repeating_partition`), then the one moving the
-    fewest activation bytes.
+    fewest activation bytes. ``refuse_unbalanced``: raise ValueError when one call a stage boundary cannot cut
+    (``lax.cond``, ``jax.checkpoint``, ...) holds more than half the work (a pipeline of such a loss: one stage
+    doing most of it alone).
     """
     problem = _cut_problem(forward, batch_invars)
     if len(problem.seq) < num_stages:
-        names = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "custom_vjp_call": "jax.custom_vjp",
-                 "custom_jvp_call": "jax.custom_jvp", "pjit": "jax.jit", "jit": "jax.jit"}
-        wrapped = sorted({names.get(p, p) for i in problem.seq for p in [forward.jaxpr.eqns[i].primitive.name]
-                          if jex_core.jaxprs_in_params(forward.jaxpr.eqns[i].params)})
-        why = (f" Its batch-dependent work sits inside {', '.join(wrapped)} call(s) (e.g. jax.checkpoint around the "
-               "whole loss), which a stage boundary cannot cut: apply jax.checkpoint to each layer instead, or "
-               "leave it out and use parallelize's recompute='full'." if wrapped else "")
+        wrapped = sorted({_CALL_NAMES.get(e.primitive.name, e.primitive.name) for i in problem.seq
+                          for e in [forward.jaxpr.eqns[i]] if _wraps(e)})
+        why = f" Its batch-dependent work sits inside {', '.join(wrapped)} call(s), which a stage boundary " \
+            f"cannot cut. {_uncuttable(wrapped)}" \
+            if wrapped else ""
         raise ValueError(
             f"autopp: the loss has only {len(problem.seq)} operation(s) that depend on the batch, so it cannot "
             f"be split into {num_stages} pipeline stages; use num_stages <= {max(1, len(problem.seq))}.{why}"
         )
+    total = sum(problem.costs)
+    heaviest = max(range(len(problem.seq)), key=problem.costs.__getitem__)
+    eqn = forward.jaxpr.eqns[problem.seq[heaviest]]
+    if refuse_unbalanced and num_stages > 1 and problem.costs[heaviest] > 0.5 * total and _wraps(eqn):
+        name = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
+        raise ValueError(
+            f"autopp: one {name} call holds {problem.costs[heaviest] / total:.0%} of the loss's work, and a stage "
+            f"boundary cannot cut inside it: whichever stage runs it would do that share alone, so "
+            f"{num_stages} stages cannot balance. {_uncuttable([name])} Or use num_stages=1.")
     if weights is not None and len(set(weights)) == 1:
         weights = None
     bottleneck = _min_bottleneck(problem.costs, num_stages, weights)

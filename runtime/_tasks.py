@@ -228,12 +228,13 @@ def put(in_avals, shardings) -> Transfer:
     """A transfer of several arrays to ``shardings``. Where every source holds its shards in the same places
     of its device list as the destination (a stage's output sent to an equal-layout stage), the shards are
     copied device to device by one runtime call (~12 us for 3 arrays, against ~90 us for ``jax.device_put``);
-    otherwise, or if the inputs' shardings are not the ones the build saw, ``jax.device_put`` reshards."""
+    otherwise, or if the inputs' shardings are not the ones the build saw, ``jax.device_put`` reshards. Typed PRNG
+    keys (an extended dtype, which that runtime call does not take) always go through ``jax.device_put``."""
     shardings = list(shardings)
     sources = None
     if in_avals and jax.process_count() == 1 and all(
-            getattr(a, "sharding", None) is not None and same_shard_positions(a.sharding, sh, a.shape)
-            for a, sh in zip(in_avals, shardings)):
+            getattr(a, "sharding", None) is not None and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+            and same_shard_positions(a.sharding, sh, a.shape) for a, sh in zip(in_avals, shardings)):
         sources = [a.sharding for a in in_avals]
 
     if sources is None:

@@ -153,3 +153,60 @@ def test_a_loss_checkpointed_whole_says_why_it_cannot_be_cut():
     with pytest.raises(ValueError, match="inside jax.checkpoint call.*each layer"):
         autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
             init(jax.random.key(0)), BATCH)
+
+
+def test_per_example_prng_keys_split_through_the_layers_cross_stages():
+    """Dropout keys in the batch, split once per layer: a typed key (and a raw one, which ``split`` wraps) is an
+    activation that crosses the stage boundaries. SGD equals plain jit (each example keeps its own key)."""
+    k = jax.random.split(jax.random.key(3), 4)
+    params = {f"w{i}": jax.random.normal(k[i], (8, 8)) * 0.4 for i in range(4)}
+
+    def loss(p, batch):
+        def one(x, key):
+            for i in range(4):
+                key, sub = jax.random.split(key)
+                x = jnp.where(jax.random.bernoulli(sub, 0.7, x.shape), jnp.tanh(x @ p[f"w{i}"]) / 0.7, 0.0) + x
+            return x.sum()
+        return jnp.mean(jax.vmap(one)(batch["x"], batch["key"]) ** 2)
+
+    def make(vag):
+        def step(p, batch):
+            value, g = vag(loss)(p, batch)
+            return jax.tree.map(lambda a, b: a - 0.05 * b, p, g), value
+        return step
+
+    x = jax.random.normal(jax.random.key(4), (16, 8))
+    plain, pipelined = both(make)
+    for keys in (jax.random.split(jax.random.key(5), 16), jax.random.split(jax.random.PRNGKey(5), 16)):
+        want = plain(params, {"x": x, "key": keys})
+        got = pipelined(params, {"x": x, "key": keys})
+        assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("predicate", ["argument", "batch"])
+def test_a_cond_around_the_whole_model_says_why_it_cannot_be_pipelined(predicate):
+    """The model inside ``lax.cond``: one operation a stage boundary cannot cut. With the predicate a step argument
+    the loss has too few operations; with a batch-dependent one a few tiny ones sit outside it, and the split would
+    leave one stage with all the work. Both are refused, naming the cond and what to move out of it."""
+    def loss(p, flag, batch):
+        x, y = batch
+        pred = flag > 0 if predicate == "argument" else x[0, 0] % 2 == 0
+        per = jax.lax.cond(pred, lambda: nll(p, batch), lambda: 2.0 * nll(p, batch))
+        return per.mean()
+
+    def step(p, flag, batch):
+        return autopp.grad(loss)(p, flag, batch)
+
+    with pytest.raises(ValueError, match=r"lax.cond/lax.switch call.*compute the layers outside the cond"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, batch_argnums=2, devices=jax.devices()[:2])(
+            init(jax.random.key(0)), jnp.int32(1), BATCH)
+
+
+def test_a_batch_leaf_without_a_batch_axis_is_named_with_the_fix():
+    batch = {"x": jnp.ones((16, 8)), "key": jax.random.PRNGKey(0)}  # a raw key: shape (2,)
+
+    def step(w, b):
+        return autopp.grad(lambda w_, b_: jnp.tanh(b_["x"] @ w_).mean())(w, b)
+
+    with pytest.raises(ValueError, match=r"(?s)args\[1\]\['key'\]: leading dimension 2.*belongs in another argument"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(jnp.ones((8, 4)), batch)
