@@ -370,6 +370,9 @@ def eqn_cost(eqn: jex_core.JaxprEqn) -> OpCost:
 
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+TAKES_PART = frozenset({"slice", "dynamic_slice"})
+"""Primitives that read only the part of their first operand they return: fused into a kernel, they read that part
+(a scan iteration's row of the stacked parameters, not the whole stack)."""
 
 
 def _flatten_calls(jaxpr: jex_core.Jaxpr) -> list:
@@ -388,8 +391,8 @@ def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
     """The jaxpr as the kernels XLA would run, as ``(kind, cost)`` pairs.
 
     ``"matmul"``: one dot/convolution. ``"fused"``: a run of other equations between matmuls, fused into
-    one kernel whose memory traffic is only what crosses its boundary (values read from outside the run,
-    values used after it). ``"loop"``: a control-flow equation (scan, while, cond) with its nested costs.
+    one kernel whose memory traffic is only what crosses its boundary (values read from outside the run, only
+    the parts of them slices take where slices are all that read them; values used after it). ``"loop"``: a control-flow equation (scan, while, cond) with its nested costs.
     Plain calls (``jit``) are looked through.
     """
     eqns = _flatten_calls(jaxpr)
@@ -407,18 +410,24 @@ def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
     def close_run():
         if not run:
             return
-        inside, read = set(), set()
+        inside, read, parts = set(), set(), {}
         flops = trans = 0.0
         traffic = out_bytes = 0
         for i in run:
-            c = eqn_cost(eqns[i])
+            e = eqns[i]
+            c = eqn_cost(e)
             flops += c.flops
             trans += c.transcendentals
-            for a in eqns[i].invars:
-                if not isinstance(a, jex_core.Literal) and a not in inside and a not in read:
+            for pos, a in enumerate(e.invars):
+                if isinstance(a, jex_core.Literal) or a in inside:
+                    continue
+                if pos == 0 and e.primitive.name in TAKES_PART:
+                    parts[a] = parts.get(a, 0) + aval_bytes(e.outvars[0].aval)
+                elif a not in read:
                     read.add(a)
                     traffic += aval_bytes(a.aval)
-            inside.update(eqns[i].outvars)
+            inside.update(e.outvars)
+        traffic += sum(min(b, aval_bytes(a.aval)) for a, b in parts.items() if a not in read)
         for i in run:
             for v in eqns[i].outvars:
                 if last_use.get(v, -1) > run[-1]:

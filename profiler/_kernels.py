@@ -88,6 +88,14 @@ def matmul_dtype(eqn) -> str:
     return "float32"
 
 
+def _row_pad(e) -> bool:
+    """Whether ``e`` pads along axis 0 only, with zeros (a slice's transpose: a row placed in a stack)."""
+    if e.primitive.name != "pad" or not isinstance(e.invars[1], Literal) or e.invars[1].val != 0:
+        return False
+    config = e.params["padding_config"]
+    return all(i == 0 for _, _, i in config) and all(lo == hi == 0 for lo, hi, _ in config[1:])
+
+
 def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: Callable[[object], bool],
                     dependent: Callable[[int], bool] | None = None,
                     eqn_share: Callable[[int], float] = lambda i: 1.0,
@@ -127,9 +135,22 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
 
     # Values XLA never materialises: constants generated in the kernel that reads them (iota, a broadcast literal,
     # a mask computed from them) and views of parameters (a bias broadcast to the activation's shape): reading one
-    # costs what reading its source costs.
+    # costs what reading its source costs; a slice of a parameter (a scan iteration's row of the stacked weights)
+    # costs its own bytes, the part of the source the reading kernel takes.
     source: dict = {}
+    producer = {v: e for e in eqns for v in e.outvars}
     for i, e in enumerate(eqns):
+        if _row_pad(e) and not is_batch(e.outvars[0]) and not isinstance(e.invars[0], Literal):
+            # A row's gradient padded to the whole stack (the transpose of a scan iteration's slice of stacked
+            # weights): the scan's backward writes that row in place, so the padded value is the row (and the
+            # reshape that gave it its leading axis of 1 is a relabelling).
+            row = e.invars[0]
+            made = producer.get(row)
+            if made is not None and made.primitive.name in ("reshape", "expand_dims", "broadcast_in_dim") and \
+                    not isinstance(made.invars[0], Literal) and made.invars[0].aval.size == row.aval.size:
+                source[row] = source.get(made.invars[0], made.invars[0])
+            source[e.outvars[0]] = source.get(row, row)
+            continue
         if dependent(i) or i in region_of:
             continue
         ins = _reads(e)
@@ -139,6 +160,9 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
         elif e.primitive.name in VIEWS and len(ins) == 1:
             for v in e.outvars:
                 source[v] = source.get(ins[0], ins[0])
+        elif e.primitive.name == "slice" and len(ins) == 1:  # a row of stacked weights: reading it reads that row
+            for v in e.outvars:
+                source[v] = v
     views = {i for i, e in enumerate(eqns) if e.outvars and all(v in source for v in e.outvars)}
 
     def nbytes(v) -> tuple[float, float]:

@@ -82,6 +82,10 @@ class Layer:
     shared_param_indices: tuple[int, ...]
     """Forward invar indices of the parameters counted in :attr:`shared_param_bytes`."""
 
+    param_fractions: tuple[float, ...] = ()
+    """The part of each parameter in :attr:`param_indices` this layer owns (a scan iteration: its rows of the
+    stacked parameter, ``1 / length``; a parameter a layer reads whole: 1). Empty: 1 for every one."""
+
     activation_bytes: int
     """Bytes of the residuals that the backward pass of this layer saves: the residuals of ``jax.vjp``
     of the layer's sub-jaxpr (its batch-dependent equations), excluding parameters and values computed
@@ -107,6 +111,7 @@ class Layer:
         d["eqn_range"] = list(self.eqn_range)
         d["param_indices"] = list(self.param_indices)
         d["shared_param_indices"] = list(self.shared_param_indices)
+        d["param_fractions"] = list(self.param_fractions)
         d["reads_from"] = [list(e) for e in self.reads_from]
         return d
 
@@ -370,7 +375,7 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
         for idx, _, fr in preads[li]:
             fracs[idx] = min(1.0, fracs.get(idx, 0.0) + fr)
         own_b = shared_b = 0.0
-        own_i, shared_i = [], []
+        own_i, own_f, shared_i = [], [], []
         for idx in sorted(fracs):
             frac = fracs[idx]
             prev = claimed.get(idx, 0.0)
@@ -382,6 +387,7 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
             if own > 0:
                 own_b += own * nb
                 own_i.append(idx)
+                own_f.append(own)
             if frac - own > 1e-9:
                 shared_b += (frac - own) * nb
                 shared_i.append(idx)
@@ -408,6 +414,7 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
             shared_param_bytes=int(round(shared_b)),
             param_indices=tuple(own_i),
             shared_param_indices=tuple(shared_i),
+            param_fractions=tuple(own_f),
             activation_bytes=int(act),
             output_bytes=int(round(out_b)),
             input_bytes=int(round(in_b)),

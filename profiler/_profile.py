@@ -319,7 +319,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     out_layers = []
     for lay in layers:
         src, bwd_flops, m = by_fp[lay.fingerprint]
-        opt = sum(opt_bytes_of_param.get(k, 0) for k in lay.param_indices)
+        fractions = lay.param_fractions or (1.0,) * len(lay.param_indices)  # a scan iteration: its rows' part
+        opt = int(round(sum(opt_bytes_of_param.get(k, 0) * f for k, f in zip(lay.param_indices, fractions))))
         f_t, b_t = times[lay.fingerprint]
         inputs = _layer_inputs(forward, lay, layers, sources)
         out_layers.append(LayerProfile(

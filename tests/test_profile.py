@@ -215,3 +215,27 @@ def test_cli_profile_json(capsys):
     assert sum(l["time_s"] for l in slow["layers"]) > sum(l["time_s"] for l in base["layers"])
     assert main(args + ["--override", "no_such_field=1"]) == 2
     assert "no_such_field" in capsys.readouterr().err
+
+
+def test_a_scanned_model_is_priced_as_its_unrolled_twin():
+    """A ``lax.scan`` over stacked blocks and the same blocks as a Python loop: each iteration reads its row of the
+    stacked parameters (not the whole stack) and owns its rows' optimizer state, so every block's time and bytes
+    equal the unrolled block's, and the optimizer state sums to AdamW's two moments per parameter."""
+    from tests._helpers import ScannedGPT
+
+    config = GPTConfig(layers=6, hidden=256, heads=4, seq=16, vocab=64)
+    tx = optax.adamw(1e-3)
+    blocks = {}
+    for name, model in (("scan", ScannedGPT(config)), ("loop", GPT(config))):
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        prof = profile(_step(model, tx), params, jax.eval_shape(tx.init, params),
+                       jax.eval_shape(lambda: model.batch(jax.random.key(0), 4)), cluster="1x8xH100")
+        total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+        assert sum(l.optimizer_bytes for l in prof.layers) == pytest.approx(2 * total, rel=1e-6)
+        blocks[name] = [l for l in prof.layers if l.name.startswith("block")]
+        assert len(blocks[name]) == config.layers
+    for s, u in zip(blocks["scan"], blocks["loop"]):
+        assert s.fingerprint == u.fingerprint
+        assert s.param_bytes == u.param_bytes and s.optimizer_bytes == pytest.approx(u.optimizer_bytes, rel=1e-6)
+        assert s.forward_time_s == pytest.approx(u.forward_time_s, rel=0.02)
+        assert s.backward_time_s == pytest.approx(u.backward_time_s, rel=0.02)
