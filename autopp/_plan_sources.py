@@ -13,6 +13,7 @@ needs, so a plan replays exactly what ran.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -31,6 +32,7 @@ from autopp.core import (
     batch_dependent_vars,
     check_batch_divisible,
     get_schedule,
+    row_slice,
     trace_microbatch_forward,
 )
 from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
@@ -134,18 +136,30 @@ def _stage_recompute(config: ParallelizeConfig, num_chunks: int) -> tuple[str, .
 
 def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, layouts, recompute
                  ) -> tuple[StagePlan, ...]:
-    """One :class:`StagePlan` per stage of ``split``: devices, mesh, equations, FLOPs, owned parameter bytes."""
+    """One :class:`StagePlan` per stage of ``split``: devices, mesh, equations, FLOPs, owned parameter bytes (of a
+    stacked parameter read by rows, a scan's, the rows the stage reads)."""
     spec, fwd = traced.spec, forward.jaxpr
     position = {v: k for k, v in enumerate(fwd.invars)}
     users: dict[int, int] = {}
+    rows: dict[tuple[int, int], set] = collections.defaultdict(set)  # (stage, parameter) -> rows it reads
+    whole: set[int] = set()  # parameters read other than by rows
     for s, ids in enumerate(split.stage_eqns):
         for i in ids:
-            for a in fwd.eqns[i].invars:
+            for pos, a in enumerate(fwd.eqns[i].invars):
                 if not isinstance(a, jex_core.Literal) and a in position:
                     users.setdefault(position[a], s)
+                    row = row_slice(fwd.eqns[i]) if pos == 0 else None
+                    if row is None:
+                        whole.add(position[a])
+                    else:
+                        rows[(s, position[a])].add(row)
+    stacked = {k for _, k in rows} - whole
     stages = []
     for s, ids in enumerate(split.stage_eqns):
-        owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items() if st == s and spec.diff_mask[k])
+        owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items()
+                    if st == s and spec.diff_mask[k] and k not in stacked)
+        owned += sum(aval_bytes(fwd.invars[k].aval) * len(rows[(s, k)]) // fwd.invars[k].aval.shape[0]
+                     for k in stacked if spec.diff_mask[k])
         end = split.stage_starts[s + 1] if s + 1 < len(split.stage_starts) else len(fwd.eqns)
         stages.append(StagePlan(
             index=s, devices=tuple(d.id for d in stage_devices[s]),

@@ -50,6 +50,10 @@ class ResidualPacking:
     def num_buffers(self) -> int:
         return len(self.groups) + len(self.loose)
 
+    def structure(self) -> tuple:
+        """The packing without its devices (equal for two stages that pack equal residuals alike)."""
+        return (tuple((tuple(a.shape), str(a.dtype)) for a in self.avals), self.groups, self.loose, self.rows)
+
     def buffer_shardings(self) -> tuple:
         return tuple(self.shardings[g[0]] for g in self.groups) + tuple(self.shardings[i] for i in self.loose)
 

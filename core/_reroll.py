@@ -76,7 +76,7 @@ class ScanRun:
         return self.first_row if self.step == 1 else self.first_row - self.count + 1
 
 
-def _row_slice(eqn):
+def row_slice(eqn):
     """The row ``k`` if ``eqn`` is ``slice`` of one whole row along axis 0 (``index_in_dim``'s first half)."""
     if eqn.primitive.name != "slice" or isinstance(eqn.invars[0], Literal):
         return None
@@ -92,14 +92,14 @@ def _row_slice(eqn):
 def _headers(eqns) -> list[_Header]:
     headers, i = [], 0
     while i + 1 < len(eqns):
-        row = _row_slice(eqns[i])
+        row = row_slice(eqns[i])
         nxt = eqns[i + 1]
         if row is None or nxt.primitive.name != "squeeze" or nxt.invars[0] is not eqns[i].outvars[0] \
                 or tuple(nxt.params["dimensions"]) != (0,):
             i += 1
             continue
         start, sources = i, []
-        while i + 1 < len(eqns) and _row_slice(eqns[i]) == row and eqns[i + 1].primitive.name == "squeeze" \
+        while i + 1 < len(eqns) and row_slice(eqns[i]) == row and eqns[i + 1].primitive.name == "squeeze" \
                 and eqns[i + 1].invars[0] is eqns[i].outvars[0] and tuple(eqns[i + 1].params["dimensions"]) == (0,):
             sources.append(eqns[i].invars[0])
             i += 2
@@ -280,7 +280,7 @@ def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str 
     if relative_rows:
         invars = set(jaxpr.invars)
         for e in jaxpr.eqns:
-            k = _row_slice(e)
+            k = row_slice(e)
             if k is not None and e.invars[0] in invars:
                 bases[e.invars[0]] = min(bases.get(e.invars[0], k), k)
     distinct = sorted(set(bases.values()))  # one input per distinct least row (usually one for all)
@@ -310,7 +310,7 @@ def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str 
                 i = run.stop
                 continue
             e = eqns[i]
-            k = _row_slice(e)
+            k = row_slice(e)
             if k is not None and e.invars[0] in base_of:
                 env[e.outvars[0]] = rows(e.invars[0], k, 1)
             else:
@@ -326,3 +326,32 @@ def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str 
         _compat.new_jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars, traced.jaxpr.eqns,
                           traced.jaxpr.effects, name), traced.consts)
     return out, runs, distinct
+
+
+def read_rows(closed: jex_core.ClosedJaxpr, split: dict[int, tuple]) -> jex_core.ClosedJaxpr:
+    """``closed`` with each input ``k`` in ``split`` (its blocks' rows) replaced by one input per block, each row a scan
+    iteration reads (:func:`row_slice`) read from its block; the equations keep their positions (what
+    ``runtime/_rows.py`` holds by rows)."""
+    j = closed.jaxpr
+    invars, block_of = [], {}
+    for k, v in enumerate(j.invars):
+        if k not in split:
+            invars.append(v)
+            continue
+        blocks = [jex_core.Var(v.aval.update(shape=(b - a,) + tuple(v.aval.shape[1:]))) for a, b in split[k]]
+        block_of[v] = (blocks, split[k])
+        invars += blocks
+    eqns = []
+    for e in j.eqns:
+        a0 = e.invars[0] if e.invars else None
+        if a0 is not None and not isinstance(a0, Literal) and a0 in block_of:
+            blocks, rows = block_of[a0]
+            row = row_slice(e)
+            b = next(n for n, (lo, hi) in enumerate(rows) if lo <= row < hi)
+            lo = rows[b][0]
+            start, limit = tuple(e.params["start_indices"]), tuple(e.params["limit_indices"])
+            e = e.replace(invars=[blocks[b], *e.invars[1:]],
+                          params=dict(e.params, start_indices=(start[0] - lo,) + start[1:],
+                                      limit_indices=(limit[0] - lo,) + limit[1:]))
+        eqns.append(e)
+    return jex_core.ClosedJaxpr(_compat.new_jaxpr(j.constvars, invars, j.outvars, eqns, j.effects, "rows"), closed.consts)

@@ -103,3 +103,15 @@ def device_map(source_devices: tuple, devices: tuple) -> dict | None:
     if any(d.process_index != me for pair in devmap.items() for d in pair):
         return None
     return devmap
+
+
+def twin_program(cache: dict, fn, closed, flags: Sequence, shardings: Sequence):
+    """``fn`` (a jitted program of ``closed``, see :func:`twin_key`), or, when ``cache`` holds an earlier program equal
+    to it up to its devices, that one as a :class:`DeviceMapped` program on ``fn``'s devices (lowered once)."""
+    twin = twin_key(closed, flags, shardings)
+    if twin is None:
+        return fn
+    key, devices = twin
+    source, source_devices = cache.setdefault(key, (fn, devices))
+    devmap = None if source is fn else device_map(source_devices, devices)
+    return fn if devmap is None else DeviceMapped(source, devmap, lambda: fn)

@@ -64,6 +64,12 @@ class ParamState:
                         self.owned[i][j] += self.bytes_of[k][j]
                 self.users[k].append(i)
         self.shared = {k: u for k, u in self.users.items() if len(set(u)) > 1}
+        self.rows: dict[int, dict[int, float]] = {}
+        """Stacked parameters read by rows (scan iterations): per parameter, each reading layer's fraction."""
+        for i, lay in enumerate(model.layers):
+            for k, frac in lay.row_fractions:
+                if k in self.bytes_of:
+                    self.rows.setdefault(k, {})[i] = frac
         self.prefix = [[0.0] * (n + 1) for _ in range(3)]
         for j in range(3):
             for i in range(n):
@@ -83,25 +89,51 @@ class ParamState:
                 out[1] += self.bytes_of[k][1]
         return tuple(out)
 
-    def group_state(self, spans, groups, P) -> list[tuple[float, float, float]]:
+    def by_rows(self, spans, groups) -> dict[int, dict[int, float]]:
+        """The stacked parameters the runtime divides by rows under this split (``runtime/_rows.py``: the chunks that
+        read one read equally many rows, each on a device group of its own): per parameter, each group's fraction."""
+        out = {}
+        for k, fracs in self.rows.items():
+            per_chunk = {c: sum(f for i, f in fracs.items() if a <= i < b) for c, (a, b) in enumerate(spans)}
+            reading = [c for c, f in per_chunk.items() if f > 0]
+            equal = len({round(per_chunk[c], 9) for c in reading}) == 1
+            if len(reading) < 2 or not equal or len({groups[c] for c in reading}) != len(reading):
+                continue
+            out[k] = {groups[c]: per_chunk[c] for c in reading}
+        return out
+
+    def group_state(self, spans, groups, P, rows: bool = False) -> list[tuple[float, float, float]]:
         """Per device group: the state of every parameter its chunks read, the optimizer state only where the
-        parameter's owner is (a copy elsewhere receives the value and sends back its gradient)."""
+        parameter's owner is (a copy elsewhere receives the value and sends back its gradient). ``rows``: the runtime
+        divides stacked parameters by rows where it can (:meth:`by_rows`): each group holds its rows' state."""
         out = [[0.0, 0.0, 0.0] for _ in range(P)]
         for (a, b), g in zip(spans, groups):
             for j in range(3):
                 out[g][j] += self.prefix[j][b] - self.prefix[j][a]
+        divided = self.by_rows(spans, groups) if rows else {}
         for k, users in self.shared.items():
             owner_g = next(g for (a, b), g in zip(spans, groups) if a <= users[0] < b)
             others = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b} - {owner_g}
+            if k in divided:  # instead of the whole state on the owner and copies elsewhere: each group its rows
+                for j in range(3):
+                    out[owner_g][j] -= self.bytes_of[k][j]
+                for g, frac in divided[k].items():
+                    for j in range(3):
+                        out[g][j] += frac * self.bytes_of[k][j]
+                continue
             for g in others:
                 out[g][0] += self.bytes_of[k][0]
                 out[g][1] += self.bytes_of[k][1]
         return [tuple(x) for x in out]
 
-    def shared_reduce(self, spans, groups, cluster: Cluster) -> float:
-        """All-reduce of each shared parameter's gradient between the device groups reading it, once per step."""
+    def shared_reduce(self, spans, groups, cluster: Cluster, rows: bool = False) -> float:
+        """All-reduce of each shared parameter's gradient between the device groups reading it, once per step (none
+        for a stack divided by rows)."""
         total = 0.0
+        divided = self.by_rows(spans, groups) if rows else {}
         for k, users in self.shared.items():
+            if k in divided:
+                continue
             gs = {g for (a, b), g in zip(spans, groups) for u in users if a <= u < b}
             if len(gs) > 1:
                 total += ring_seconds("all-reduce", self.bytes_of[k][1], len(gs), cluster,

@@ -416,7 +416,7 @@ class StepModel:
             update_s.append(upd)
             finish.append(ends[g] + red + upd)
             dp_exposed = max(dp_exposed, ends[g] + red - makespan)
-        shared = pr.shared_reduce(span, groups, self.cluster) if P > 1 else 0.0
+        shared = pr.shared_reduce(span, groups, self.cluster, rows=self._by_rows(L)) if P > 1 else 0.0
         step = max(finish) + shared
         pp_comm += shared
 
@@ -462,11 +462,18 @@ class StepModel:
 
     def _group_state(self, L: Layout, span, groups) -> list[tuple[float, float, float]]:
         """Per device group: (parameter, gradient, optimizer) bytes per device before FSDP and ZeRO-1."""
-        key = ("group_state", L.tensor, L.sequence_parallel, tuple(span), tuple(groups))
+        rows = self._by_rows(L)
+        key = ("group_state", L.tensor, L.sequence_parallel, tuple(span), tuple(groups), rows)
         hit = self._terms.get(key)
         if hit is None:
-            hit = self._terms[key] = self.params(L.tensor, L.sequence_parallel).group_state(span, groups, L.pipeline)
+            hit = self._terms[key] = self.params(L.tensor, L.sequence_parallel).group_state(span, groups, L.pipeline,
+                                                                                          rows=rows)
         return hit
+
+    def _by_rows(self, L: Layout) -> bool:
+        """Whether the runtime may divide stacked parameters by rows under ``L`` (``runtime/_rows.py``): one process
+        (one node), no tensor, FSDP or ZeRO-1 split."""
+        return self.cluster.num_nodes == 1 and L.tensor == 1 and L.fsdp == 1 and not L.zero1
 
     def _memory(self, L: Layout, span, members, arr, in_flight, group_state) -> tuple[list[float], list[tuple]]:
         """Bytes per device of each group, and (parameters and gradients, optimizer state, activations) of each."""

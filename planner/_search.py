@@ -413,8 +413,7 @@ def to_plan(sm: StepModel, layout: Layout, global_batch: int, split, recompute, 
             mesh_shape={"data": d // layout.fsdp, "fsdp": layout.fsdp, "tensor": t},
             equations=None, num_equations=None,
             flops=float(sum(l.flops for l in layers)) * scale,
-            param_bytes=int(sum(prof.state_bytes[k][0] for k in {k for l in layers for k in l.param_inputs
-                                                                  if k is not None})),
+            param_bytes=_read_param_bytes(prof, layers),
             cut_bytes_after=0 if c == len(split) - 1 else int(prof.layers[b].output_bytes * scale),
             layers=(a, b), recompute=r,
             forward_time_s=evaluation.stage_forward_s[c], backward_time_s=evaluation.stage_backward_s[c],
@@ -445,3 +444,14 @@ def _layer_reports(sm: StepModel, layout: Layout, scale: float) -> tuple[LayerSh
                  "backward" if c.backward else "forward"] for c in lc.collectives]
         out.append(LayerSharding(index=lay.index, name=lay.name, params=params, collectives=comm))
     return tuple(out)
+
+
+def _read_param_bytes(prof, layers) -> int:
+    """Bytes of the parameters ``layers`` read: of a stacked parameter read by rows (a scan's), those rows."""
+    rows: dict[int, float] = {}
+    for lay in layers:
+        for k, frac in lay.row_fractions:
+            rows[k] = rows.get(k, 0.0) + frac
+    read = {k for lay in layers for k in lay.param_inputs if k is not None}
+    whole = {k for lay in layers for k in lay.param_inputs if k is not None and k not in dict(lay.row_fractions)}
+    return int(sum(prof.state_bytes[k][0] * (1.0 if k in whole else min(1.0, rows.get(k, 1.0))) for k in read))

@@ -67,6 +67,9 @@ class LayerProfile:
     param_inputs: tuple[int | None, ...] = ()
     """Per input of the layer's program (:attr:`Profile.programs`): the forward input (parameter) it is, or None
     for an activation or constant."""
+    row_fractions: tuple[tuple[int, float], ...] = ()
+    """Parameters the layer owns some rows of (a scan iteration: its rows of a stacked parameter), as (forward input,
+    fraction of the parameter): what a stage holds when the runtime divides the stack by rows."""
 
     @property
     def time_s(self) -> float:
@@ -330,6 +333,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
             output_bytes=lay.output_bytes, forward_time_s=f_t, backward_time_s=b_t, measured=m is not None,
             param_inputs=tuple(fwd_index.get(v) if kind == "param" and v in fwd_index and
                                spec.diff_mask[fwd_index[v]] else None for v, kind in zip(inputs, src.kinds)),
+            row_fractions=tuple((k, f) for k, f in zip(lay.param_indices, fractions) if f < 1.0),
         ))
     graph = cost_graph(layers)
     for lp in out_layers:

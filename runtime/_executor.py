@@ -23,6 +23,7 @@ from autopp.runtime import _passes
 from autopp.runtime._executable import Executable
 from autopp.runtime._meshes import MESH_AXES, StageMeshes
 from autopp.runtime._passes import Compiler
+from autopp.runtime._rows import hold_by_rows, lay_out_row_inputs, row_outputs, row_sharding
 from autopp.runtime._segments import segment_stages
 from autopp.runtime._step import PipelineConfig, StepBuilder, analyse
 from autopp.runtime._tasks import Program, Task, TaskList, Transfer
@@ -51,13 +52,32 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
             layouts = None if layouts is None else seg.per_segment(layouts)
             param_specs = None if param_specs is None else seg.per_segment(param_specs)
     meshes = StageMeshes(stage_devices, layouts)
+    rows = None
+    if split.num_stages > 1 and jax.process_count() == 1 and not zero1 and not sequence_vars:
+        def can_hold(stages):
+            return all(meshes.layouts[s]["tensor"] == 1 and meshes.layouts[s]["fsdp"] == 1 for s in stages) and \
+                row_sharding([meshes.replicated[s] for s in stages]) is not None
+        rows = hold_by_rows(traced, forward, split.stage_eqns, can_hold)
+    user_traced = traced
+    if rows is not None:  # the step over blocks of rows: parameter positions after a stacked one move
+        traced, forward, donated = rows.traced, rows.forward, rows.donated(donated)
+        if param_specs is not None:
+            param_specs = [None if ps is None else {rows.forward_position(int(k)): v for k, v in ps.items()
+                                                    if rows.forward_position(int(k)) is not None}
+                           for ps in param_specs]
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
                             recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
                             zero1=bool(zero1), sequence_vars=frozenset(sequence_vars),
                             donated=frozenset(donated), stage_of=stage_of)
     step = analyse(traced, forward, split, meshes, config)
     compiler = Compiler()
-    return StepBuilder(step, TaskList(compiler.lower)).build(), compiler, meshes
+    builder = StepBuilder(step, TaskList(compiler.lower))
+    if rows is None:
+        return builder.build(), compiler, meshes
+    block_shardings = [meshes.replicated[s] for s in rows.stages]
+    user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, block_shardings)
+    program = builder.build()
+    return row_outputs(program, rows, user_slots, block_shardings), compiler, meshes
 
 
 def build_split_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,

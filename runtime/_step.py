@@ -15,7 +15,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
-from autopp.core import RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, reroll_scans, slice_jaxpr, stage_graphs
+from autopp.core import (RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, reroll_scans, slice_jaxpr, stage_graphs,
+                         twin_program)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -321,6 +322,7 @@ class StepBuilder:
         self.placed_input: dict[int, int] = {}
         self.placement = None
         self._seeds: dict[tuple, int] = {}
+        self._twins: dict = {}
         self.derived: dict[tuple, tuple] = {}
         """(outer variable, stage) -> its value as parts computed inside the program that reads it: a tuple of
         (:class:`_Unpack`, index), summed (a gradient out of its stages' packed accumulators, see :meth:`publish`)."""
@@ -403,10 +405,15 @@ class StepBuilder:
         # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,
         # so that the next step finds them at home.
         st = self.step
-        fn = jax.jit(lambda *xs: tuple(jax.core.eval_jaxpr(sub, consts, *_evaluate(values, xs))),
-                     in_shardings=tuple(self.tl.slot_avals[s].sharding for s in in_slots),
-                     out_shardings=tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v in outs),
-                     donate_argnums=donate)
+        in_sh = tuple(self.tl.slot_avals[s].sharding for s in in_slots)
+        out_sh = tuple(st.layout_of(loc, st.label.get(v), v.aval.shape, v) for v in outs)
+        def outer(*xs):
+            return tuple(jax.core.eval_jaxpr(sub, consts, *_evaluate(values, xs)))
+
+        fn = jax.jit(outer, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
+        how = tuple(v if v[0] == "slot" else ("parts", tuple((None if u.packing is None else u.packing.structure(),
+                                                              p, i) for u, p, i in v[1])) for v in values)
+        fn = twin_program(self._twins, fn, closed, (how, donate), in_sh + out_sh)  # equal stages' updates: lowered once
         out_slots = self.tl.emit(fn, in_slots, len(outs), label, donated=[in_slots[j] for j in donate])
         for v, s in zip(outs, out_slots):
             self.avail[(v, loc)] = s

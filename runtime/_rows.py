@@ -1,0 +1,446 @@
+"""Stacked parameters held by rows: each pipeline stage keeps only the rows of a ``lax.scan``'s stacked weights that
+its iterations read, with their gradient and optimizer state, and runs their update.
+
+A model written with ``lax.scan`` over stacked layers (MaxText, Flax ``nn.scan``, Equinox) traces to a forward whose
+iteration ``r`` reads row ``r`` of each stacked parameter (``slice`` of that row, then ``squeeze``); the stage split
+gives each stage a contiguous range of iterations. :func:`hold_by_rows` rewrites the traced step so that each such
+parameter is one input *per stage* (a block of rows) instead of one input read by every stage:
+
+* the forward's row reads read their block (the loss's forward, at the whole batch and at the microbatch size);
+* the gradient equation differentiates the blocks, so each stage's gradient (and accumulator) is its block's;
+* the step's other equations (the optimizer) run per block where they act row by row: element-wise equations on
+  blocks, reductions over the row axis as per-block partial reductions and one combine (a global norm), and the
+  optimizer state read together with a block (Adam's moments) becomes blocks of its own; any other equation reads
+  the blocks concatenated (correct, and on one stage);
+* a step output made of blocks (the new parameters and moments) is one array again, sharded by rows over the
+  stages' devices without a copy, and such an array given back to the next step is read block by block in place.
+
+Nothing else in the runtime knows: it sees a step whose parameters each belong to one stage. The rewrite applies
+when every stage that holds a block has a mesh of the same shape that keeps parameters replicated (no tensor, FSDP
+or ZeRO-1 split) and the blocks are equally long, so that one row-sharded array holds them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from autopp.core import TracedStep, bind_eqn, read_rows, row_slice, value_and_grad_p
+from autopp.runtime._tasks import Program, Transfer, sds
+
+Literal = jex_core.Literal
+
+ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor", "ceil", "round",
+    "sqrt", "rsqrt", "cbrt", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "erf",
+    "integer_pow", "pow", "square", "convert_element_type", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
+    "and", "or", "not", "xor", "is_finite", "copy", "copy_p", "reduce_precision", "nextafter", "stop_gradient",
+    "atan2", "reciprocal"})
+"""Equations that act element by element: on blocks of rows they run block by block."""
+
+COMBINE = {"reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min, "reduce_and": lax.bitwise_and,
+           "reduce_or": lax.bitwise_or}
+"""Reductions and how partial results over blocks combine when the row axis is among the reduced ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsLayout:
+    """Where a step's stacked values are held by rows: what the runtime reads to map the user's arrays to blocks."""
+
+    traced: TracedStep
+    """The step over blocks: each stacked input (parameter, optimizer state) replaced by its blocks, in place."""
+    forward: jex_core.ClosedJaxpr
+    """The loss's forward at microbatch size over blocks (the equations keep their positions)."""
+    inputs: tuple[tuple[int, tuple[int, int] | None], ...]
+    """Per input of :attr:`traced`: (the user's flat input, its rows ``(start, stop)`` or None for all of it)."""
+    outputs: tuple[tuple[int, ...], ...]
+    """Per flat output of the user's step: the outputs of :attr:`traced` that make it (one, or one per block)."""
+    stages: tuple[int, ...]
+    """The stage that holds each block, in row order."""
+    rows: tuple[tuple[int, int], ...]
+    """Each block's rows."""
+    forward_split: tuple[int, ...] = ()
+    """The positions (among the loss's inputs) of the parameters held by rows, before the rewrite."""
+
+    def forward_position(self, k: int) -> int | None:
+        """Where the loss's input ``k`` is after the rewrite (None: it became blocks)."""
+        if k in self.forward_split:
+            return None
+        return k + (len(self.rows) - 1) * sum(j < k for j in self.forward_split)
+
+    def donated(self, user_donated) -> frozenset[int]:
+        """The inputs of :attr:`traced` donated when the user's flat inputs ``user_donated`` are."""
+        return frozenset(i for i, (k, _) in enumerate(self.inputs) if k in user_donated)
+
+
+class _Blocks:
+    """A value of the interpreted step held as blocks of rows."""
+
+    def __init__(self, parts, rows):
+        self.parts, self.rows = list(parts), rows
+
+
+# -- where the forward reads stacked rows ------------------------------------------------------------------
+def _uses(jaxpr: jex_core.Jaxpr) -> dict:
+    """Per variable: the (equation, operand position) pairs that read it."""
+    uses: dict = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for pos, a in enumerate(e.invars):
+            if not isinstance(a, Literal):
+                uses.setdefault(a, []).append((i, pos))
+    return uses
+
+
+def _row_reads(forward: jex_core.Jaxpr, k: int, stage_of: dict[int, int] | None, uses: dict):
+    """Per use of forward input ``k``: (equation, row, stage) when every use is one row's slice (a scan iteration's
+    header); None otherwise."""
+    v = forward.invars[k]
+    if v in forward.outvars or v not in uses:
+        return None
+    reads = []
+    for i, pos in uses[v]:
+        row = row_slice(forward.eqns[i]) if pos == 0 else None
+        if row is None or (stage_of is not None and i not in stage_of):
+            return None
+        reads.append((i, row, stage_of[i] if stage_of is not None else None))
+    return reads
+
+
+def _blocks_of(reads, length: int):
+    """(stages, rows) of contiguous, equally long row ranges, one per stage in row order; None otherwise."""
+    by_stage: dict[int, set] = {}
+    for _, row, s in reads:
+        by_stage.setdefault(s, set()).add(row)
+    stages = sorted(by_stage, key=lambda s: min(by_stage[s]))
+    rows, start = [], 0
+    for s in stages:
+        got = sorted(by_stage[s])
+        if got != list(range(start, start + len(got))):
+            return None
+        rows.append((start, start + len(got)))
+        start += len(got)
+    sizes = {b - a for a, b in rows}
+    if start != length or len(stages) < 2 or len(sizes) != 1 or stages != sorted(stages):
+        return None
+    return tuple(stages), tuple(rows)
+
+
+# -- the step outside the loss, block by block -------------------------------------------------------------
+def _bind(e, ins):
+    out = bind_eqn(e, ins)
+    return list(out) if e.primitive.multiple_results else [out]
+
+
+def _whole(x):
+    return lax.concatenate(x.parts, 0) if isinstance(x, _Blocks) else x
+
+
+def _apply(e, ins, sliced: set):
+    """Equation ``e`` on ``ins`` (some held as blocks): block by block where it acts row by row, else on the
+    blocks concatenated. Whole operands read together with blocks are sliced (their variables go to ``sliced``)."""
+    blocks = [x for x in ins if isinstance(x, _Blocks)]
+    if not blocks:
+        return _bind(e, ins)
+    rows = blocks[0].rows
+    shape = tuple(e.outvars[0].aval.shape) if e.outvars else None
+    name = e.primitive.name
+    if name in ELEMENTWISE and all(x.rows == rows for x in blocks) and len(e.outvars) == 1:
+        per, ok = [], True
+        for a, x in zip(e.invars, ins):
+            if isinstance(x, _Blocks):
+                per.append(x.parts)
+            elif np.ndim(x) == 0:
+                per.append([x] * len(rows))
+            elif tuple(np.shape(x)) == shape:
+                if not isinstance(a, Literal):
+                    sliced.add(a)
+                per.append([lax.slice_in_dim(x, lo, hi, axis=0) for lo, hi in rows])
+            else:
+                ok = False
+                break
+        if ok:
+            return [_Blocks([_bind(e, list(args))[0] for args in zip(*per)], rows)]
+    if name in COMBINE and len(ins) == 1:
+        axes = tuple(e.params["axes"])
+        parts = [_bind(e, [p])[0] for p in ins[0].parts]
+        if 0 in axes:
+            return [functools.reduce(COMBINE[name], parts)]
+        return [_Blocks(parts, rows)]
+    return _bind(e, [_whole(x) for x in ins])
+
+
+def _interpret(traced: TracedStep, spec, split_in: dict[int, tuple], grad_split: dict[int, tuple]):
+    """The step with the inputs ``split_in`` (outer input index -> rows) given as blocks and the gradient equation
+    over ``spec`` (whose forward takes the blocks of the gradient inputs ``grad_split``, positions -> rows): its
+    closed jaxpr, the whole values sliced along the way, and per outer output the rows it comes out in (or None)."""
+    closed = traced.jaxpr
+    j = closed.jaxpr
+    in_avals = []
+    for k, v in enumerate(j.invars):
+        if k in split_in:
+            in_avals += [jax.ShapeDtypeStruct((b - a,) + tuple(v.aval.shape[1:]), v.aval.dtype,
+                                              weak_type=v.aval.weak_type) for a, b in split_in[k]]
+        else:
+            in_avals.append(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type))
+    sliced: set = set()
+    out_rows: list = []
+
+    def fn(*flat):
+        env, it = dict(zip(j.constvars, closed.consts)), iter(flat)
+        for k, v in enumerate(j.invars):
+            env[v] = _Blocks([next(it) for _ in split_in[k]], split_in[k]) if k in split_in else next(it)
+
+        def read(a):
+            return a.val if isinstance(a, Literal) else env[a]
+
+        for i, e in enumerate(j.eqns):
+            ins = [read(a) for a in e.invars]
+            if i == traced.grad_index:
+                flat_ins = []
+                for pos, x in enumerate(ins):
+                    if pos in grad_split:
+                        flat_ins += x.parts if isinstance(x, _Blocks) else \
+                            [lax.slice_in_dim(x, lo, hi, axis=0) for lo, hi in grad_split[pos]]
+                    else:
+                        flat_ins.append(_whole(x))
+                res = iter(value_and_grad_p.bind(*flat_ins, spec=spec))
+                outs = [next(res) for _ in range(1 + spec.num_aux)]
+                for pos in traced.spec.diff_indices:
+                    outs.append(_Blocks([next(res) for _ in grad_split[pos]], grad_split[pos])
+                                if pos in grad_split else next(res))
+            else:
+                outs = _apply(e, ins, sliced)
+            env.update(zip(e.outvars, outs))
+        flat_out = []
+        out_rows.clear()
+        for a in j.outvars:
+            x = read(a)
+            out_rows.append(x.rows if isinstance(x, _Blocks) else None)
+            flat_out += x.parts if isinstance(x, _Blocks) else [x]
+        return flat_out
+
+    new = jax.make_jaxpr(fn)(*in_avals)
+    return new, sliced, out_rows
+
+
+def _sliced(traced: TracedStep, split_in: dict[int, tuple], grad_split: dict[int, tuple]) -> set:
+    """The whole values :func:`_interpret` would slice to meet blocks, found without tracing (its element-wise and
+    reduction rules on which values are blocks)."""
+    j, spec = traced.jaxpr.jaxpr, traced.spec
+    blocks = {v for k, v in enumerate(j.invars) if k in split_in}
+    grads = traced.grad_eqn.outvars[1 + spec.num_aux:]
+    blocks |= {g for k, g in zip(spec.diff_indices, grads) if k in grad_split}
+    sliced = set()
+    for i, e in enumerate(j.eqns):
+        ins = [a for a in e.invars if not isinstance(a, Literal)]
+        if i == traced.grad_index or not any(a in blocks for a in ins):
+            continue
+        name, shape = e.primitive.name, tuple(e.outvars[0].aval.shape) if e.outvars else None
+        if name in ELEMENTWISE and len(e.outvars) == 1:
+            whole = [a for a in ins if a not in blocks and a.aval.shape]
+            if all(tuple(a.aval.shape) == shape for a in whole):
+                sliced.update(whole)
+                blocks.add(e.outvars[0])
+        elif name in COMBINE and 0 not in tuple(e.params["axes"]):
+            blocks.add(e.outvars[0])
+    return sliced
+
+
+def _sources(traced: TracedStep, sliced: set, length: int) -> set[int]:
+    """The step inputs the sliced whole values come from through element-wise equations (optimizer state read with a
+    block: Adam's moments), to hold by rows as well (not the loss's inputs: a parameter held whole stays whole)."""
+    j = traced.jaxpr.jaxpr
+    producer = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
+    loss_inputs = {a for a in traced.grad_eqn.invars if not isinstance(a, Literal)}
+    index = {v: k for k, v in enumerate(j.invars) if v not in loss_inputs}
+    found, stack, seen = set(), list(sliced), set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in index:
+            k = index[v]
+            if not traced.batch_mask[k] and v.aval.shape and v.aval.shape[0] == length:
+                found.add(k)
+        elif v in producer and producer[v] != traced.grad_index:
+            e = j.eqns[producer[v]]
+            if e.primitive.name in ELEMENTWISE:
+                stack += [a for a in e.invars if not isinstance(a, Literal) and a.aval.shape]
+    return found
+
+
+# -- the rewrite -------------------------------------------------------------------------------------------
+def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[int]],
+                 can_hold=lambda stages: True) -> RowsLayout | None:
+    """The step rewritten to hold its stacked parameters by rows (see the module docstring), for the stage split
+    ``stage_eqns`` (each stage's equations of ``forward``, the loss's forward at microbatch size); None when no
+    parameter qualifies. ``can_hold(stages)``: whether one array can be sharded by rows over those stages' devices."""
+    spec, grad = traced.spec, traced.grad_eqn
+    outer = traced.jaxpr.jaxpr
+    if not any(row_slice(e) is not None for e in forward.jaxpr.eqns):  # no scan over stacked inputs
+        return None
+    stage_of: dict[int, int] = {}
+    for s, ids in enumerate(stage_eqns):
+        for i in ids:
+            stage_of[i] = -1 if i in stage_of else s  # an equation on two stages is no block's
+    stage_of = {i: s for i, s in stage_of.items() if s >= 0}
+    grad_split: dict[int, tuple] = {}
+    split_in: dict[int, tuple] = {}
+    layout = None
+    mb = traced.microbatched_grad_inputs
+    outer_invars = set(outer.invars)
+    uses, whole_uses = _uses(forward.jaxpr), _uses(spec.forward.jaxpr)
+    for k in spec.diff_indices:
+        a = grad.invars[k]
+        if mb[k] or isinstance(a, Literal) or a not in outer_invars or sum(b is a for b in grad.invars) != 1:
+            continue
+        reads = _row_reads(forward.jaxpr, k, stage_of, uses)
+        whole_reads = _row_reads(spec.forward.jaxpr, k, None, whole_uses)
+        if not reads or whole_reads is None:
+            continue
+        blocks = _blocks_of(reads, forward.jaxpr.invars[k].aval.shape[0])
+        if blocks is None or (layout is not None and blocks != layout) or not can_hold(blocks[0]):
+            continue
+        layout = blocks
+        grad_split[k] = blocks[1]
+        split_in[outer.invars.index(a)] = blocks[1]
+    if not grad_split:
+        return None
+    stages, rows = layout
+    length = rows[-1][1]
+    mb_forward = read_rows(forward, grad_split)
+    shift = {k: len(r) - 1 for k, r in grad_split.items()}
+    mask = []
+    for k, d in enumerate(spec.diff_mask):
+        mask += [d] * (len(grad_split[k]) if k in grad_split else 1)
+    new_spec = dataclasses.replace(
+        spec, forward=read_rows(spec.forward, grad_split), diff_mask=tuple(mask), loss_fn=None,
+        num_lifted=spec.num_lifted + sum(n for k, n in shift.items() if k < spec.num_lifted))
+    for _ in range(8):  # optimizer state read with blocks becomes blocks too, until nothing more is sliced
+        more = _sources(traced, _sliced(traced, split_in, grad_split), length) - set(split_in)
+        if not more:
+            break
+        split_in.update({k: rows for k in more})
+    closed, sliced, out_rows = _interpret(traced, new_spec, split_in, grad_split)
+    grad_index = next(i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive is value_and_grad_p)
+    inputs, batch_mask, paths = [], [], []
+    for k in range(len(outer.invars)):
+        for r in split_in.get(k, (None,)):
+            inputs.append((k, r))
+            batch_mask.append(traced.batch_mask[k])
+            paths.append(traced.leaf_paths[k] + ("" if r is None else f"[{r[0]}:{r[1]}]"))
+    outputs, n = [], 0
+    for r in out_rows:
+        outputs.append(tuple(range(n, n + (len(r) if r else 1))))
+        n += len(r) if r else 1
+    step = dataclasses.replace(traced, jaxpr=closed, grad_index=grad_index, batch_mask=tuple(batch_mask),
+                               leaf_paths=tuple(paths))
+    return RowsLayout(traced=step, forward=mb_forward, inputs=tuple(inputs), outputs=tuple(outputs),
+                      stages=stages, rows=rows, forward_split=tuple(sorted(grad_split)))
+
+
+# -- the user's arrays and the blocks ----------------------------------------------------------------------
+def row_sharding(block_shardings: Sequence[NamedSharding]) -> NamedSharding | None:
+    """One sharding that holds a stacked array's blocks by rows over the stages' meshes (each block replicated over
+    its stage's mesh, the meshes of one shape); None when there is none."""
+    meshes = [s.mesh for s in block_shardings]
+    if any(tuple(s.spec) for s in block_shardings) or len({(m.axis_names, m.devices.shape) for m in meshes}) != 1:
+        return None
+    devs = [d for m in meshes for d in m.devices.flat]
+    if len(set(devs)) != len(devs):
+        return None
+    mesh = Mesh(np.stack([m.devices for m in meshes]), ("rows", *meshes[0].axis_names))
+    return NamedSharding(mesh, P("rows"))
+
+
+def block_reader(sharding: NamedSharding, block_shardings: Sequence[NamedSharding]):
+    """``read(x)``: the blocks of stacked array ``x`` on their stages, its shards taken in place when ``x`` is held by
+    rows as ``sharding`` (the previous step's result), else after one transfer to that layout."""
+    n, seen = len(block_shardings), []
+    devices = [list(bs.mesh.devices.flat) for bs in block_shardings]
+
+    def read(x):
+        got = getattr(x, "sharding", None)
+        if not (seen and got is seen[0]):
+            if got != sharding:
+                x = jax.device_put(x, sharding)
+            else:
+                seen[:] = [got]  # outputs of this step carry one sharding object: then one identity test
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        shape = (x.shape[0] // n,) + tuple(x.shape[1:])
+        return [jax.make_array_from_single_device_arrays(shape, bs, [by_device[d] for d in devs])
+                for bs, devs in zip(block_shardings, devices)]
+
+    return read
+
+
+def block_joiner(sharding: NamedSharding, block_shardings: Sequence[NamedSharding]):
+    """``join(blocks)``: one array of ``sharding`` (by rows over the stages) from its blocks, without a copy where each
+    block is on its stage (an update the rules could not run by rows may leave one elsewhere: it moves)."""
+    seen: list = [None] * len(block_shardings)
+    order = list(sharding.mesh.devices.flat)
+
+    def join(blocks):
+        by_device = {}
+        for j, (b, want) in enumerate(zip(blocks, block_shardings)):
+            if b.sharding is not seen[j]:
+                if b.sharding != want:
+                    b = jax.device_put(b, want)
+                else:
+                    seen[j] = b.sharding
+            for s in b.addressable_shards:
+                by_device[s.device] = s.data
+        shape = (sum(b.shape[0] for b in blocks),) + tuple(blocks[0].shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, [by_device[d] for d in order])
+
+    return join
+
+
+def lay_out_row_inputs(tasks, input_slots: list, rows: RowsLayout, user_traced: TracedStep,
+                       block_shardings: Sequence[NamedSharding]) -> list[int]:
+    """The slots of the user's flat inputs, and the first tasks of the step: each stacked input into its blocks
+    (``input_slots``, the rewritten step's input slots, are pointed at them). Returns the user's input slots."""
+    sharding = row_sharding(block_shardings)
+    positions: dict[int, list[int]] = {}
+    for pos, (k, _) in enumerate(rows.inputs):
+        positions.setdefault(k, []).append(pos)
+    user_slots = []
+    for k, v in enumerate(user_traced.jaxpr.jaxpr.invars):
+        pos = positions[k]
+        if rows.inputs[pos[0]][1] is None:
+            user_slots.append(input_slots[pos[0]])
+            continue
+        slot = tasks.new_slot(sds(v.aval, None))
+        block = (v.aval.shape[0] // len(pos),) + tuple(v.aval.shape[1:])
+        fn = Transfer("rows", block_reader(sharding, block_shardings),
+                      tuple(sds(jax.ShapeDtypeStruct(block, v.aval.dtype), sh) for sh in block_shardings))
+        for p, out in zip(pos, tasks.emit(fn, [slot], len(pos), f"rows of {user_traced.leaf_paths[k]}")):
+            input_slots[p] = out
+        user_slots.append(slot)
+    return user_slots
+
+
+def row_outputs(program: Program, rows: RowsLayout, user_slots, block_shardings) -> Program:
+    """``program`` (of the rewritten step) taking the user's flat inputs and returning the user's flat outputs: an
+    output made of blocks is one array held by rows over the stages."""
+    sharding = row_sharding(block_shardings)
+    outs = program.outputs
+
+    def joined(ix):
+        join = block_joiner(sharding, block_shardings)
+        return lambda env: join([outs[i](env) for i in ix])
+
+    outputs = tuple(outs[ix[0]] if len(ix) == 1 else joined(ix) for ix in rows.outputs)
+    return dataclasses.replace(program, input_slots=tuple(user_slots), outputs=outputs)
+
+
+__all__ = ["RowsLayout", "block_joiner", "block_reader", "hold_by_rows", "lay_out_row_inputs", "row_outputs",
+           "row_sharding"]
