@@ -278,11 +278,14 @@ def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str 
     runs = find_scan_runs(jaxpr, keep)
     bases: dict = {}
     if relative_rows:
-        invars = set(jaxpr.invars)
+        invars, read_rows_of = set(jaxpr.invars), {}
         for e in jaxpr.eqns:
             k = row_slice(e)
             if k is not None and e.invars[0] in invars:
-                bases[e.invars[0]] = min(bases.get(e.invars[0], k), k)
+                read_rows_of.setdefault(e.invars[0], set()).add(k)
+        # an input read whole (a stage's block of rows) needs no base: read as it is, it is the same in every stage,
+        # and a scan over it keeps no copy of it for the backward (JAX forwards a scanned input as its residual)
+        bases = {x: min(ks) for x, ks in read_rows_of.items() if ks != set(range(x.aval.shape[0]))}
     distinct = sorted(set(bases.values()))  # one input per distinct least row (usually one for all)
     if not runs and not bases:
         return closed, [], []
@@ -300,6 +303,8 @@ def reroll_scans(closed: jex_core.ClosedJaxpr, keep: Collection = (), name: str 
         def rows(x, k, n):
             if x in base_of:
                 return jax.lax.dynamic_slice_in_dim(read(x), base_of[x] + (k - bases[x]), n, axis=0)
+            if not isinstance(x, Literal) and k == 0 and n == x.aval.shape[0]:
+                return read(x)
             return jax.lax.slice_in_dim(read(x), k, k + n, axis=0)
 
         i = 0

@@ -66,6 +66,8 @@ class Executable:
         """Distinct programs (compiled, loaded onto other devices or still compiling)."""
         self.num_compiled = program.num_compiled if program.num_compiled is not None else self.num_programs
         """How many of them XLA compiles (programs equal up to their devices compile once)."""
+        self.slot_avals = dict(program.slot_avals)
+        """Type (shape, dtype, sharding where known) of every slot's value."""
         inputs = set(program.input_slots)
         self.slot_bytes: dict[int, dict[int, int]] = {s: _bytes_per_device(a) for s, a in program.slot_avals.items()
                                                       if s not in inputs}

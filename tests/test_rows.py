@@ -163,3 +163,16 @@ def test_the_planner_counts_the_stack_as_the_runtime_holds_it():
     assert peak("scan", "1x8xH100") == pytest.approx(peak("loop", "1x8xH100"), rel=1e-6)
     assert peak("scan", "2x4xH100") > peak("loop", "2x4xH100")
     assert peak("scan", "1x8xH100", zero1=True) > peak("loop", "1x8xH100", zero1=True)
+
+
+def test_a_stage_keeps_no_copy_of_its_rows_per_microbatch():
+    """A stage reads its block whole, so its rolled-back scan takes the block as it is, and JAX keeps the block itself
+    (an input) for the backward: no forward of a block stage outputs a copy of its rows per microbatch."""
+    step, args, _, _ = _run(ScannedGPT(CONFIG), optax.sgd(0.1), steps=1)
+    exe = step.executable_for(*args)
+    blocks = {(x.shape[0] // 4,) + x.shape[1:] for x in jax.tree.leaves(args[0]["blocks"]) if x.ndim >= 3}
+    forwards = [t for t in exe.tasks if t.label in ("1F0", "2F0")]
+    assert len(forwards) == 2
+    for t in forwards:
+        outs = {tuple(exe.slot_avals[s].shape) for s in t.outs}
+        assert not outs & blocks, (t.label, outs & blocks)
