@@ -10,6 +10,7 @@ compilation after the first call, no host synchronisation; a buffer is dropped r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -52,12 +53,11 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
             layouts = None if layouts is None else seg.per_segment(layouts)
             param_specs = None if param_specs is None else seg.per_segment(param_specs)
     meshes = StageMeshes(stage_devices, layouts)
-    rows = None
-    if split.num_stages > 1 and jax.process_count() == 1 and not zero1 and not sequence_vars:
-        def can_hold(stages):
-            return all(meshes.layouts[s]["tensor"] == 1 and meshes.layouts[s]["fsdp"] == 1 for s in stages) and \
-                row_sharding([meshes.replicated[s] for s in stages]) is not None
-        rows = hold_by_rows(traced, forward, split.stage_eqns, can_hold)
+    rows, whole = None, []
+    if split.num_stages > 1:
+        rows = hold_by_rows(traced, forward, split.stage_eqns, _why_not_by_rows(meshes), report=whole,
+                            refuse=_refuse_rows(zero1, sequence_vars))
+        _warn_whole_stacks(whole)
     user_traced = traced
     if rows is not None:  # the step over blocks of rows: parameter positions after a stacked one move
         traced, forward, donated = rows.traced, rows.forward, rows.donated(donated)
@@ -74,10 +74,49 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     builder = StepBuilder(step, TaskList(compiler.lower))
     if rows is None:
         return builder.build(), compiler, meshes
-    block_shardings = [meshes.replicated[s] for s in rows.stages]
-    user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, block_shardings)
+    def shardings_of(stages):
+        return [meshes.replicated[s] for s in stages]
+
+    user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, shardings_of)
     program = builder.build()
-    return row_outputs(program, rows, user_slots, block_shardings), compiler, meshes
+    return row_outputs(program, rows, user_slots, shardings_of), compiler, meshes
+
+
+def _refuse_rows(zero1: bool, sequence_vars) -> str | None:
+    """Why no stacked parameter is held by rows in this run, or None."""
+    if jax.process_count() > 1:
+        return "this is a multi-process run"
+    if zero1:
+        return "ZeRO-1 shards the optimizer state"
+    return "sequence parallelism keeps the iterations unrolled" if sequence_vars else None
+
+
+def _why_not_by_rows(meshes: StageMeshes):
+    """``can_hold(stages)`` for :func:`hold_by_rows`: None when one array sharded by rows can hold a stack's blocks
+    on those stages, else why not."""
+    def can_hold(stages):
+        if any(meshes.layouts[s]["tensor"] > 1 or meshes.layouts[s]["fsdp"] > 1 for s in stages):
+            return "the stages that read them split parameters over a tensor or FSDP axis"
+        if len({d for s in stages for d in meshes.devices[s]}) < sum(len(meshes.devices[s]) for s in stages):
+            return ("several of their blocks would share devices (interleaved-1f1b and dualpipev put several model "
+                    "chunks on one device group)")
+        if row_sharding([meshes.replicated[s] for s in stages]) is None:
+            return "the meshes of the stages that read them differ in shape"
+        return None
+    return can_hold
+
+
+def _warn_whole_stacks(whole) -> None:
+    """One warning per reason for the stacked parameters that stay whole (see docs/limits.md)."""
+    by_reason: dict[str, list[str]] = {}
+    for path, why in whole:
+        by_reason.setdefault(why, []).append(path)
+    for why, paths in by_reason.items():
+        named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        warnings.warn(
+            f"autopp.parallelize: the stacked parameter(s) {named} stay whole, with their optimizer state, on the "
+            f"first stage that reads them, and every other stage that reads them holds a copy, because {why}. To "
+            "divide them between the stages by rows, see docs/limits.md ('Stacked parameters').", stacklevel=6)
 
 
 def build_split_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,

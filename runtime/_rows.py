@@ -62,18 +62,19 @@ class RowsLayout:
     """Per input of :attr:`traced`: (the user's flat input, its rows ``(start, stop)`` or None for all of it)."""
     outputs: tuple[tuple[int, ...], ...]
     """Per flat output of the user's step: the outputs of :attr:`traced` that make it (one, or one per block)."""
-    stages: tuple[int, ...]
-    """The stage that holds each block, in row order."""
-    rows: tuple[tuple[int, int], ...]
-    """Each block's rows."""
-    forward_split: tuple[int, ...] = ()
-    """The positions (among the loss's inputs) of the parameters held by rows, before the rewrite."""
+    input_layouts: dict
+    """Per user's flat input held by rows: its layout, ``(stages, rows)``: the stage that holds each block and the
+    block's rows, in row order."""
+    output_layouts: dict
+    """Per user's flat output made of blocks: its layout."""
+    forward_split: dict
+    """The positions (among the loss's inputs, before the rewrite) of the parameters held by rows: their blocks."""
 
     def forward_position(self, k: int) -> int | None:
         """Where the loss's input ``k`` is after the rewrite (None: it became blocks)."""
         if k in self.forward_split:
             return None
-        return k + (len(self.rows) - 1) * sum(j < k for j in self.forward_split)
+        return k + sum(n - 1 for j, n in self.forward_split.items() if j < k)
 
     def donated(self, user_donated) -> frozenset[int]:
         """The inputs of :attr:`traced` donated when the user's flat inputs ``user_donated`` are."""
@@ -81,10 +82,10 @@ class RowsLayout:
 
 
 class _Blocks:
-    """A value of the interpreted step held as blocks of rows."""
+    """A value of the interpreted step held as blocks: ``layout`` is ``(stages, rows)``."""
 
-    def __init__(self, parts, rows):
-        self.parts, self.rows = list(parts), rows
+    def __init__(self, parts, layout):
+        self.parts, self.layout = list(parts), layout
 
 
 # -- where the forward reads stacked rows ------------------------------------------------------------------
@@ -100,21 +101,23 @@ def _uses(jaxpr: jex_core.Jaxpr) -> dict:
 
 def _row_reads(forward: jex_core.Jaxpr, k: int, stage_of: dict[int, int] | None, uses: dict):
     """Per use of forward input ``k``: (equation, row, stage) when every use is one row's slice (a scan iteration's
-    header); None otherwise."""
+    header); None otherwise; ``"cut"`` when one of them is on two stages (a stage boundary inside an iteration)."""
     v = forward.invars[k]
     if v in forward.outvars or v not in uses:
         return None
-    reads = []
+    reads, cut = [], False
     for i, pos in uses[v]:
         row = row_slice(forward.eqns[i]) if pos == 0 else None
-        if row is None or (stage_of is not None and i not in stage_of):
+        if row is None:
             return None
-        reads.append((i, row, stage_of[i] if stage_of is not None else None))
-    return reads
+        cut = cut or (stage_of is not None and i not in stage_of)
+        reads.append((i, row, stage_of.get(i) if stage_of is not None else None))
+    return "cut" if cut else reads
 
 
 def _blocks_of(reads, length: int):
-    """(stages, rows) of contiguous, equally long row ranges, one per stage in row order; None otherwise."""
+    """(stages, rows) of contiguous, equally long row ranges, one per stage in row order (a reversed scan's stages
+    run them backwards); None otherwise."""
     by_stage: dict[int, set] = {}
     for _, row, s in reads:
         by_stage.setdefault(s, set()).add(row)
@@ -127,7 +130,7 @@ def _blocks_of(reads, length: int):
         rows.append((start, start + len(got)))
         start += len(got)
     sizes = {b - a for a, b in rows}
-    if start != length or len(stages) < 2 or len(sizes) != 1 or stages != sorted(stages):
+    if start != length or len(sizes) != 1:
         return None
     return tuple(stages), tuple(rows)
 
@@ -142,16 +145,17 @@ def _whole(x):
     return lax.concatenate(x.parts, 0) if isinstance(x, _Blocks) else x
 
 
-def _apply(e, ins, sliced: set):
+def _apply(e, ins):
     """Equation ``e`` on ``ins`` (some held as blocks): block by block where it acts row by row, else on the
-    blocks concatenated. Whole operands read together with blocks are sliced (their variables go to ``sliced``)."""
+    blocks concatenated. Whole operands read together with blocks are sliced."""
     blocks = [x for x in ins if isinstance(x, _Blocks)]
     if not blocks:
         return _bind(e, ins)
-    rows = blocks[0].rows
+    layout = blocks[0].layout
+    rows = layout[1]
     shape = tuple(e.outvars[0].aval.shape) if e.outvars else None
     name = e.primitive.name
-    if name in ELEMENTWISE and all(x.rows == rows for x in blocks) and len(e.outvars) == 1:
+    if name in ELEMENTWISE and all(x.layout == layout for x in blocks) and len(e.outvars) == 1:
         per, ok = [], True
         for a, x in zip(e.invars, ins):
             if isinstance(x, _Blocks):
@@ -159,43 +163,38 @@ def _apply(e, ins, sliced: set):
             elif np.ndim(x) == 0:
                 per.append([x] * len(rows))
             elif tuple(np.shape(x)) == shape:
-                if not isinstance(a, Literal):
-                    sliced.add(a)
                 per.append([lax.slice_in_dim(x, lo, hi, axis=0) for lo, hi in rows])
             else:
                 ok = False
                 break
         if ok:
-            return [_Blocks([_bind(e, list(args))[0] for args in zip(*per)], rows)]
+            return [_Blocks([_bind(e, list(args))[0] for args in zip(*per)], layout)]
     if name in COMBINE and len(ins) == 1:
         axes = tuple(e.params["axes"])
         parts = [_bind(e, [p])[0] for p in ins[0].parts]
         if 0 in axes:
             return [functools.reduce(COMBINE[name], parts)]
-        return [_Blocks(parts, rows)]
+        return [_Blocks(parts, layout)]
     return _bind(e, [_whole(x) for x in ins])
 
 
 def _interpret(traced: TracedStep, spec, split_in: dict[int, tuple], grad_split: dict[int, tuple]):
-    """The step with the inputs ``split_in`` (outer input index -> rows) given as blocks and the gradient equation
-    over ``spec`` (whose forward takes the blocks of the gradient inputs ``grad_split``, positions -> rows): its
-    closed jaxpr, the whole values sliced along the way, and per outer output the rows it comes out in (or None)."""
+    """The step with the inputs ``split_in`` (outer input index -> layout) given as blocks and the gradient equation
+    over ``spec`` (whose forward takes the blocks of the gradient inputs ``grad_split``, positions -> layout): its
+    closed jaxpr and, per outer output, the layout it comes out in (or None)."""
     closed = traced.jaxpr
     j = closed.jaxpr
     in_avals = []
     for k, v in enumerate(j.invars):
-        if k in split_in:
-            in_avals += [jax.ShapeDtypeStruct((b - a,) + tuple(v.aval.shape[1:]), v.aval.dtype,
-                                              weak_type=v.aval.weak_type) for a, b in split_in[k]]
-        else:
-            in_avals.append(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type))
-    sliced: set = set()
-    out_rows: list = []
+        rows = split_in[k][1] if k in split_in else [None]
+        in_avals += [jax.ShapeDtypeStruct(tuple(v.aval.shape) if r is None else (r[1] - r[0],) + tuple(v.aval.shape[1:]),
+                                          v.aval.dtype, weak_type=v.aval.weak_type) for r in rows]
+    out_layouts: list = []
 
     def fn(*flat):
         env, it = dict(zip(j.constvars, closed.consts)), iter(flat)
         for k, v in enumerate(j.invars):
-            env[v] = _Blocks([next(it) for _ in split_in[k]], split_in[k]) if k in split_in else next(it)
+            env[v] = _Blocks([next(it) for _ in split_in[k][1]], split_in[k]) if k in split_in else next(it)
 
         def read(a):
             return a.val if isinstance(a, Literal) else env[a]
@@ -207,82 +206,88 @@ def _interpret(traced: TracedStep, spec, split_in: dict[int, tuple], grad_split:
                 for pos, x in enumerate(ins):
                     if pos in grad_split:
                         flat_ins += x.parts if isinstance(x, _Blocks) else \
-                            [lax.slice_in_dim(x, lo, hi, axis=0) for lo, hi in grad_split[pos]]
+                            [lax.slice_in_dim(x, lo, hi, axis=0) for lo, hi in grad_split[pos][1]]
                     else:
                         flat_ins.append(_whole(x))
                 res = iter(value_and_grad_p.bind(*flat_ins, spec=spec))
                 outs = [next(res) for _ in range(1 + spec.num_aux)]
                 for pos in traced.spec.diff_indices:
-                    outs.append(_Blocks([next(res) for _ in grad_split[pos]], grad_split[pos])
+                    outs.append(_Blocks([next(res) for _ in grad_split[pos][1]], grad_split[pos])
                                 if pos in grad_split else next(res))
             else:
-                outs = _apply(e, ins, sliced)
+                outs = _apply(e, ins)
             env.update(zip(e.outvars, outs))
         flat_out = []
-        out_rows.clear()
+        out_layouts.clear()
         for a in j.outvars:
             x = read(a)
-            out_rows.append(x.rows if isinstance(x, _Blocks) else None)
+            out_layouts.append(x.layout if isinstance(x, _Blocks) else None)
             flat_out += x.parts if isinstance(x, _Blocks) else [x]
         return flat_out
 
-    new = jax.make_jaxpr(fn)(*in_avals)
-    return new, sliced, out_rows
+    return jax.make_jaxpr(fn)(*in_avals), out_layouts
 
 
-def _sliced(traced: TracedStep, split_in: dict[int, tuple], grad_split: dict[int, tuple]) -> set:
-    """The whole values :func:`_interpret` would slice to meet blocks, found without tracing (its element-wise and
-    reduction rules on which values are blocks)."""
+def _sliced(traced: TracedStep, split_in: dict[int, tuple], grad_split: dict[int, tuple]) -> dict:
+    """The whole values :func:`_interpret` slices to meet blocks, with the blocks' layout, found without tracing (its
+    element-wise and reduction rules on which values are blocks)."""
     j, spec = traced.jaxpr.jaxpr, traced.spec
-    blocks = {v for k, v in enumerate(j.invars) if k in split_in}
+    layout_of = {v: split_in[k] for k, v in enumerate(j.invars) if k in split_in}
     grads = traced.grad_eqn.outvars[1 + spec.num_aux:]
-    blocks |= {g for k, g in zip(spec.diff_indices, grads) if k in grad_split}
-    sliced = set()
+    layout_of.update({g: grad_split[k] for k, g in zip(spec.diff_indices, grads) if k in grad_split})
+    sliced: dict = {}
     for i, e in enumerate(j.eqns):
         ins = [a for a in e.invars if not isinstance(a, Literal)]
-        if i == traced.grad_index or not any(a in blocks for a in ins):
+        layouts = {layout_of[a] for a in ins if a in layout_of}
+        if i == traced.grad_index or len(layouts) != 1:
             continue
+        (layout,) = layouts
         name, shape = e.primitive.name, tuple(e.outvars[0].aval.shape) if e.outvars else None
         if name in ELEMENTWISE and len(e.outvars) == 1:
-            whole = [a for a in ins if a not in blocks and a.aval.shape]
+            whole = [a for a in ins if a not in layout_of and a.aval.shape]
             if all(tuple(a.aval.shape) == shape for a in whole):
-                sliced.update(whole)
-                blocks.add(e.outvars[0])
+                sliced.update({a: layout for a in whole})
+                layout_of[e.outvars[0]] = layout
         elif name in COMBINE and 0 not in tuple(e.params["axes"]):
-            blocks.add(e.outvars[0])
+            layout_of[e.outvars[0]] = layout
     return sliced
 
 
-def _sources(traced: TracedStep, sliced: set, length: int) -> set[int]:
+def _sources(traced: TracedStep, sliced: dict) -> dict[int, tuple]:
     """The step inputs the sliced whole values come from through element-wise equations (optimizer state read with a
-    block: Adam's moments), to hold by rows as well (not the loss's inputs: a parameter held whole stays whole)."""
+    block: Adam's moments), to hold by rows as well, with their layout (not the loss's inputs: a parameter held
+    whole stays whole)."""
     j = traced.jaxpr.jaxpr
     producer = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
     loss_inputs = {a for a in traced.grad_eqn.invars if not isinstance(a, Literal)}
     index = {v: k for k, v in enumerate(j.invars) if v not in loss_inputs}
-    found, stack, seen = set(), list(sliced), set()
+    found: dict[int, tuple] = {}
+    stack, seen = list(sliced.items()), set()
     while stack:
-        v = stack.pop()
+        v, layout = stack.pop()
         if v in seen:
             continue
         seen.add(v)
         if v in index:
             k = index[v]
-            if not traced.batch_mask[k] and v.aval.shape and v.aval.shape[0] == length:
-                found.add(k)
+            if not traced.batch_mask[k] and v.aval.shape and v.aval.shape[0] == layout[1][-1][1]:
+                found.setdefault(k, layout)
         elif v in producer and producer[v] != traced.grad_index:
             e = j.eqns[producer[v]]
             if e.primitive.name in ELEMENTWISE:
-                stack += [a for a in e.invars if not isinstance(a, Literal) and a.aval.shape]
+                stack += [(a, layout) for a in e.invars if not isinstance(a, Literal) and a.aval.shape]
     return found
 
 
 # -- the rewrite -------------------------------------------------------------------------------------------
 def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[int]],
-                 can_hold=lambda stages: True) -> RowsLayout | None:
+                 can_hold=lambda stages: None, refuse: str | None = None,
+                 report: list | None = None) -> RowsLayout | None:
     """The step rewritten to hold its stacked parameters by rows (see the module docstring), for the stage split
     ``stage_eqns`` (each stage's equations of ``forward``, the loss's forward at microbatch size); None when no
-    parameter qualifies. ``can_hold(stages)``: whether one array can be sharded by rows over those stages' devices."""
+    parameter qualifies. ``can_hold(stages)``: None when one array can be sharded by rows over those stages' devices,
+    else why not. ``refuse``: hold none, for this reason. ``report``: gets ``(leaf path, reason)`` for each stacked
+    parameter read by several stages that stays whole."""
     spec, grad = traced.spec, traced.grad_eqn
     outer = traced.jaxpr.jaxpr
     if not any(row_slice(e) is not None for e in forward.jaxpr.eqns):  # no scan over stacked inputs
@@ -294,57 +299,64 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
     stage_of = {i: s for i, s in stage_of.items() if s >= 0}
     grad_split: dict[int, tuple] = {}
     split_in: dict[int, tuple] = {}
-    layout = None
     mb = traced.microbatched_grad_inputs
-    outer_invars = set(outer.invars)
+    outer_index = {v: k for k, v in enumerate(outer.invars)}
     uses, whole_uses = _uses(forward.jaxpr), _uses(spec.forward.jaxpr)
     for k in spec.diff_indices:
         a = grad.invars[k]
-        if mb[k] or isinstance(a, Literal) or a not in outer_invars or sum(b is a for b in grad.invars) != 1:
+        if mb[k] or isinstance(a, Literal) or a not in outer_index or sum(b is a for b in grad.invars) != 1:
             continue
         reads = _row_reads(forward.jaxpr, k, stage_of, uses)
-        whole_reads = _row_reads(spec.forward.jaxpr, k, None, whole_uses)
-        if not reads or whole_reads is None:
+        if not reads or _row_reads(spec.forward.jaxpr, k, None, whole_uses) is None:
             continue
-        blocks = _blocks_of(reads, forward.jaxpr.invars[k].aval.shape[0])
-        if blocks is None or (layout is not None and blocks != layout) or not can_hold(blocks[0]):
+        if reads != "cut" and len({st for _, _, st in reads}) < 2:
+            continue  # one stage reads all of it: it holds it anyway
+        length = forward.jaxpr.invars[k].aval.shape[0]
+        layout = None if reads == "cut" else _blocks_of(reads, length)
+        why = refuse or ("a stage boundary falls inside one of the scan's iterations" if reads == "cut" else
+                         f"the stages read unequal numbers of the stack's {length} rows (a stage count that divides "
+                         "them holds it by rows)" if layout is None else can_hold(layout[0]))
+        if why is not None:
+            if report is not None:
+                report.append((traced.leaf_paths[outer_index[a]], why))
             continue
-        layout = blocks
-        grad_split[k] = blocks[1]
-        split_in[outer.invars.index(a)] = blocks[1]
+        grad_split[k] = layout
+        split_in[outer_index[a]] = layout
     if not grad_split:
         return None
-    stages, rows = layout
-    length = rows[-1][1]
-    mb_forward = read_rows(forward, grad_split)
-    shift = {k: len(r) - 1 for k, r in grad_split.items()}
+    mb_forward = read_rows(forward, {k: lay[1] for k, lay in grad_split.items()})
     mask = []
     for k, d in enumerate(spec.diff_mask):
-        mask += [d] * (len(grad_split[k]) if k in grad_split else 1)
+        mask += [d] * (len(grad_split[k][1]) if k in grad_split else 1)
     new_spec = dataclasses.replace(
-        spec, forward=read_rows(spec.forward, grad_split), diff_mask=tuple(mask), loss_fn=None,
-        num_lifted=spec.num_lifted + sum(n for k, n in shift.items() if k < spec.num_lifted))
+        spec, forward=read_rows(spec.forward, {k: lay[1] for k, lay in grad_split.items()}), diff_mask=tuple(mask),
+        loss_fn=None, num_lifted=spec.num_lifted + sum(len(lay[1]) - 1 for k, lay in grad_split.items()
+                                                      if k < spec.num_lifted))
     for _ in range(8):  # optimizer state read with blocks becomes blocks too, until nothing more is sliced
-        more = _sources(traced, _sliced(traced, split_in, grad_split), length) - set(split_in)
+        more = {k: lay for k, lay in _sources(traced, _sliced(traced, split_in, grad_split)).items()
+                if k not in split_in}
         if not more:
             break
-        split_in.update({k: rows for k in more})
-    closed, sliced, out_rows = _interpret(traced, new_spec, split_in, grad_split)
+        split_in.update(more)
+    closed, out_layouts = _interpret(traced, new_spec, split_in, grad_split)
     grad_index = next(i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive is value_and_grad_p)
     inputs, batch_mask, paths = [], [], []
     for k in range(len(outer.invars)):
-        for r in split_in.get(k, (None,)):
+        for r in (split_in[k][1] if k in split_in else (None,)):
             inputs.append((k, r))
             batch_mask.append(traced.batch_mask[k])
             paths.append(traced.leaf_paths[k] + ("" if r is None else f"[{r[0]}:{r[1]}]"))
     outputs, n = [], 0
-    for r in out_rows:
-        outputs.append(tuple(range(n, n + (len(r) if r else 1))))
-        n += len(r) if r else 1
+    for lay in out_layouts:
+        count = len(lay[1]) if lay else 1
+        outputs.append(tuple(range(n, n + count)))
+        n += count
     step = dataclasses.replace(traced, jaxpr=closed, grad_index=grad_index, batch_mask=tuple(batch_mask),
                                leaf_paths=tuple(paths))
     return RowsLayout(traced=step, forward=mb_forward, inputs=tuple(inputs), outputs=tuple(outputs),
-                      stages=stages, rows=rows, forward_split=tuple(sorted(grad_split)))
+                      input_layouts=dict(split_in),
+                      output_layouts={o: lay for o, lay in enumerate(out_layouts) if lay is not None},
+                      forward_split={k: len(lay[1]) for k, lay in grad_split.items()})
 
 
 # -- the user's arrays and the blocks ----------------------------------------------------------------------
@@ -405,22 +417,24 @@ def block_joiner(sharding: NamedSharding, block_shardings: Sequence[NamedShardin
 
 
 def lay_out_row_inputs(tasks, input_slots: list, rows: RowsLayout, user_traced: TracedStep,
-                       block_shardings: Sequence[NamedSharding]) -> list[int]:
+                       shardings_of) -> list[int]:
     """The slots of the user's flat inputs, and the first tasks of the step: each stacked input into its blocks
-    (``input_slots``, the rewritten step's input slots, are pointed at them). Returns the user's input slots."""
-    sharding = row_sharding(block_shardings)
+    (``input_slots``, the rewritten step's input slots, are pointed at them). ``shardings_of(stages)``: each block's
+    sharding. Returns the user's input slots."""
     positions: dict[int, list[int]] = {}
     for pos, (k, _) in enumerate(rows.inputs):
         positions.setdefault(k, []).append(pos)
     user_slots = []
     for k, v in enumerate(user_traced.jaxpr.jaxpr.invars):
         pos = positions[k]
-        if rows.inputs[pos[0]][1] is None:
+        if k not in rows.input_layouts:
             user_slots.append(input_slots[pos[0]])
             continue
+        stages, blocks = rows.input_layouts[k]
+        block_shardings = shardings_of(stages)
         slot = tasks.new_slot(sds(v.aval, None))
-        block = (v.aval.shape[0] // len(pos),) + tuple(v.aval.shape[1:])
-        fn = Transfer("rows", block_reader(sharding, block_shardings),
+        block = (blocks[0][1] - blocks[0][0],) + tuple(v.aval.shape[1:])
+        fn = Transfer("rows", block_reader(row_sharding(block_shardings), block_shardings),
                       tuple(sds(jax.ShapeDtypeStruct(block, v.aval.dtype), sh) for sh in block_shardings))
         for p, out in zip(pos, tasks.emit(fn, [slot], len(pos), f"rows of {user_traced.leaf_paths[k]}")):
             input_slots[p] = out
@@ -428,17 +442,18 @@ def lay_out_row_inputs(tasks, input_slots: list, rows: RowsLayout, user_traced: 
     return user_slots
 
 
-def row_outputs(program: Program, rows: RowsLayout, user_slots, block_shardings) -> Program:
+def row_outputs(program: Program, rows: RowsLayout, user_slots, shardings_of) -> Program:
     """``program`` (of the rewritten step) taking the user's flat inputs and returning the user's flat outputs: an
     output made of blocks is one array held by rows over the stages."""
-    sharding = row_sharding(block_shardings)
     outs = program.outputs
 
-    def joined(ix):
-        join = block_joiner(sharding, block_shardings)
+    def joined(ix, stages):
+        block_shardings = shardings_of(stages)
+        join = block_joiner(row_sharding(block_shardings), block_shardings)
         return lambda env: join([outs[i](env) for i in ix])
 
-    outputs = tuple(outs[ix[0]] if len(ix) == 1 else joined(ix) for ix in rows.outputs)
+    outputs = tuple(joined(ix, rows.output_layouts[o][0]) if o in rows.output_layouts else outs[ix[0]]
+                    for o, ix in enumerate(rows.outputs))
     return dataclasses.replace(program, input_slots=tuple(user_slots), outputs=outputs)
 
 

@@ -93,10 +93,11 @@ def test_the_stacks_state_is_divided_between_the_stages(monkeypatch):
 
 
 def test_steps_that_cannot_be_held_by_rows_stay_whole():
-    """Blocks of unequal length (6 layers over 4 stages) and a loss that reads the stack whole (a penalty on all of
-    it) keep the stack one array, as before; both equal plain jit."""
+    """Blocks of unequal length (6 layers over 4 stages: with a warning naming the stack and why) and a loss that reads
+    the stack whole (a penalty on all of it) keep the stack one array, as before; both equal plain jit."""
     uneven = GPTConfig(layers=6, hidden=32, heads=4, seq=16, vocab=64)
-    step, args, got, want = _run(ScannedGPT(uneven), optax.sgd(0.1), steps=1)
+    with pytest.warns(UserWarning, match=r"args\[0\]\['blocks'\].*stay whole.*unequal numbers of the stack's 6 rows"):
+        step, args, got, want = _run(ScannedGPT(uneven), optax.sgd(0.1), steps=1)
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     assert not [lab for lab in step.executable_for(*args).describe() if lab.startswith("rows of")]
 
@@ -176,3 +177,65 @@ def test_a_stage_keeps_no_copy_of_its_rows_per_microbatch():
     for t in forwards:
         outs = {tuple(exe.slot_avals[s].shape) for s in t.outs}
         assert not outs & blocks, (t.label, outs & blocks)
+
+
+def test_a_reversed_scan_is_held_by_rows_and_an_interleaved_schedule_says_why_not():
+    """``lax.scan(..., reverse=True)``: the last stage reads the first rows; the blocks are held by rows all the same
+    (the row-sharded array lists the stages' devices in row order). Two model chunks per device group (interleaved
+    1F1B) cannot hold a stack as one row-sharded array: a warning names the stack and the schedule. Both equal jit."""
+    class Reversed(ScannedGPT):
+        def apply(self, params, tokens):
+            x = self.embed(params, tokens)
+            x, _ = jax.lax.scan(lambda h, bp: (self.block(bp, h), None), x, params["blocks"], reverse=True)
+            return self.head(params, x)
+
+    step, args, got, want = _run(Reversed(CONFIG), optax.sgd(0.1), steps=2)
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    w = got[0]["blocks"]["mlp"]["fc_w"]
+    assert len(w.sharding.device_set) == 4
+    rows_on = {s.device.id: s.index[0].start for s in w.addressable_shards}
+    assert rows_on[3] == 0 and rows_on[0] == 6, rows_on  # the last stage runs the first rows
+
+    params = ScannedGPT(CONFIG).init(jax.random.key(0))
+    tx = optax.sgd(0.1)
+    interleaved = autopp.parallelize(make_train_step(ScannedGPT(CONFIG).loss, tx), num_stages=2, num_microbatches=4,
+                                     schedule="interleaved-1f1b", virtual_stages=2, devices=jax.devices()[:2])
+    with pytest.warns(UserWarning, match=r"stay whole.*share devices \(interleaved-1f1b"):
+        *got, _ = interleaved(params, tx.init(params), ScannedGPT(CONFIG).batch(jax.random.key(1), 16))
+    *want, _ = microbatched_jit(ScannedGPT(CONFIG), tx, 4)(params, tx.init(params),
+                                                           ScannedGPT(CONFIG).batch(jax.random.key(1), 16))
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_two_stacks_on_different_stages_are_each_held_by_rows():
+    """An encoder stack and a decoder stack (two scans, 4 layers each) over 4 stages: each stack is divided over the
+    stages that run its iterations, two rows each; SGD equals plain jit."""
+    hidden, layers = 16, 4
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"enc": jax.random.normal(k[0], (layers, hidden, hidden)) * 0.3,
+              "dec": jax.random.normal(k[1], (layers, hidden, hidden)) * 0.3,
+              "head": jax.random.normal(k[2], (hidden, 1)) * 0.3}
+    x = jax.random.normal(jax.random.key(1), (16, hidden))
+    y = jax.random.normal(jax.random.key(2), (16, 1))
+
+    def loss(p, batch):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch[0], p["enc"])
+        h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), h, p["dec"])
+        return jnp.mean((h @ p["head"] - batch[1]) ** 2)
+
+    def make(vag):
+        def step(p, batch):
+            value, g = vag(loss)(p, batch)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+        return step
+
+    pipelined = autopp.parallelize(make(autopp.value_and_grad), num_stages=4, num_microbatches=4,
+                                   devices=jax.devices()[:4])
+    got = want = params
+    for _ in range(2):
+        got, _ = pipelined(got, (x, y))
+        want, _ = jax.jit(make(jax.value_and_grad))(want, (x, y))
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    for name in ("enc", "dec"):
+        assert len(got[name].sharding.device_set) == 2, (name, got[name].sharding)
+    assert got["enc"].sharding.device_set.isdisjoint(got["dec"].sharding.device_set)
