@@ -116,7 +116,7 @@ def _warn_whole_stacks(whole) -> None:
         warnings.warn(
             f"autopp.parallelize: the stacked parameter(s) {named} stay whole, with their optimizer state, on the "
             f"first stage that reads them, and every other stage that reads them holds a copy, because {why}. To "
-            "divide them between the stages by rows, see docs/limits.md ('Stacked parameters').", stacklevel=6)
+            "divide them between the stages by rows, see docs/limits.md ('Stacked parameters').", stacklevel=8)
 
 
 def build_split_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
