@@ -255,7 +255,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
             f"{who}: the step takes {len(grads)} gradients with autopp.grad; exactly one is "
             "supported. Combine the losses into one function, or use jax.grad for the others."
         )
-    return TracedStep(
+    traced = TracedStep(
         jaxpr=closed,
         in_tree=in_tree,
         out_tree=out_tree,
@@ -264,6 +264,14 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         leaf_paths=leaf_paths,
         batch_argnums=batch_argnums,
     )
+    if not any(traced.microbatched_grad_inputs):
+        last = len(args) - 1
+        raise ValueError(
+            f"{who}: the loss reads nothing from the batch argument(s) batch_argnums={batch_argnums} "
+            f"(args[{'], args['.join(map(str, batch_argnums))}]), so there is nothing to split into microbatches. "
+            f"batch_argnums names the step arguments that hold the batch; pass the batch's position (by default the "
+            f"last argument, {last}).")
+    return traced
 
 
 def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:

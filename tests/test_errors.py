@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import autopp
@@ -171,3 +172,15 @@ def test_a_custom_schedule_may_repeat_its_chunks_as_virtual_stages():
     text = "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1"
     step = autopp.parallelize(lambda p, b: p, schedule=text, virtual_stages=2, devices=jax.devices()[:2])
     assert step.config.schedule.num_stages == 4
+
+
+def test_batch_argnums_that_miss_the_batch_is_named(mlp_setup):
+    """``batch_argnums`` pointing at an argument the loss does not read (a momentum optimizer's state): refused
+    naming it."""
+    model, _, (params, _), batch = mlp_setup
+    tx = optax.sgd(0.1, momentum=0.9)
+    step, state = make_step(model, tx), (params, tx.init(params))
+    with pytest.raises(ValueError, match=r"(?s)reads nothing from the batch argument\(s\) batch_argnums=\(1,\) "
+                                         r"\(args\[1\]\).*by default the last argument, 2"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, batch_argnums=1,
+                           devices=jax.devices()[:2])(*state, batch)
