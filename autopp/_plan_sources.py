@@ -267,7 +267,8 @@ def _check_offline_plan(plan: Plan, prof: Profile, batch: int) -> None:
             f"{_WHO}: the plan was made offline for a model of {None if last is None else last + 1} layers "
             f"(embedding, blocks, head), but this step's profile has {len(prof.layers)} "
             f"({', '.join(lay.name for lay in prof.layers[:6])}{', ...' if len(prof.layers) > 6 else ''}); make the "
-            "plan for this model's GPTConfig, or with plan_model(profile(step, ...), cluster).")
+            "plan for this step: `autopp plan --step module:function ...`, or plan_model(autopp.profiler.profile("
+            "step, *args), cluster, global_batch=...) (a zoo model: its config).")
     mesh = plan.stages[0].mesh_shape
     replicas = mesh.get("data", 1) * mesh.get("fsdp", 1)
     if plan.microbatch_size is not None and plan.microbatch_size * plan.num_microbatches * replicas != batch:
