@@ -472,8 +472,9 @@ class StepModel:
 
     def _by_rows(self, L: Layout) -> bool:
         """Whether the runtime may divide stacked parameters by rows under ``L`` (``runtime/_rows.py``): one process
-        (one node), no tensor, FSDP or ZeRO-1 split."""
-        return self.cluster.num_nodes == 1 and L.tensor == 1 and L.fsdp == 1 and not L.zero1
+        (one node), no tensor, FSDP or ZeRO-1 split, no sequence parallelism."""
+        return (self.cluster.num_nodes == 1 and L.tensor == 1 and L.fsdp == 1 and not L.zero1
+                and not L.sequence_parallel)
 
     def _memory(self, L: Layout, span, members, arr, in_flight, group_state) -> tuple[list[float], list[tuple]]:
         """Bytes per device of each group, and (parameters and gradients, optimizer state, activations) of each."""

@@ -74,6 +74,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     builder = StepBuilder(step, TaskList(compiler.lower))
     if rows is None:
         return builder.build(), compiler, meshes
+
     def shardings_of(stages):
         return [meshes.replicated[s] for s in stages]
 
