@@ -30,6 +30,18 @@ def _run(model, tx, steps, num_stages=4, num_microbatches=4, batch_size=16):
     return step, (params, tx.init(params), batch), got, want
 
 
+def _sgd_steps(loss, lr=0.1):
+    """An SGD step of ``loss(params, batch)``: pipelined over 4 stages and 4 microbatches, and under plain jit."""
+    def make(vag):
+        def step(p, batch):
+            value, g = vag(loss)(p, batch)
+            return jax.tree.map(lambda a, b: a - lr * b, p, g), value
+        return step
+
+    return (autopp.parallelize(make(autopp.value_and_grad), num_stages=4, num_microbatches=4,
+                               devices=jax.devices()[:4]), jax.jit(make(jax.value_and_grad)))
+
+
 def _stacked(tree):
     return [x for x in jax.tree.leaves(tree) if x.ndim >= 1 and x.shape[0] == CONFIG.layers]
 
@@ -223,18 +235,11 @@ def test_two_stacks_on_different_stages_are_each_held_by_rows():
         h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), h, p["dec"])
         return jnp.mean((h @ p["head"] - batch[1]) ** 2)
 
-    def make(vag):
-        def step(p, batch):
-            value, g = vag(loss)(p, batch)
-            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
-        return step
-
-    pipelined = autopp.parallelize(make(autopp.value_and_grad), num_stages=4, num_microbatches=4,
-                                   devices=jax.devices()[:4])
+    pipelined, plain = _sgd_steps(loss)
     got = want = params
     for _ in range(2):
         got, _ = pipelined(got, (x, y))
-        want, _ = jax.jit(make(jax.value_and_grad))(want, (x, y))
+        want, _ = plain(want, (x, y))
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     for name in ("enc", "dec"):
         assert len(got[name].sharding.device_set) == 2, (name, got[name].sharding)
@@ -258,16 +263,9 @@ def test_a_cut_inside_an_iteration_loses_ties_to_an_iteration_boundary(recwarn):
         h, _ = jax.lax.scan(block, b[0] @ p["embed"], p["blocks"])
         return jnp.mean((h @ p["head"] - b[1]) ** 2)
 
-    def make(vag):
-        def step(p, b):
-            value, g = vag(loss)(p, b)
-            return jax.tree.map(lambda a, c: a - 0.1 * c, p, g), value
-        return step
-
-    pipelined = autopp.parallelize(make(autopp.value_and_grad), num_stages=4, num_microbatches=4,
-                                   devices=jax.devices()[:4])
+    pipelined, plain = _sgd_steps(loss)
     got, _ = pipelined(params, batch)
-    want, _ = jax.jit(make(jax.value_and_grad))(params, batch)
+    want, _ = plain(params, batch)
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     assert not [w for w in recwarn if "stay whole" in str(w.message)]
     assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(got["blocks"]))
