@@ -194,8 +194,9 @@ def abstract_leaf(x, **kwargs) -> jax.ShapeDtypeStruct:
 
 @contextlib.contextmanager
 def _tracing():
-    """How autopp traces user code: the gradient marked, fused attention marked, jit calls inlined."""
-    with marking_gradients(), _compat.marking_fused_attention(), jax.disable_jit():
+    """How autopp traces user code: the gradient marked, fused attention marked, jit calls inlined, scans unrolled
+    (each body traced once and replayed per iteration)."""
+    with marking_gradients(), _compat.marking_fused_attention(), _compat.replaying_scans(), jax.disable_jit():
         yield
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 
 import autopp
@@ -106,3 +107,108 @@ def test_a_build_runs_no_full_garbage_collection_and_restores_the_thresholds(mon
         gc.callbacks.remove(note)
         gc.set_threshold(*before)
     assert not full
+
+
+# -- lax.scan bodies traced once and replayed per iteration -------------------------------------------------------
+def _unrolled(fn, *args, replay):
+    """``fn``'s jaxpr as autopp traces (``jax.disable_jit`` unrolls ``lax.scan``), with the scan bodies replayed or run
+    by JAX's own unrolling (the reference: a Python loop over the iterations)."""
+    import contextlib
+
+    from autopp.core import _compat
+
+    with (_compat.replaying_scans() if replay else contextlib.nullcontext()), jax.disable_jit():
+        return jax.make_jaxpr(fn)(*args)
+
+
+def _scan_cases():
+    import jax.numpy as jnp
+    from jax import lax
+
+    def body_calls(counter, body):
+        def counted(c, x):
+            counter.append(1)
+            return body(c, x)
+        return counted
+
+    w = jnp.ones((4, 4))
+
+    def pytree(counter, outer, xs):  # dict carry, tuple xs, a closed-over tracer, ys a dict
+        def body(c, x):
+            h = jnp.tanh(c["h"] @ x[0] + outer) * x[1]
+            return {"h": h, "n": c["n"] + 1}, {"h": h.sum(), "sq": h * h}
+        return lax.scan(body_calls(counter, body), {"h": outer, "n": jnp.int32(0)}, xs)
+
+    def reverse(counter, outer, xs):
+        return lax.scan(body_calls(counter, lambda c, x: (c @ x[0], c.sum())), outer, xs, reverse=True)
+
+    def no_xs(counter, outer, xs):
+        return lax.scan(body_calls(counter, lambda c, _: (c * 2.0 + 1.0, None)), outer, None, length=5)
+
+    def nested(counter, outer, xs):
+        def body(c, x):
+            inner, _ = lax.scan(lambda a, r: (a + r.sum(), None), c, x[0])
+            return inner, inner.mean()
+        return lax.scan(body_calls(counter, body), outer, xs)
+
+    def weak_carry(counter, outer, xs):  # a Python float carry, strongly typed after the first iteration
+        return lax.scan(body_calls(counter, lambda c, x: (c + x[1].sum(), c)), 0.0, xs)
+
+    def keys(counter, outer, xs):
+        ks = jax.random.split(jax.random.key(0), 3)
+        return lax.scan(body_calls(counter, lambda c, k: (c + jax.random.normal(k, c.shape), None)), outer, ks)
+
+    def fori_and_map(counter, outer, xs):
+        y = lax.fori_loop(0, 3, lambda i, c: c @ w + i, outer)
+        return lax.map(lambda x: x[0] @ y, xs)
+
+    xs = (jnp.arange(48.0).reshape(3, 4, 4) / 48, jnp.ones((3, 4, 4)))
+    return {"pytree": (pytree, 1), "reverse": (reverse, 1), "no_xs": (no_xs, 1), "nested": (nested, 1),
+            "weak_carry": (weak_carry, 2), "keys": (keys, 1), "fori_and_map": (fori_and_map, None)}, xs
+
+
+@pytest.mark.parametrize("case", ["pytree", "reverse", "no_xs", "nested", "weak_carry", "keys", "fori_and_map"])
+def test_a_scan_body_traces_once_per_carry_type_into_the_same_jaxpr_as_jax_s_unrolling(case):
+    """A ``lax.scan`` in a traced step is unrolled (so that the pipeline can cut between iterations); its body is
+    traced once per carry type and replayed per iteration (``_compat.replaying_scans``), giving equation for
+    equation the jaxpr JAX's own unrolling gives by running the body once per iteration."""
+    import jax.numpy as jnp
+
+    cases, xs = _scan_cases()
+    fn, traces = cases[case]
+    outer = jnp.full((4, 4), 0.5, jnp.float32)  # (a strongly typed carry: one trace)
+    reference_calls, calls = [], []
+    reference = _unrolled(lambda o, x: fn(reference_calls, o, x), outer, xs, replay=False)
+    replayed = _unrolled(lambda o, x: fn(calls, o, x), outer, xs, replay=True)
+    assert str(replayed) == str(reference)
+    assert not any(e.primitive.name in ("scan", "while") for e in replayed.jaxpr.eqns)
+    if traces is not None:
+        assert len(reference_calls) == (5 if case == "no_xs" else 3)
+        assert len(calls) == traces
+    assert jax.lax.scan.__module__ == "jax._src.lax.control_flow.loops" and jax.lax.scan.__name__ == "scan"
+    got = jax.core.eval_jaxpr(replayed.jaxpr, replayed.consts, outer, *xs)
+    want = jax.jit(lambda o, x: fn([], o, x))(outer, xs)
+    assert_trees_close(got, jax.tree.leaves(want), rtol=1e-6)
+
+
+def test_a_scan_with_a_concrete_counter_or_a_python_branch_runs_jax_s_unrolling():
+    """Where JAX's unrolling gives the body concrete values the replay would trace (a Python int counter, which may
+    pick per-layer Python values; a body that branches in Python on its carry), ``lax.scan`` runs JAX's own, as
+    before the replay."""
+    import jax.numpy as jnp
+
+    scales = [1.0, 2.0, 3.0, 4.0]
+
+    def counter(x):  # a Python int carry picking a per-layer Python constant
+        return jax.lax.scan(lambda c, r: ((c[0] * scales[c[1]] + r, c[1] + 1), None), (x, 0), jnp.ones((4, 3)))[0][0]
+
+    def branch(x):  # a concrete float carry, tested in Python
+        return jax.lax.scan(lambda c, r: ((c[0] + r if c[1] > 0 else c[0] - r, c[1]), None), (x, 1.0),
+                            jnp.ones((4, 3)))[0][0]
+
+    x = jnp.zeros(3, jnp.float32)
+    for fn in (counter, branch):
+        replayed = _unrolled(fn, x, replay=True)
+        assert str(replayed) == str(_unrolled(fn, x, replay=False))
+        got = jax.core.eval_jaxpr(replayed.jaxpr, replayed.consts, x)[0]
+        np.testing.assert_allclose(got, np.full(3, 41.0 if fn is counter else 4.0))  # ((1 * 2 + 1) * 3 + 1) * 4 + 1
