@@ -269,3 +269,31 @@ def test_a_cut_inside_an_iteration_loses_ties_to_an_iteration_boundary(recwarn):
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     assert not [w for w in recwarn if "stay whole" in str(w.message)]
     assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(got["blocks"]))
+
+
+def test_whole_stacks_on_the_host_are_read_into_rows_without_compiling():
+    """A stacked input given whole (the first step's, from ``init``) is split into its stages' blocks. On the CPU
+    backend the split is made on the host: JAX's on-device split would compile a slicing program per leaf shape
+    (about a quarter second each on two cores), which the first call of a scanned model paid for every stacked leaf."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from autopp.runtime._rows import block_reader, row_sharding
+
+    blocks = [NamedSharding(Mesh(np.array([d]), ("data",)), PartitionSpec()) for d in jax.devices()[:4]]
+    read = block_reader(row_sharding(blocks), blocks)
+    stack = jax.random.normal(jax.random.key(3), (8, 5, 7))  # a shape nothing else here has
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = jax.block_until_ready(read(stack))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    for k, (block, sharding) in enumerate(zip(got, blocks)):
+        assert block.sharding == sharding
+        np.testing.assert_array_equal(block, stack[2 * k:2 * k + 2])
