@@ -124,7 +124,8 @@ class TaskList:
 
     def emit(self, fn, ins, n_out, label, donated=()) -> list[int]:
         """Append a task; a jitted program is lowered now for its input types. ``donated``: the input slots the
-        program donates (it was jitted with their positions in ``donate_argnums``)."""
+        program donates (it was jitted with their positions in ``donate_argnums``); by default read off the lowered
+        program (a backward's gradient accumulators)."""
         lowered = None
         if isinstance(fn, Transfer):
             out_avals = list(fn.out_avals)
@@ -132,6 +133,9 @@ class TaskList:
             lowered = self._lower(fn, self.avals(ins))
             out_avals = jax.tree.leaves(lowered.out_info)
             assert all(a.sharding is not None for a in out_avals), f"{label}: every output needs a sharding"
+            if not donated:
+                flags = [getattr(a, "donated", False) for a in jax.tree.leaves(lowered.args_info)]
+                donated = [slot for slot, flag in zip(ins, flags) if flag] if len(flags) == len(ins) else ()
         assert len(out_avals) == n_out, (label, len(out_avals), n_out)
         outs = [self.new_slot(a) for a in out_avals]
         self.tasks.append(Task(fn, tuple(ins), tuple(outs), label, devices=devices_of(out_avals),
