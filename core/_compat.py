@@ -333,8 +333,17 @@ def _scan_by_replay(f, init, xs, length, reverse):
             return carry_leaves + y_leaves
 
         try:
-            closed = jax.make_jaxpr(flat_body)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in key), *x_avals)
-        except Exception:  # noqa: BLE001 -- JAX's own unrolling reports what is wrong with the body, as before
+            with jax.checking_leaks():
+                closed = jax.make_jaxpr(flat_body)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in key),
+                                                   *x_avals)
+        except Exception as e:  # noqa: BLE001 -- JAX's own unrolling reports what is wrong with the body, as before
+            if str(e).startswith("Leaked trace"):  # (the body's side effects happened: running it again cannot help)
+                raise ValueError(
+                    "autopp: a value computed inside a lax.scan body escaped the body (appended to a Python list, "
+                    "stored on an object or in a global), as jax.jit would also refuse (UnexpectedTracerError). A "
+                    "scan body hands values out only through its carry and its per-iteration outputs: return the "
+                    "value as part of the body's output (`return carry, (y, aux)`, then use the stacked aux after "
+                    f"the scan) or add it to the carry. JAX's message: {str(e)[:400]}") from None
             return None
         if flat_body.trees[0] != init_tree:  # a carry that changes structure: JAX's unrolling says so
             return None
