@@ -161,11 +161,14 @@ def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, 
         owned += sum(aval_bytes(fwd.invars[k].aval) * len(rows[(s, k)]) // fwd.invars[k].aval.shape[0]
                      for k in stacked if spec.diff_mask[k])
         end = split.stage_starts[s + 1] if s + 1 < len(split.stage_starts) else len(fwd.eqns)
+        # the forward is the whole microbatch; a plan's figures are per replica's microbatch, as plan_model's
+        replicas = layouts[s].get("data", 1) * layouts[s].get("fsdp", 1)
         stages.append(StagePlan(
             index=s, devices=tuple(d.id for d in stage_devices[s]),
             mesh_shape={k: v for k, v in layouts[s].items() if k == "data" or v > 1},
-            equations=(split.stage_starts[s], end - 1), num_equations=len(ids), flops=float(split.stage_costs[s]),
-            param_bytes=int(owned), cut_bytes_after=int(split.cut_bytes[s]) if s < len(split.cut_bytes) else 0,
+            equations=(split.stage_starts[s], end - 1), num_equations=len(ids),
+            flops=float(split.stage_costs[s]) / replicas, param_bytes=int(owned),
+            cut_bytes_after=int(split.cut_bytes[s]) // replicas if s < len(split.cut_bytes) else 0,
             recompute=recompute[s]))
     return tuple(stages)
 

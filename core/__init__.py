@@ -40,6 +40,7 @@ from autopp.core._trace import (
     abstract_leaf,
     check_array_leaves,
     check_batch_divisible,
+    check_gradient_not_split,
     eval_jaxpr_with,
     is_weak,
     normalize_batch_argnums,

@@ -172,7 +172,9 @@ def check_array_leaves(args: Sequence[Any], who: str = "autopp.parallelize") -> 
             "jax.jit); these are not:\n" + "\n".join(bad) + "\nPass only the arrays and close over the rest: "
             "for an Equinox module, `params, static = eqx.partition(model, eqx.is_inexact_array)`, give the step "
             "`params` and rebuild the module inside the loss with `eqx.combine(params, static)`; for a Flax NNX "
-            "module, `graphdef, state = nnx.split(model)` and `nnx.merge(graphdef, state)` in the loss."
+            "module holding non-array variables (a name, a config), split the arrays off with a filter, `graphdef, "
+            "params, rest = nnx.split(model, nnx.Param, ...)`, give the step `params` and close over the rest: "
+            "`nnx.merge(graphdef, params, rest)` in the loss."
         )
 
 
@@ -318,6 +320,24 @@ def _at_microbatch_size(who: str, num_microbatches: int):
             "arrays' shapes.") from e
 
 
+def check_gradient_not_split(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
+    """Refuse a gradient taken with respect to values split into microbatches (a batch input, or arguments that
+    ``batch_argnums`` wrongly names as the batch): each microbatch would have its own."""
+    split = [k for k, (d, mb) in enumerate(zip(traced.spec.diff_mask, traced.microbatched_grad_inputs)) if d and mb]
+    if not split or num_microbatches == 1:
+        return
+    outer = traced.jaxpr.jaxpr.invars
+    names = [traced.leaf_paths[outer.index(a)] if a in outer else f"loss argument #{k - traced.spec.num_lifted}"
+             for k in split for a in [traced.grad_eqn.invars[k]]]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise ValueError(
+        f"{who}: the gradient is taken with respect to {shown}, which is split into microbatches as part of the "
+        f"batch (batch_argnums={traced.batch_argnums}); its gradient would be per microbatch. If those are the "
+        "parameters, batch_argnums names the wrong argument: give the position(s) of the step argument(s) holding "
+        "the batch (by default the last). Otherwise take the gradient with respect to parameters only (argnums), "
+        "and compute an input gradient (saliency, adversarial examples) with jax.grad outside the parallelized step.")
+
+
 def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: TracedStep,
                              num_microbatches: int, who: str = "autopp.parallelize") -> jex_core.ClosedJaxpr:
     """The loss's forward jaxpr at microbatch size (what each pipeline stage runs per microbatch).
@@ -327,6 +347,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
     the step received them, only the loss is traced again, at those shapes; otherwise the step is traced again with
     every batch leaf's leading dimension divided.
     """
+    check_gradient_not_split(traced, num_microbatches, who)
     spec = traced.spec
     batch_leaves = {v for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b}
     direct = all(a in batch_leaves for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs)

@@ -115,6 +115,17 @@ def _row_reads(forward: jex_core.Jaxpr, k: int, stage_of: dict[int, int] | None,
     return "cut" if cut else reads
 
 
+def _unequal(reads, length: int, row_stages: dict) -> str:
+    """Why a stack read by several stages in unequal blocks stays whole (``row_stages``: (length, row) -> the stages
+    reading that row of any stack of the scan)."""
+    counts = [sum(1 for _, _, s in reads if s == st) for st in sorted({s for _, _, s in reads})]
+    split = [row for row in range(length) if len(row_stages.get((length, row), ())) > 1]
+    inside = (f"; the stage split puts a boundary inside iteration {split[0]}, whose parameters are read on stages "
+              f"{sorted(row_stages[(length, split[0])])}") if split else ""
+    return (f"the stages read unequal numbers of the stack's {length} rows ({counts}{inside}); stages given equally "
+            "many of its iterations hold it by rows")
+
+
 def _blocks_of(reads, length: int):
     """(stages, rows) of contiguous, equally long row ranges, one per stage in row order (a reversed scan's stages
     run them backwards); None otherwise."""
@@ -302,11 +313,16 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
     mb = traced.microbatched_grad_inputs
     outer_index = {v: k for k, v in enumerate(outer.invars)}
     uses, whole_uses = _uses(forward.jaxpr), _uses(spec.forward.jaxpr)
+    all_reads = {k: _row_reads(forward.jaxpr, k, stage_of, uses) for k in spec.diff_indices}
+    row_stages: dict[tuple, set] = {}  # (stack length, row) -> the stages reading that row of any stack
+    for k, reads in all_reads.items():
+        for _, row, st in (reads if isinstance(reads, list) else ()):
+            row_stages.setdefault((forward.jaxpr.invars[k].aval.shape[0], row), set()).add(st)
     for k in spec.diff_indices:
         a = grad.invars[k]
         if mb[k] or isinstance(a, Literal) or a not in outer_index or sum(b is a for b in grad.invars) != 1:
             continue
-        reads = _row_reads(forward.jaxpr, k, stage_of, uses)
+        reads = all_reads[k]
         if not reads or _row_reads(spec.forward.jaxpr, k, None, whole_uses) is None:
             continue
         if reads != "cut" and len({st for _, _, st in reads}) < 2:
@@ -314,8 +330,7 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
         length = forward.jaxpr.invars[k].aval.shape[0]
         layout = None if reads == "cut" else _blocks_of(reads, length)
         why = refuse or ("a stage boundary falls inside one of the scan's iterations" if reads == "cut" else
-                         f"the stages read unequal numbers of the stack's {length} rows (a stage count that divides "
-                         "them holds it by rows)" if layout is None else can_hold(layout[0]))
+                         _unequal(reads, length, row_stages) if layout is None else can_hold(layout[0]))
         if why is not None:
             if report is not None:
                 report.append((traced.leaf_paths[outer_index[a]], why))

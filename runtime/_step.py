@@ -15,8 +15,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
-from autopp.core import (RECOMPUTE_POLICIES, Schedule, eval_jaxpr_with, reroll_scans, slice_jaxpr, stage_graphs,
-                         twin_program)
+from autopp.core import (RECOMPUTE_POLICIES, Schedule, check_gradient_not_split, eval_jaxpr_with, reroll_scans,
+                         slice_jaxpr, stage_graphs, twin_program)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -165,17 +165,7 @@ def aux_names(spec) -> list[str]:
 def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig) -> Step:
     spec, S, fwd = traced.spec, split.num_stages, forward.jaxpr
     diff_mask = list(spec.diff_mask)
-    split_and_differentiated = [k for k, (d, mb) in enumerate(zip(diff_mask, traced.microbatched_grad_inputs))
-                                if d and mb]
-    if split_and_differentiated and config.num_microbatches > 1:
-        outer = traced.jaxpr.jaxpr.invars
-        names = [traced.leaf_paths[outer.index(a)] if a in outer else f"loss argument #{k - spec.num_lifted}"
-                 for k in split_and_differentiated for a in [traced.grad_eqn.invars[k]]]
-        raise ValueError(
-            f"autopp.parallelize: the gradient is taken with respect to {', '.join(names)}, which is split into "
-            "microbatches (a batch input); its gradient would be per microbatch, and that is not supported. Take "
-            "the gradient with respect to parameters only (argnums), or compute an input gradient (saliency, "
-            "adversarial examples) with jax.grad outside the parallelized step.")
+    check_gradient_not_split(traced, config.num_microbatches)
     defined_at = {}
     for s, ids in enumerate(split.stage_eqns):
         for i in ids:
@@ -509,14 +499,20 @@ class StepBuilder:
             if pl.region[i] == "post":
                 post[(ph, loc)].append(i)
 
+        phases = collections.defaultdict(set)
+        for (i, _), ph in pl.phase.items():
+            phases[i].add(ph)
+
         def last_reader(v, ids):
-            """Whether a post-processing program made of equations ``ids`` is the last to read step input ``v``
-            (then it may donate it): ``v`` is donated, lives on one stage, is no step output, and every other
-            equation that reads it ran before (preprocessing, the gradient)."""
+            """Whether post-processing equations ``ids`` read step input ``v`` last (then they may donate it): ``v``
+            is donated, on one stage, no step output, and its other readers ran before (preprocessing, the gradient,
+            an earlier post phase: AdamW's decay reads the parameters before a global norm is known)."""
             k = self.invar_index.get(v)
             if k is None or k not in st.config.donated or v in step_outs or len(pl.input_homes.get(k, ())) != 1:
                 return False
-            return all(i in ids or i == st.traced.grad_index or pl.region.get(i) == "pre" for i in users_of[v])
+            now = min(ph for i in ids for ph in phases[i])
+            return all(i in ids or i == st.traced.grad_index or pl.region.get(i) == "pre"
+                       or (pl.region.get(i) == "post" and phases[i] and max(phases[i]) < now) for i in users_of[v])
 
         for key in sorted(post):
             ph, loc = key
@@ -596,13 +592,11 @@ class StepBuilder:
                                                  for p in parts)
 
     def _send_packed(self, s: int, idx: int, o: int, unpack: _Unpack, sent: dict):
-        """Stage ``s``'s packed gradient of its ``idx``-th parameter for stage ``o``'s devices without a program of
-        its own: the packed buffer holding it moves to ``o`` as it is (one transfer for all of that buffer's
-        gradients ``o`` reads) and is unpacked inside the program there that reads it -> an :class:`_Unpack` of
-        that buffer; a gradient kept loose -> its accumulator slot (moved by the caller). None where the buffer
-        cannot move as it is: ``o``'s mesh has another shape, or the stages are not all in one process (a
-        cross-process send may still read an accumulator when the next step's backward writes it, see
-        ``reuse_accumulators``)."""
+        """Stage ``s``'s packed gradient of its ``idx``-th parameter for stage ``o``, with no program of its own: the
+        packed buffer moves to ``o`` as it is (one transfer for all its gradients ``o`` reads) and is unpacked in the
+        program there that reads it -> an :class:`_Unpack`; a gradient kept loose -> its accumulator slot (moved by
+        the caller). None where the buffer cannot move as it is: ``o``'s mesh has another shape, or the stages span
+        processes (a cross-process send may still read an accumulator the next backward writes)."""
         packing, meshes = unpack.packing, self.step.meshes
         group = next((g for g, members in enumerate(packing.groups) if idx in members), None)
         if group is None:
@@ -620,11 +614,9 @@ class StepBuilder:
         return sent[(s, group, o)]
 
     def build_single_program(self) -> Program:
-        """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it.
-
-        This is exactly gradient accumulation as one would write it by hand, so a one-stage plan costs
-        what plain ``jax.jit`` with microbatching costs.
-        """
+        """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it: gradient
+        accumulation as one writes it by hand, so a one-stage plan costs what plain ``jax.jit`` with microbatching
+        costs."""
         st, jaxpr = self.step, self.jaxpr
         M, spec = st.config.num_microbatches, st.spec
         fwd, _, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit

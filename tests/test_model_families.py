@@ -105,6 +105,32 @@ def test_flax_nnx():
     _assert_trains_like_jit(loss_fn, state, _data(), num_stages=2)
 
 
+def test_an_nnx_state_with_a_non_array_variable_is_refused_with_a_filtered_split_that_trains():
+    """A module holding a non-array variable (a run name): its whole state is refused naming the leaf, and the split
+    the message suggests (the parameters off with a filter, the rest closed over) trains as jit does."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.inp, self.out = nnx.Linear(8, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, 4, rngs=rngs)
+            self.run_name = nnx.Variable("tiny")
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.inp(x)))
+
+    model = Model(nnx.Rngs(0))
+    _, whole = nnx.split(model)
+    with pytest.raises(TypeError, match=r"(?s)run_name.*nnx.split\(model, nnx.Param, \.\.\.\)"):
+        autopp.parallelize(lambda s, b: s, num_stages=1)(whole, _data())
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return _mse(nnx.merge(graphdef, p, rest)(x), y)
+
+    _assert_trains_like_jit(loss_fn, params, _data(), num_stages=2)
+
+
 def test_gathered_state_is_an_ordinary_module_after_training():
     """The trained state comes back on its stages' devices (two device sets here, which jit and eager code refuse to
     mix); autopp.gather puts it on one device, or on a sharding, and the merged module evaluates as jit's does."""

@@ -128,3 +128,24 @@ def test_from_json_takes_a_path_or_text_only(mlp_case):
         with pytest.raises(TypeError, match="takes a file path or JSON text, got int"):
             Plan.from_json(fd)
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_a_planned_plan_and_its_replay_report_the_same_per_microbatch_figures():
+    """A plan's per-stage FLOPs and sends are per data replica's microbatch, whether ``plan_model`` made it from a
+    profile or a replay completed it from the traced step (a user trial saw the replay's 4x larger at data 4)."""
+    from autopp.planner import plan_model
+    from autopp.profiler import Cluster, profile
+
+    model = tiny_gpt()
+    tx = make_optimizer()
+    params = model.init(jax.random.key(0))
+    state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 16)
+    step = make_step(model, tx)
+    cluster = Cluster.local(jax.devices()[:8])
+    plan = plan_model(profile(step, *state, batch, cluster=cluster), cluster, global_batch=16, pipeline_degrees=(2,),
+                      tensor_degrees=(1,), microbatch_sizes=(2,), fsdp=False, time_limit_s=2)
+    assert plan.stages[0].mesh_shape["data"] == 4
+    replayed = autopp.parallelize(step, plan=plan).plan_for(*state, batch)
+    for planned, completed in zip(plan.stages, replayed.stages):
+        assert completed.flops == pytest.approx(planned.flops, rel=0.05)
+        assert completed.cut_bytes_after == pytest.approx(planned.cut_bytes_after, rel=0.05)

@@ -297,3 +297,41 @@ def test_whole_stacks_on_the_host_are_read_into_rows_without_compiling():
     for k, (block, sharding) in enumerate(zip(got, blocks)):
         assert block.sharding == sharding
         np.testing.assert_array_equal(block, stack[2 * k:2 * k + 2])
+
+
+def test_a_stage_boundary_inside_an_iteration_is_named_as_the_reason():
+    """A split that cuts inside an iteration (here stage 1 starts in the middle of iteration 3 of 8: stage 0 reads
+    ``w1``'s rows 0-3 and ``w2``'s 0-2) keeps ``w2`` whole (``w1`` splits 4 + 4), and the reason names the iteration
+    that the boundary falls inside and its stages, not only the rows' unequal counts (a user trial's 4 layers on 4
+    stages were told that a stage count dividing the rows would do)."""
+    from autopp.core import row_slice, trace_microbatch_forward, trace_step
+    from autopp.profiler import split_at
+    from autopp.runtime._rows import hold_by_rows
+
+    hidden, layers = 8, 8
+    params = {"w1": jnp.ones((layers, hidden, hidden)) * 0.1, "w2": jnp.ones((layers, hidden, hidden)) * 0.1}
+    batch = jnp.ones((8, hidden))
+
+    def loss(p, x):
+        def block(h, q):
+            return jnp.tanh(jnp.tanh(h @ q["w1"]) @ q["w2"]), None
+        return jnp.mean(jax.lax.scan(block, x, p)[0] ** 2)
+
+    def step(p, x):
+        return autopp.grad(loss)(p, x)
+
+    traced = trace_step(step, (params, batch), (1,))
+    forward = trace_microbatch_forward(step, (params, batch), traced, 2)
+    eqns = forward.jaxpr.eqns
+    assert sum(row_slice(e) is not None for e in eqns) == 2 * layers  # each iteration reads a row of each stack
+    x = forward.jaxpr.invars[-1]
+    first = min(i for i, e in enumerate(eqns) if x in e.invars)
+    dots = [i for i, e in enumerate(eqns) if e.primitive.name == "dot_general"]
+    inside = dots[2 * 3 + 1]  # stage 1 starts at iteration 3's second matmul, the one that reads w2's row
+    split = split_at(forward, traced.microbatched_grad_inputs, [first, inside])
+    report: list = []
+    hold_by_rows(traced, forward, split.stage_eqns, lambda stages: None, report=report)
+    reasons = dict(report)
+    assert set(reasons) == {"args[0]['w2']"}, reasons
+    assert "8 rows ([3, 5]; the stage split puts a boundary inside iteration 3, whose parameters are read on stages " \
+           "[0, 1])" in reasons["args[0]['w2']"]

@@ -146,6 +146,25 @@ def test_a_gradient_with_respect_to_a_batch_input_is_refused():
             jnp.ones((8, 4)), jnp.ones((16, 8)))
 
 
+def test_batch_argnums_naming_the_parameters_is_refused_before_the_microbatch_trace():
+    """``batch_argnums=0`` on a step whose argument 0 is the parameters: the parameters would be split into
+    microbatches and differentiated. A user trial got a shape error from the trace at microbatch size; the refusal now
+    comes first, names the leaves and says batch_argnums names the wrong argument."""
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w"]) * p["scale"] - b["y"]) ** 2)
+
+    def step(p, b):
+        value, g = autopp.value_and_grad(loss)(p, b)
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), value
+
+    params = {"w": jnp.ones((16, 16)), "scale": jnp.ones((16,))}
+    batch = {"x": jnp.ones((16, 16)), "y": jnp.ones((16, 16))}
+    with pytest.raises(ValueError, match=r"args\[0\]\['scale'\], args\[0\]\['w'\], which is split into "
+                                         r"microbatches.*batch_argnums=\(0,\).*names the wrong argument"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, batch_argnums=0,
+                           devices=jax.devices()[:2])(params, batch)
+
+
 def test_a_loss_checkpointed_whole_says_why_it_cannot_be_cut():
     def step(p, batch):
         return autopp.grad(jax.checkpoint(lambda q, b: nll(q, b).mean()))(p, batch)
