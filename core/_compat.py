@@ -333,17 +333,8 @@ def _scan_by_replay(f, init, xs, length, reverse):
             return carry_leaves + y_leaves
 
         try:
-            with jax.checking_leaks():
-                closed = jax.make_jaxpr(flat_body)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in key),
-                                                   *x_avals)
-        except Exception as e:  # noqa: BLE001 -- JAX's own unrolling reports what is wrong with the body, as before
-            if str(e).startswith("Leaked trace"):  # (the body's side effects happened: running it again cannot help)
-                raise ValueError(
-                    "autopp: a value computed inside a lax.scan body escaped the body (appended to a Python list, "
-                    "stored on an object or in a global), as jax.jit would also refuse (UnexpectedTracerError). A "
-                    "scan body hands values out only through its carry and its per-iteration outputs: return the "
-                    "value as part of the body's output (`return carry, (y, aux)`, then use the stacked aux after "
-                    f"the scan) or add it to the carry. JAX's message: {str(e)[:400]}") from None
+            closed = jax.make_jaxpr(flat_body)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in key), *x_avals)
+        except Exception:  # noqa: BLE001 -- JAX's own unrolling reports what is wrong with the body, as before
             return None
         if flat_body.trees[0] != init_tree:  # a carry that changes structure: JAX's unrolling says so
             return None
@@ -371,6 +362,25 @@ def _scan_by_replay(f, init, xs, length, reverse):
         ys.reverse()
     stacked = [loops._stack(list(column)) for column in zip(*ys)]
     return jax.tree_util.tree_unflatten(carry_tree, carry), jax.tree_util.tree_unflatten(y_tree, stacked)
+
+
+def leaked_tracers(closed) -> list:
+    """Tracers of finished traces held as constants by ``closed`` or the jaxprs inside it (a value that escaped a
+    scan body traced once, through a Python list, and was used after the scan: JAX keeps it as a constant)."""
+    found, seen, todo = [], set(), [closed]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        found += [x for x in c.consts if isinstance(x, jax.core.Tracer)]
+        for e in c.jaxpr.eqns:
+            for value in e.params.values():
+                for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                    sub = getattr(sub, "forward", sub)  # (the gradient marker's spec holds the loss's jaxpr)
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        todo.append(sub)
+    return found
 
 
 class replaying_scans:

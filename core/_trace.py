@@ -202,6 +202,16 @@ def _tracing():
         yield
 
 
+def _refuse_leaked_values(closed: jex_core.ClosedJaxpr, who: str) -> None:
+    if _compat.leaked_tracers(closed):
+        raise ValueError(
+            f"{who}: a value computed inside a lax.scan body escaped the body (appended to a Python list, stored on an "
+            "object or in a global) and was used after the scan, which jax.jit refuses too (UnexpectedTracerError). "
+            "A scan body hands values out only through its carry and its per-iteration outputs: return the value as "
+            "part of the body's output (`return carry, (y, aux)`, then use the stacked aux after the scan) or add "
+            "it to the carry.")
+
+
 def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...],
                who: str = "autopp.parallelize") -> TracedStep:
     """Trace ``step_fn(*args)`` (arrays or ``ShapeDtypeStruct``s) with autopp's gradient marker. ``who``: the entry
@@ -236,6 +246,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
 
     with _tracing():
         closed = jax.make_jaxpr(flat_step)(*abstract)
+    _refuse_leaked_values(closed, who)
     out_tree = flat_step.out_tree
     closed = _inline_calls(closed)
     grads = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive is value_and_grad_p]

@@ -363,3 +363,15 @@ def test_a_count_that_is_not_a_number_is_named_as_such(capsys):
     with pytest.raises(SystemExit):
         main(["launch", "-n", "x", "--", sys.executable])
     assert "-n/--num-processes: must be a positive integer, got 'x'" in capsys.readouterr().err
+
+
+def test_python_dash_m_autopp_is_the_command_line():
+    """``python -m autopp`` runs the same command line as the ``autopp`` script (a user trial found it missing)."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "autopp", "--help"], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: autopp" in out.stdout and "plan" in out.stdout
