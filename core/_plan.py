@@ -39,11 +39,12 @@ class StagePlan:
     num_equations: int | None
     """How many forward equations the stage runs (parameter-only ones shared with other stages included)."""
     flops: float
-    """Forward FLOPs of one microbatch-sized batch on this stage (the balanced quantity)."""
+    """Forward FLOPs of one data replica's microbatch on this stage (the whole microbatch's over the stage's data
+    degree)."""
     param_bytes: int
     """Bytes of the parameters this stage owns."""
     cut_bytes_after: int
-    """Activation bytes sent to later stages per microbatch (0 for the last stage)."""
+    """Activation bytes a data replica sends to later stages per microbatch (0 for the last stage)."""
     layers: tuple[int, int] | None = None
     """First and last index (inclusive) of the profiler's layers on this stage (None when the stage was split
     by equations without layers)."""
