@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -166,7 +167,10 @@ class Checkpointer:
         for i, (path, x) in enumerate(leaves):
             entry, value = _describe_leaf(path, x)
             entries.append(entry)
-            items[_leaf_key(i)] = value
+            if math.prod(entry["shape"]):
+                items[_leaf_key(i)] = value
+            else:  # orbax stores no zero-size array: the metadata's shape and dtype make it again
+                entry["empty"] = True
         meta = {"format": FORMAT, "version": VERSION, "step": step, "treedef": str(treedef), "leaves": entries,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         args = self._ocp.args
@@ -244,12 +248,16 @@ class Checkpointer:
         args = self._ocp.args
         try:
             items = self._manager.restore(step, args=args.Composite(**{_STATE: args.StandardRestore(
-                {_leaf_key(i): t for i, t in enumerate(targets)})}))[_STATE]
+                {_leaf_key(i): t for i, t in enumerate(targets) if not saved[i].get("empty")})}))[_STATE]
         except Exception as e:
             raise self._corrupted(step, f"its arrays cannot be read ({_brief(e)})") from e
         values = []
         for i, entry in enumerate(saved):
-            x = items[_leaf_key(i)]
+            if entry.get("empty"):
+                x = np.zeros(entry["shape"], _np_dtype(entry["dtype"]))
+                x = x if per[i] is None or "key_impl" in entry else jax.device_put(x, per[i])
+            else:
+                x = items[_leaf_key(i)]
             if verify and _digest(np.asarray(x)) != entry["sha256"]:
                 raise self._corrupted(step, f"leaf {entry['path']} does not match the checksum recorded when it "
                                             "was saved")
@@ -297,7 +305,10 @@ def _check_like(saved: Sequence[dict], wanted: Sequence[dict], step: int, where:
         if "key_impl" in s:
             raise ValueError(f"autopp.checkpoint.restore: leaf {s['path']} was saved as a PRNG key array but like "
                              f"has a {w['dtype']} array there. {fix}.")
-        if s["shape"] != w["shape"] or s["dtype"] != w["dtype"]:
+        dtypes = (s["dtype"], w["dtype"])
+        if "python_type" in s or "python_type" in w:  # a Python number's dtype is numpy's; JAX's may be narrower
+            dtypes = tuple(str(jax.dtypes.canonicalize_dtype(np.dtype(d))) for d in dtypes)
+        if s["shape"] != w["shape"] or dtypes[0] != dtypes[1]:
             raise ValueError(
                 f"autopp.checkpoint.restore: leaf {s['path']} was saved as {s['dtype']}{s['shape']} but like asks for "
                 f"{w['dtype']}{w['shape']}. {fix}: a model of the same sizes and dtypes.")

@@ -33,6 +33,7 @@ from autopp.core import (
     check_batch_divisible,
     get_schedule,
     row_slice,
+    scale_batch_independent_terms,
     trace_microbatch_forward,
 )
 from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
@@ -61,6 +62,16 @@ def batch_size(traced: TracedStep) -> int:
 def _forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
     check_batch_divisible(traced, num_microbatches)
     return trace_microbatch_forward(step_fn, args, traced, num_microbatches)
+
+
+def _counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
+                  loss_reduction: str) -> jex_core.ClosedJaxpr:
+    """``forward`` as the pipeline runs it: with ``loss_reduction="sum"``, the loss's terms that read no batch input (a
+    weight penalty) scaled by ``1 / num_microbatches``, so that the microbatches' losses add up to the step's (the
+    same equations, so a split of ``forward`` splits it)."""
+    if loss_reduction == "sum" and num_microbatches > 1:
+        forward, _ = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches)
+    return forward
 
 
 def _profile(step_fn: Callable, args: tuple, traced: TracedStep, config: ParallelizeConfig, **kwargs) -> Profile:
@@ -178,7 +189,7 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     given), the model split into ``num_stages * virtual_stages`` stages balanced by FLOPs."""
     num_mb = _microbatches_for(config, traced)
     name, sched = _schedule_for(config, num_mb)
-    forward = _forward(step_fn, args, traced, num_mb)
+    forward = _counted_once(_forward(step_fn, args, traced, num_mb), traced, num_mb, config.loss_reduction)
     groups = config.group_devices(sched.num_ranks)
     rank_of = sched.stage_to_rank()
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
@@ -186,7 +197,7 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
                          weights=[len(d) for d in stage_devices], refuse_unbalanced=True)  # FLOPs per device
     stages = _stage_plans(traced, forward, split, stage_devices, _stage_layouts(config, sched, stage_devices),
                           _stage_recompute(config, sched.num_stages))
-    plan = Plan(model_fingerprint=traced.fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,
+    plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,
                 schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
                 virtual_stages=sched.num_stages // sched.num_ranks)
     return Sourced(plan, forward)
@@ -202,11 +213,12 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
 
     plan = config.plan
     offline = plan.model_fingerprint.startswith(CONFIG_FINGERPRINT)
-    if not offline and traced.fingerprint != plan.model_fingerprint:
-        raise ValueError(
+    if not offline and plan.model_fingerprint not in (traced.plan_fingerprint, traced.fingerprint):
+        raise ValueError(  # (the full fingerprint: plans made before the literal-free one)
             f"{_WHO}: the plan was made for another step (model fingerprint {plan.model_fingerprint}, this step "
-            f"{traced.fingerprint}): the computation, shapes or dtypes differ. Make a new plan with "
-            "step.plan_for(...) for these arguments.")
+            f"{traced.plan_fingerprint}): the computation, shapes or dtypes differ (the batch size, a layer, the "
+            "optimizer; constants such as the learning rate may differ). Make a new plan with step.plan_for(...) for "
+            "these arguments.")
     forward = _forward(step_fn, args, traced, plan.num_microbatches)
     by_layers = not all(st.equations is not None for st in plan.stages)
     layer_equations = plan.layer_equations
@@ -224,6 +236,7 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
             layer_equations = tuple((a, b - 1) for a, b in ranges)
     starts = (_stage_starts(ranges, traced, forward, [st.layers[0] for st in plan.stages], prof) if by_layers
               else [st.equations[0] for st in plan.stages])
+    forward = _counted_once(forward, traced, plan.num_microbatches, plan.loss_reduction)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     by_id = {d.id: d for d in config.devices}
     stage_devices = [[by_id[i] for i in st.devices] for st in plan.stages]
@@ -303,6 +316,7 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     forward = _forward(step_fn, args, traced, local.num_microbatches)
     ranges = _layer_ranges(prof, traced, forward)
     starts = _stage_starts(ranges, traced, forward, [first for first, _ in local.stage_layers], prof)
+    forward = _counted_once(forward, traced, local.num_microbatches, config.loss_reduction)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     per = local.devices_per_stage
     stage_devices = [config.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]
@@ -311,7 +325,7 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     stages = tuple(dataclasses.replace(st, layers=local.stage_layers[st.index], forward_time_s=p.forward_time_s,
                                        backward_time_s=p.backward_time_s)
                    for st, p in zip(stages, local.plan.stages))
-    plan = Plan(model_fingerprint=traced.fingerprint, stages=stages, num_microbatches=local.num_microbatches,
+    plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=local.num_microbatches,
                 schedule=local.schedule, schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
                 microbatch_size=local.microbatch_size, predicted=local.predicted,
                 planner=dataclasses.replace(local.plan.planner, wall_time_s=planning_s))

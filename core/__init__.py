@@ -27,11 +27,13 @@ from autopp.core._compat import (
 from autopp.core._grad import GradSpec, grad, marking_gradients, value_and_grad, value_and_grad_p
 from autopp.core._jaxpr import (
     batch_dependent_vars,
+    constant_outputs,
     differentiable_vars,
     eqn_signature,
     forward_with_vjp,
     inner_jaxpr,
     literal_signature,
+    scale_batch_independent_terms,
     slice_jaxpr,
     structure_signature,
 )

@@ -146,6 +146,11 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
             loss, aux = out
         else:
             loss, aux = out, None
+            if isinstance(out, (tuple, list, dict)):  # jnp.asarray would fail on it with a message about dtypes
+                raise TypeError(
+                    f"{name}: the differentiated function must return a real scalar loss, got a "
+                    f"{type(out).__name__} ({jax.tree_util.tree_structure(out)}). If it returns (loss, aux), pass "
+                    "has_aux=True.")
         loss = jnp.asarray(loss) if not _compat.is_tracer(loss) else loss
         if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
             raise TypeError(

@@ -37,6 +37,87 @@ def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> s
     return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 
 
+_LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "reduce_precision"})
+
+
+def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
+                                  factor: float) -> tuple[jex_core.ClosedJaxpr, int]:
+    """The loss's forward with each term of the loss (output 0) that reads no microbatched input multiplied by
+    ``factor``, and how many such terms there are. A term is an operand of an addition or subtraction whose other
+    operand depends on the batch, on the loss's linear path (sums, differences, products and quotients by values
+    that do not depend on the batch, negation, casts): ``nll.sum() + l2`` -> ``nll.sum() + l2 * factor``. With
+    ``loss_reduction="sum"`` the step's loss is the microbatches' losses added up, so a weight penalty counted in
+    each would count ``num_microbatches`` times; scaled by ``1 / num_microbatches`` it counts once, in the loss and
+    in its gradient. Each rewritten equation becomes one call, so equation indices stay valid."""
+    jaxpr = closed.jaxpr
+    dep = batch_dependent_vars(jaxpr, microbatched)
+    loss = jaxpr.outvars[0]
+    if isinstance(loss, Literal) or loss not in dep:
+        return closed, 0
+
+    def depends(a) -> bool:
+        return not isinstance(a, Literal) and a in dep
+
+    linear, rewrite = {loss}, {}
+    for i in reversed(range(len(jaxpr.eqns))):
+        e = jaxpr.eqns[i]
+        if len(e.outvars) != 1 or e.outvars[0] not in linear:
+            continue
+        name, ins = e.primitive.name, e.invars
+        on = [depends(a) for a in ins]
+        if name in ("add", "sub", "add_any") and any(on):
+            if not all(on):
+                rewrite[i] = on.index(False)
+            linear.update(a for a, d in zip(ins, on) if d)
+        elif (name == "mul" and sum(on) == 1) or (name == "div" and on == [True, False]):
+            linear.add(ins[on.index(True)])
+        elif name in _LINEAR_UNARY and len(ins) == 1 and on[0]:
+            linear.add(ins[0])
+    if not rewrite:
+        return closed, 0
+    eqns = list(jaxpr.eqns)
+    for i, pos in rewrite.items():
+        e = eqns[i]
+
+        def scaled(*xs, e=e, pos=pos):
+            xs = list(xs)
+            xs[pos] = xs[pos] * jnp.asarray(factor, xs[pos].dtype)
+            return e.primitive.bind(*xs, **e.params)
+
+        avals = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False))
+                 for a in e.invars]
+        (call,) = jax.make_jaxpr(jax.jit(scaled))(*avals).jaxpr.eqns
+        eqns[i] = call.replace(invars=list(e.invars), outvars=list(e.outvars))
+    new = new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects, "loss")
+    return jex_core.ClosedJaxpr(new, closed.consts), len(rewrite)
+
+
+def constant_outputs(closed: jex_core.ClosedJaxpr) -> dict[int, np.ndarray]:
+    """Output position -> value, for each output of ``closed`` computed from no input (from sizes and constants
+    only, such as ``jnp.float32(x.shape[0]) * 2``); literal outputs excluded."""
+    jaxpr = closed.jaxpr
+    const_of = dict(zip(jaxpr.constvars, closed.consts))
+    varying = set(jaxpr.invars)
+    for e in jaxpr.eqns:
+        if e.effects or any(not isinstance(a, Literal) and a in varying for a in e.invars):
+            varying.update(e.outvars)
+    wanted = {k: v for k, v in enumerate(jaxpr.outvars) if not isinstance(v, Literal) and v not in varying
+              and v not in const_of}
+    if not wanted:
+        return {}
+    needed, eqn_ids = set(wanted.values()), []
+    for i in reversed(range(len(jaxpr.eqns))):
+        e = jaxpr.eqns[i]
+        if any(v in needed for v in e.outvars):
+            eqn_ids.append(i)
+            needed.update(a for a in e.invars if not isinstance(a, Literal))
+    sub, ins, _ = slice_jaxpr(closed, eqn_ids[::-1], list(wanted.values()), "constants")
+    if ins:  # (reads an input after all: leave it to the microbatches)
+        return {}
+    values = jax.core.eval_jaxpr(sub.jaxpr, sub.consts)
+    return {k: np.asarray(x) for k, x in zip(wanted, values)}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Slicing and differentiating
 

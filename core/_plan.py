@@ -138,6 +138,21 @@ class LayerSharding:
         return dataclasses.asdict(self)
 
 
+def _schedule_grid(text: str) -> list[list[str]]:
+    return [line.split() for line in text.strip().splitlines()]
+
+
+def _named_grid(plan: Plan) -> list[list[str]] | None:
+    """The grid of the named schedule for ``plan``'s stages and microbatches (None: it cannot be built)."""
+    from autopp.core._schedules import get_schedule
+
+    try:
+        return _schedule_grid(get_schedule(plan.schedule, len(plan.stages), plan.num_microbatches,
+                                           virtual_stages=plan.virtual_stages).to_text())
+    except ValueError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """A complete pipeline plan for one traced step on a set of devices."""
@@ -203,6 +218,10 @@ class Plan:
             bad("schedule_text" if not isinstance(self.schedule_text, str) else "model_fingerprint",
                 self.schedule_text if not isinstance(self.schedule_text, str) else self.model_fingerprint,
                 "it must be text")
+        if self.schedule != "custom" and _schedule_grid(self.schedule_text) != _named_grid(self):
+            bad("schedule", self.schedule, f"schedule_text (what runs) is not {self.schedule}'s grid for "
+                f"{len(self.stages)} stages and {self.num_microbatches} microbatches; name the schedule the text "
+                "is, or custom")
 
     @property
     def num_stages(self) -> int:

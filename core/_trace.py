@@ -37,6 +37,12 @@ class TracedStep:
     """Per flat input: its pytree path, for error messages (e.g. ``args[2]['tokens']``)."""
     batch_argnums: tuple[int, ...]
     """The positional arguments that hold the batch."""
+    shape_batched: tuple[int, ...] = ()
+    """Positions of the gradient equation's inputs that the step computes from the batch's shape alone (position ids
+    ``broadcast_to(arange(T), (B, T))``, per-example keys ``random.split(key, B)``): no data flows from the batch into
+    them, but their leading dimension grows with it (found by tracing the step again at twice the batch). They are
+    microbatched like the batch itself: computed for the whole batch, each microbatch reads its rows, as under
+    ``jax.jit``."""
 
     @property
     def grad_eqn(self) -> jex_core.JaxprEqn:
@@ -53,7 +59,8 @@ class TracedStep:
         for i, e in enumerate(jaxpr.eqns):
             if i != self.grad_index and any(not isinstance(a, jex_core.Literal) and a in dep for a in e.invars):
                 dep.update(e.outvars)
-        return tuple(not isinstance(a, jex_core.Literal) and a in dep for a in self.grad_eqn.invars)
+        return tuple((not isinstance(a, jex_core.Literal) and a in dep) or k in self.shape_batched
+                     for k, a in enumerate(self.grad_eqn.invars))
 
     @functools.cached_property
     def microbatched_grad_inputs(self) -> tuple[bool, ...]:
@@ -74,10 +81,20 @@ class TracedStep:
     @functools.cached_property
     def fingerprint(self) -> str:
         """A stable hash of the traced computation: the step's and the loss's operations and types."""
+        return self._hash(literal_values=True)
+
+    @functools.cached_property
+    def plan_fingerprint(self) -> str:
+        """:attr:`fingerprint` without the values of literals: what a plan is made for. A learning rate, a dropout
+        rate or Adam's eps changes no operation, shape or dtype, so a plan replays after such a change."""
+        return self._hash(literal_values=False)
+
+    def _hash(self, literal_values: bool) -> str:
         h = hashlib.sha256()
         for jaxpr in (self.jaxpr.jaxpr, self.spec.forward.jaxpr):
             parts = [repr([(tuple(v.aval.shape), str(v.aval.dtype)) for v in jaxpr.invars])]
-            parts += [e.primitive.name if e.primitive is value_and_grad_p else eqn_signature(e) for e in jaxpr.eqns]
+            parts += [e.primitive.name if e.primitive is value_and_grad_p else eqn_signature(e, literal_values)
+                      for e in jaxpr.eqns]
             h.update("\n".join(parts).encode())
         return h.hexdigest()[:16]
 
@@ -213,9 +230,10 @@ def _refuse_leaked_values(closed: jex_core.ClosedJaxpr, who: str) -> None:
 
 
 def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...],
-               who: str = "autopp.parallelize") -> TracedStep:
+               who: str = "autopp.parallelize", *, probe_shapes: bool = True) -> TracedStep:
     """Trace ``step_fn(*args)`` (arrays or ``ShapeDtypeStruct``s) with autopp's gradient marker. ``who``: the entry
-    point, named in error messages (``autopp.parallelize``, ``autopp.profiler.profile``, ...)."""
+    point, named in error messages (``autopp.parallelize``, ``autopp.profiler.profile``, ...). ``probe_shapes``: find
+    :attr:`TracedStep.shape_batched` (traces the step a second time when a loss input may be one)."""
     args = tuple(args)
     check_array_leaves(args, who)
     flat_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
@@ -267,7 +285,9 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
     if len(grads) > 1:
         raise ValueError(
             f"{who}: the step takes {len(grads)} gradients with autopp.grad; exactly one is "
-            "supported. Combine the losses into one function, or use jax.grad for the others."
+            "supported. A call inside a loop (lax.scan, fori_loop, a Python for loop) counts once per iteration: call "
+            "autopp.grad once, at the top level of the step. Combine the losses into one function, or use jax.grad "
+            "for the others."
         )
     traced = TracedStep(
         jaxpr=closed,
@@ -278,6 +298,8 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         leaf_paths=leaf_paths,
         batch_argnums=batch_argnums,
     )
+    if probe_shapes:
+        traced = dataclasses.replace(traced, shape_batched=_shape_batched(step_fn, in_tree, abstract, traced))
     if not any(traced.microbatched_grad_inputs):
         last = len(args) - 1
         raise ValueError(
@@ -286,6 +308,37 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
             f"batch_argnums names the step arguments that hold the batch; pass the batch's position (by default the "
             f"last argument, {last}).")
     return traced
+
+
+def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtypeStruct],
+                   traced: TracedStep) -> tuple[int, ...]:
+    """Positions of the loss inputs that grow with the batch although no data flows into them from it: the step traced
+    again with every batch leaf's leading dimension doubled, a loss input whose leading dimension doubles too. Only
+    inputs that could be one are looked at (not differentiated, not derived from the batch's data, a leading dimension
+    that the batch size divides); with none, or when the step does not trace at twice the batch, none."""
+    invars = traced.grad_eqn.invars
+    sizes = [a.shape[0] for a, b in zip(abstract, traced.batch_mask) if b and a.shape]
+    if not sizes:
+        return ()
+    batch = int(np.gcd.reduce(sizes))
+    candidates = [k for k, (a, d, diff) in enumerate(zip(invars, traced._batch_derived_grad_inputs,
+                                                          traced.spec.diff_mask))
+                  if not d and not diff and not isinstance(a, jex_core.Literal)
+                  and getattr(a.aval, "shape", ()) and a.aval.shape[0] % batch == 0]
+    if not candidates:
+        return ()
+    doubled = [abstract_leaf(a, shape=(2 * a.shape[0],) + tuple(a.shape[1:])) if b and a.shape else a
+               for a, b in zip(abstract, traced.batch_mask)]
+    try:
+        probe = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
+                           probe_shapes=False)
+    except Exception:  # noqa: BLE001 - a step that only traces at its own batch size keeps the data-flow view
+        return ()
+    grown = probe.grad_eqn.invars
+    if len(grown) != len(invars):
+        return ()
+    return tuple(k for k in candidates
+                 if getattr(grown[k].aval, "shape", ()) and grown[k].aval.shape[0] == 2 * invars[k].aval.shape[0])
 
 
 def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
@@ -317,18 +370,29 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
 
 
 @contextlib.contextmanager
-def _at_microbatch_size(who: str, num_microbatches: int):
+def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | None = None):
     """Errors of the step traced at microbatch size, said as such: the step traced at full size, so what failed is
-    almost always a batch leaf that has no batch axis, or code that assumes the full batch size."""
+    almost always a batch leaf that has no batch axis, code that assumes the full batch size, or a batch argument
+    ``batch_argnums`` leaves out (the leaves of other arguments with the batch's leading dimension are named)."""
     try:
         yield
     except (TypeError, ValueError) as e:
+        left_out = ""
+        if traced is not None:
+            invars = traced.jaxpr.jaxpr.invars
+            sizes = {v.aval.shape[0] for v, b in zip(invars, traced.batch_mask) if b and v.aval.shape}
+            names = [n for v, b, n in zip(invars, traced.batch_mask, traced.leaf_paths)
+                     if not b and v.aval.shape and v.aval.shape[0] in sizes]
+            if names:
+                left_out = (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading dimension, "
+                            f"kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if they belong "
+                            "to the batch, add their argument to batch_argnums.")
         raise ValueError(
             f"{who}: the step traces at the full batch but fails at microbatch size (every batch leaf's leading "
             f"dimension divided by num_microbatches={num_microbatches}): {type(e).__name__}: {e}\nA batch leaf "
             "without a batch axis (a position table, class weights) belongs in another argument of the step "
             "(batch_argnums names the batch); code that assumes the full batch size should read it from the "
-            "arrays' shapes.") from e
+            f"arrays' shapes.{left_out}") from e
 
 
 def check_gradient_not_split(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
@@ -370,7 +434,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_mb and shape and shape[0] % num_microbatches == 0:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
-        with _tracing(), _at_microbatch_size(who, num_microbatches):
+        with _tracing(), _at_microbatch_size(who, num_microbatches, traced):
             mb_forward = jax.make_jaxpr(spec.loss_fn)(*small)
         mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     else:
@@ -381,8 +445,9 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_batch:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(abstract_leaf(x, shape=shape))
-        with _at_microbatch_size(who, num_microbatches):
-            mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who)
+        with _at_microbatch_size(who, num_microbatches, traced):
+            mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who,
+                            probe_shapes=False)
         mb_forward = mb.spec.forward
         mb_in = [a.aval for a in mb.grad_eqn.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]

@@ -290,7 +290,7 @@ class Pipeline:
         for k in range(1 + st.spec.num_aux):
             a = st.fwd.outvars[k]
             s = st.out_stage[k]
-            if isinstance(a, Literal):
+            if st.is_constant_output(k):
                 self.reduced[k] = b.tl.const(jax.device_put(jnp.asarray(st.constant_output(k), a.aval.dtype),
                                                             self.meshes.replicated[s]))
                 continue

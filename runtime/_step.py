@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -15,8 +16,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
-from autopp.core import (RECOMPUTE_POLICIES, Schedule, check_gradient_not_split, eval_jaxpr_with, reroll_scans,
-                         slice_jaxpr, stage_graphs, twin_program)
+from autopp.core import (RECOMPUTE_POLICIES, Schedule, check_gradient_not_split, constant_outputs, eval_jaxpr_with,
+                         reroll_scans, slice_jaxpr, stage_graphs, twin_program)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -132,13 +133,23 @@ class Step:
                          if _per_example(self.fwd.outvars[k].aval.shape, self.spec.forward.out_avals[k].shape,
                                          self.config.num_microbatches))
 
+    @functools.cached_property
+    def _computed_constants(self) -> tuple[dict, dict]:  # aux from sizes and constants: per microbatch, whole batch
+        return constant_outputs(self.forward), constant_outputs(self.spec.forward)
+
+    def is_constant_output(self, k: int) -> bool:
+        """Whether aux output ``k`` reads no input of the loss (a literal, ``jnp.float32(x.shape[0]) * 2``): the step
+        returns the whole batch's value (:meth:`constant_output`), as ``jax.jit`` does."""
+        return k > 0 and (isinstance(self.fwd.outvars[k], Literal) or k in self._computed_constants[0])
+
     def constant_output(self, k):
-        """The value of forward output ``k`` when the microbatch's forward makes it a constant: the whole batch's
-        constant (a size read off the batch, ``x.shape[0]``, is the whole batch's, as under ``jax.jit``)."""
+        """The whole batch's value of forward output ``k``, which reads no input of the loss (a size read off the
+        batch, ``x.shape[0]``, and what is computed from it, is the whole batch's, as under ``jax.jit``)."""
         whole, small = self.spec.forward.jaxpr.outvars[k], self.fwd.outvars[k]
-        if isinstance(whole, Literal):
-            return whole.val
-        return small.val * (1 if self.config.loss_reduction == "mean" else self.config.num_microbatches)
+        if isinstance(whole, Literal) or k in self._computed_constants[1]:
+            return whole.val if isinstance(whole, Literal) else self._computed_constants[1][k]
+        value = small.val if isinstance(small, Literal) else self._computed_constants[0][k]
+        return value * (1 if self.config.loss_reduction == "mean" else self.config.num_microbatches)
 
     def invar_name(self, k) -> str:
         a = self.grad.invars[k]
@@ -181,9 +192,8 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
             raise ValueError(
                 "autopp.parallelize: the loss function returns one of its inputs unchanged as "
                 f"{'the loss' if k == 0 else aux_names(spec)[k - 1]}; compute it inside the loss function "
-                "(e.g. `x + 0`) or return it from the step directly."
-            )
-    names = aux_names(spec)
+                "(e.g. `x + 0`) or return it from the step directly.")
+    names, constants = aux_names(spec), constant_outputs(forward)
     for k in range(1, len(fwd.outvars)):
         dt, small, whole = fwd.outvars[k].aval.dtype, fwd.outvars[k].aval.shape, spec.forward.out_avals[k].shape
         per_example = _per_example(small, whole, config.num_microbatches)
@@ -193,12 +203,12 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 f"microbatch; aux values are either the same shape for any batch (averaged or summed over the "
                 "microbatches) or per example (leading dimension the batch's, concatenated). Return it from the "
                 "step outside the gradient instead.")
-        if config.loss_reduction == "mean" and not per_example and not jnp.issubdtype(dt, jnp.inexact):
+        if (config.loss_reduction == "mean" and not per_example and not jnp.issubdtype(dt, jnp.inexact)
+                and k not in constants and not isinstance(fwd.outvars[k], Literal)):
             raise TypeError(
-                f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux "
-                "values are averaged over microbatches, which needs a floating dtype. Return it as a "
-                "float (e.g. .astype(jnp.float32)) or use loss_reduction='sum'."
-            )
+                f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux values are averaged "
+                "over microbatches, which needs a floating dtype. Return it as a float (e.g. .astype(jnp.float32)) "
+                "or use loss_reduction='sum'.")
     graphs = stage_graphs(forward, split.stage_eqns, diff_mask, out_stage)
     invar_pos = {v: k for k, v in enumerate(fwd.invars)}
     users: dict[int, list[int]] = collections.defaultdict(list)
@@ -659,7 +669,7 @@ class StepBuilder:
                 if k in concatenated:  # per-example values, the microbatches' in order
                     y = next(stacked_aux)
                     aux.append(y.reshape((-1,) + y.shape[2:]))
-                elif isinstance(st.fwd.outvars[k], Literal):
+                elif st.is_constant_output(k):
                     next(summed)
                     aux.append(jnp.asarray(st.constant_output(k), fwd.out_avals[k].dtype))
                 else:

@@ -137,7 +137,8 @@ class Timeline:
             ax.set_xlabel("ms")
             ax.set_title(title)
         handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()]
-        axes[0, 0].legend(handles=handles, loc="upper right", ncols=len(handles), fontsize="small")
+        axes[0, 0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small",
+                          frameon=False)  # beside the bars, not over a lane
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)

@@ -138,3 +138,20 @@ def test_a_donated_state_is_named_not_saved(tmp_path):
     with pytest.raises(ValueError, match=r"deleted, e.g. \['b'\].*donated to a step.*Save the state the step "
                                          r"returned"):
         autopp.checkpoint.save(tmp_path, 1, state)
+
+
+def test_python_numbers_restore_against_eval_shape_and_empty_leaves_round_trip(tmp_path):
+    """A state with a Python step counter and learning rate restores with ``like=jax.eval_shape(...)`` (whose leaves
+    are JAX's int32 / float32, where numpy saved int64 / float64), and a zero-size leaf (which orbax does not store)
+    comes back with its shape and dtype. Before: a dtype mismatch error, and an orbax error naming ``leaf_00001``."""
+    state = {"w": jax.numpy.arange(3.0), "empty": jax.numpy.zeros((0, 4), jax.numpy.bfloat16), "epoch": 5, "lr": 0.1}
+    autopp.checkpoint.save(tmp_path, 1, state)
+    back = autopp.checkpoint.restore(tmp_path, like=jax.eval_shape(lambda: state))
+    assert back["epoch"] == 5 and isinstance(back["epoch"], int) and back["lr"] == 0.1
+    assert back["empty"].shape == (0, 4) and back["empty"].dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(back["w"], np.arange(3.0))
+    placed = autopp.checkpoint.restore(tmp_path, like=state, shardings=jax.sharding.SingleDeviceSharding(
+        jax.devices()[1]))
+    assert placed["empty"].shape == (0, 4) and placed["empty"].devices() == {jax.devices()[1]}
+    with pytest.raises(ValueError, match=r"\['w'\] was saved as float32\[3\] but like asks for int32\[3\]"):
+        autopp.checkpoint.restore(tmp_path, like={**state, "w": jax.numpy.arange(3)})

@@ -202,7 +202,7 @@ def test_show_groups_identical_layer_shardings(tmp_path, capsys):
 
 SAVED_PLAN = json.dumps({
     "schema_version": 3, "model_fingerprint": "x", "num_microbatches": 2, "microbatch_size": 1, "schedule": "1f1b",
-    "virtual_stages": 1, "schedule_text": "0F0 0F1 0B0 0B1", "loss_reduction": "mean", "cluster": None,
+    "virtual_stages": 1, "schedule_text": "0F0 0B0 0F1 0B1", "loss_reduction": "mean", "cluster": None,
     "predicted": None, "planner": None, "zero1": False, "sequence_parallel": False, "layer_shardings": [],
     "stages": [{"index": 0, "devices": [0], "mesh_shape": {"data": 1}, "equations": None, "num_equations": None,
                 "flops": 1.0, "param_bytes": 1, "cut_bytes_after": 0}]})

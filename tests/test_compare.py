@@ -49,9 +49,12 @@ def test_compare_for_a_cluster_prints_the_simulators_predictions(capsys, tmp_pat
     for flag, name in ((plan.zero1, "ZeRO-1"), (plan.sequence_parallel, "sequence parallel")):
         assert (name in rows["autopp"]["layout"]) == flag, rows["autopp"]["layout"]
     from autopp._compare import describe_plan  # stages counted as `autopp show` counts them
+    from autopp.core import get_schedule
 
     four = tuple(dataclasses.replace(plan.stages[0], index=i) for i in range(4))
-    interleaved = dataclasses.replace(plan, stages=four, virtual_stages=2, schedule="interleaved-1f1b")
+    grid = get_schedule("interleaved-1f1b", 4, 2, virtual_stages=2).to_text()
+    interleaved = dataclasses.replace(plan, stages=four, virtual_stages=2, schedule="interleaved-1f1b",
+                                      num_microbatches=2, schedule_text=grid)
     assert describe_plan(interleaved).startswith("2 device groups (4 stages) x ("), describe_plan(interleaved)
     for name in ("data-parallel", "fsdp", "tensor-parallel"):
         kw = rows[name]["simulate_kwargs"]

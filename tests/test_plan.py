@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import autopp
@@ -64,6 +65,24 @@ def test_plan_for_another_step_is_refused(mlp_case):
         autopp.parallelize(step, plan=plan)(*state, bigger_batch)
 
 
+def test_a_plan_replays_after_a_change_of_learning_rate(mlp_case):
+    """A learning rate (any literal) changes no operation, shape or dtype: the plan still fits the step, and runs it
+    as jit does. Before: refused as made for another step."""
+    from autopp.models import make_train_step
+
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+    model, tx = tiny_mlp(), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(5e-4, eps=1e-4))
+    params = state[0]
+    slower = make_train_step(model.loss, tx)
+    replay = autopp.parallelize(slower, plan=plan)
+    got, _ = run_steps(replay, (params, tx.init(params)), batch)
+    want, _ = run_steps(jax.jit(slower), (params, tx.init(params)), batch)
+    assert_trees_close(got, want)
+    faster = make_train_step(model.loss, optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-4)))
+    assert autopp.parallelize(faster, plan=plan).plan_for(params, tx.init(params), batch).stages == plan.stages
+
+
 def test_plan_on_missing_devices_is_refused(mlp_case):
     step, state, batch = mlp_case
     plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[6:]).plan_for(*state, batch)
@@ -108,6 +127,7 @@ def test_corrupted_and_unknown_version_plans(mlp_case, tmp_path):
     ("schedule", "fastest", "schedule='fastest' is not valid; use one of gpipe"),
     ("loss_reduction", "max", "loss_reduction='max' is not valid; use mean or sum"),
     ("zero1", "yes", "zero1='yes' is not valid; it must be true or false"),
+    ("schedule", "gpipe", "schedule='gpipe' is not valid; schedule_text \\(what runs\\) is not gpipe's grid"),
 ])
 def test_edited_plan_fields_are_checked_on_load(mlp_case, field, value, message):
     """A hand-edited value fails when the plan is read, naming the field, not later inside JAX."""

@@ -1,0 +1,141 @@
+"""What a step returns and learns is what ``jax.jit`` of the same step gives, for steps whose meaning depends on
+how the batch is split (a user trial's findings): a weight penalty under ``loss_reduction="sum"``, loss inputs the
+step makes from the batch's shape alone, aux values computed from sizes. SGD in fp32, compared to 1e-6."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopp
+
+B, T, V, H = 16, 8, 32, 16
+TX = optax.sgd(0.05)
+
+
+def _params(key):
+    k = jax.random.split(key, 4)
+    return {"embed": jax.random.normal(k[0], (V, H)) * 0.3, "pos": jax.random.normal(k[1], (T, H)) * 0.3,
+            "w": jax.random.normal(k[2], (H, H)) * 0.3, "head": jax.random.normal(k[3], (H, V)) * 0.3}
+
+
+def _batch(key):
+    x = jax.random.randint(key, (B, T), 0, V)
+    return {"x": x, "y": jnp.roll(x, -1, axis=1)}
+
+
+def _nll(params, x, y, pos=None, keep=None):
+    h = params["embed"][x] + (params["pos"] if pos is None else params["pos"][pos])
+    h = jnp.tanh(h @ params["w"])
+    if keep is not None:
+        h = h * keep
+    logp = jax.nn.log_softmax(h @ params["head"])
+    return -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+
+
+def _sgd_step(loss, n_out=0):
+    """A step around ``loss(params, batch, *extra)``; ``n_out``: aux returned too."""
+    def step(params, opt_state, batch):
+        out, grads = autopp.value_and_grad(loss, has_aux=bool(n_out))(params, batch)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+    return step
+
+
+def _run(step, steps=3, **kw):
+    """Results of ``steps`` steps under jit and parallelized with ``kw``."""
+    params = _params(jax.random.key(0))
+    results = []
+    for fn in (jax.jit(step), autopp.parallelize(step, devices=jax.devices()[:2], **kw)):
+        state = (params, TX.init(params))
+        for i in range(steps):
+            *state, out = fn(*state, _batch(jax.random.key(1 + i)))
+        results.append((autopp.gather(state[0]), out))
+    return results
+
+
+def _assert_equal(a, b, tol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("combine", ["plus", "scaled"])
+def test_a_weight_penalty_counts_once_under_sum_reduction(combine):
+    """``loss_reduction="sum"`` adds the microbatches' losses; a term that reads no batch (an L2 penalty) would count
+    once per microbatch. Before: the loss at 4 microbatches was the data term plus 4x the penalty."""
+    def loss(params, batch):
+        data = _nll(params, batch["x"], batch["y"]).sum()
+        l2 = sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params))
+        return data + l2 if combine == "plus" else (0.5 * l2 + data) * 0.25 - 1.0
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(_sgd_step(loss), num_stages=2, num_microbatches=4, loss_reduction="sum")
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+
+def test_loss_inputs_made_from_the_batch_s_shape_are_split_with_it():
+    """Position ids broadcast to the batch's shape and per-example dropout keys split to its size carry no data from
+    the batch; they are microbatched all the same, each microbatch reading its rows as under jit. Before: the trace
+    at microbatch size failed (shapes (4, 8, 16) and (16, 8, 16) do not broadcast)."""
+    def loss(params, batch, pos, keys):
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, (T, H)))(keys) / 0.8
+        return _nll(params, batch["x"], batch["y"], pos=pos, keep=keep).mean()
+
+    def step(params, opt_state, batch):
+        b, t = batch["x"].shape
+        pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+        keys = jax.random.split(jax.random.key(7), b)
+        out, grads = autopp.value_and_grad(loss)(params, batch, pos, keys)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+
+def test_aux_values_computed_from_sizes_are_the_whole_batch_s():
+    """An aux value made from the batch's size (``x.shape[0]`` and arithmetic on it) reads no input: the step returns
+    the whole batch's value, as jit does, not the microbatches' mean. Before: ``jnp.float32(n) * 2`` came back as
+    8 (jit: 32) and an integer size was refused under ``"mean"``."""
+    def loss(params, batch):
+        n = batch["x"].shape[0]
+        return _nll(params, batch["x"], batch["y"]).mean(), {"n": n, "twice": jnp.float32(n) * 2.0,
+                                                             "ones": jnp.ones(n).sum()}
+
+    (_, (l_jit, aux_jit)), (_, (l_pp, aux_pp)) = _run(_sgd_step(loss, n_out=1), steps=1, num_stages=2,
+                                                      num_microbatches=4)
+    _assert_equal(l_jit, l_pp)
+    assert {k: float(v) for k, v in aux_pp.items()} == {k: float(v) for k, v in aux_jit.items()} == {
+        "n": 16.0, "twice": 32.0, "ones": 16.0}
+
+
+def test_a_loss_returning_a_pair_without_has_aux_is_told_to_pass_has_aux():
+    def loss(params, batch):
+        return _nll(params, batch["x"], batch["y"]).mean(), {"acc": jnp.float32(0.5)}
+
+    params = _params(jax.random.key(0))
+    step = autopp.parallelize(_sgd_step(loss), num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match="real scalar loss, got a tuple.*pass has_aux=True"):
+        step(params, TX.init(params), _batch(jax.random.key(1)))
+
+
+def test_the_planner_counts_a_weight_penalty_once_too(monkeypatch):
+    """The same with the stages and microbatches planned (the planner's layers are placed in the pipeline's forward
+    before the penalty is scaled): 2 stages x 4 microbatches, as jit."""
+    import functools
+
+    from autopp.planner import _local
+
+    monkeypatch.setattr("autopp.planner.plan_local", functools.partial(_local.plan_local, num_stages=2,
+                                                                       num_microbatches=4))
+
+    def loss(params, batch):
+        return _nll(params, batch["x"], batch["y"]).sum() + 0.1 * sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params))
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(_sgd_step(loss), loss_reduction="sum")
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
