@@ -27,7 +27,7 @@ def _loop_residuals(jaxpr, kept) -> set[int]:
     fusing into its reader."""
     loops = [e for e in jaxpr.eqns if e.primitive.name in _LOOP_PRIMITIVES]
     touched = {v for e in loops for v in (*e.invars, *e.outvars) if _is_var(v)}
-    return {k for k, r in enumerate(kept) if r in touched}
+    return {k for k, r in enumerate(kept) if _is_var(r) and r in touched}
 
 
 _LOOP_PRIMITIVES = ("scan", "while")
@@ -35,6 +35,18 @@ _LOOP_PRIMITIVES = ("scan", "while")
 
 def _is_var(a) -> bool:
     return not isinstance(a, Literal)
+
+
+def _input_free(jaxpr) -> set:
+    """Variables computed from no input (from literals, constants and shapes), by equations without effects."""
+    varying = set(jaxpr.invars)
+    free = set(jaxpr.constvars)
+    for e in jaxpr.eqns:
+        if e.effects or any(_is_var(a) and a not in free for a in e.invars):
+            varying.update(e.outvars)
+        else:
+            free.update(e.outvars)
+    return free
 
 
 @dataclasses.dataclass
@@ -228,15 +240,29 @@ class StagePrograms:
         n_out = len(g.outputs)
         res_vars = traced.jaxpr.outvars[n_out:]
         in_pos = {v: i for i, v in enumerate(traced.jaxpr.invars)}
-        # Residual k is either a new value (kept) or forward input ``forwarded[k]``.
+        # Residual k is a new value (kept), forward input ``forwarded[k]``, or a value computed from no input (a mask
+        # or a fill broadcast from constants to the batch's shape), made again by the backward instead of kept.
         self.residual_source: list[tuple[str, int]] = []
-        kept = []
+        kept, remade = [], []
+        input_free = _input_free(traced.jaxpr)
         for r in res_vars:
             if _is_var(r) and r in in_pos:
                 self.residual_source.append(("input", in_pos[r]))
+            elif _is_var(r) and r in input_free and r not in traced.jaxpr.constvars:
+                self.residual_source.append(("remade", len(remade)))
+                remade.append(r)
             else:
                 self.residual_source.append(("kept", len(kept)))
                 kept.append(r)
+        remake = None
+        if remade:
+            needed, ids = set(remade), []
+            for i in reversed(range(len(traced.jaxpr.eqns))):
+                e = traced.jaxpr.eqns[i]
+                if any(v in needed for v in e.outvars):
+                    ids.append(i)
+                    needed.update(a for a in e.invars if _is_var(a))
+            remake, _, _ = slice_jaxpr(traced, ids[::-1], remade, f"stage {g.index} constant residuals")
         packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape) for r in kept],
                                keep_loose=_loop_residuals(traced.jaxpr, kept))
         self.packing = packing
@@ -289,7 +315,9 @@ class StagePrograms:
             cts = list(args[num_kept + len(forwarded):num_kept + len(forwarded) + n_ct])
             grad_acc = args[num_kept + len(forwarded) + n_ct:num_kept + len(forwarded) + n_ct + n_acc]
             first = args[-1] if has_flag else None
-            leaves = [kept_vals[i] if kind == "kept" else fwd_vals[i] for kind, i in residual_source]
+            remade = jax.core.eval_jaxpr(remake.jaxpr, remake.consts) if remake is not None else []
+            leaves = [kept_vals[i] if kind == "kept" else fwd_vals[i] if kind == "input" else remade[i]
+                      for kind, i in residual_source]
             return apply_vjp(leaves, cts, grad_acc, first)
 
         def fwd_bwd(*args):

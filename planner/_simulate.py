@@ -79,7 +79,8 @@ def step_model(prof: Profile, cluster: Cluster, overlap: Sequence[str] = DEFAULT
 
 
 def fp32_warning(prof: Profile, cluster: Cluster, who: str) -> None:
-    """Warn when most of a step's matmul work is float32 on a GPU (priced at TF32, half the bf16 rate)."""
+    """Warn when most of a step's matmul work (matmuls and convolutions) is float32 on a GPU (priced at TF32, half
+    the bf16 rate)."""
     if cluster.device.name == "cpu":
         return
     total = f32 = 0.0
@@ -88,7 +89,7 @@ def fp32_warning(prof: Profile, cluster: Cluster, who: str) -> None:
 
         j = prog.closed.jaxpr
         for e in j.eqns:
-            if e.primitive.name == "dot_general":
+            if e.primitive.name in ("dot_general", "conv_general_dilated"):
                 from autopp.profiler import eqn_cost
 
                 c = eqn_cost(e).flops

@@ -156,13 +156,28 @@ def _dot_flops(eqn) -> float:
 
 
 def _conv_flops(eqn) -> float:
-    rhs = eqn.invars[1].aval
+    """2 multiply-adds per (output element, input feature, kernel tap) pair that reads a real input element: taps
+    landing on padding, or between the elements an ``lhs_dilation`` spreads out (the input gradient of a strided
+    convolution), are not work, as XLA's own cost analysis counts them."""
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
     out = eqn.outvars[0].aval
     dn = eqn.params["dimension_numbers"]
-    rhs_spec = dn.rhs_spec  # (out feature dim, in feature dim, spatial...)
-    kernel_in = rhs.shape[rhs_spec[1]]
-    spatial = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    return 2.0 * _size(out) * kernel_in * spatial / max(1, eqn.params.get("batch_group_count", 1))
+    kernel_in = rhs.shape[dn.rhs_spec[1]]  # rhs_spec: (out feature dim, in feature dim, spatial...)
+    p = eqn.params
+    n = len(dn.lhs_spec) - 2
+    taps = 1
+    for k in range(n):
+        taps *= _valid_taps(lhs.shape[dn.lhs_spec[2 + k]], out.shape[dn.out_spec[2 + k]], rhs.shape[dn.rhs_spec[2 + k]],
+                            p["window_strides"][k], p["padding"][k][0], (p.get("lhs_dilation") or (1,) * n)[k],
+                            (p.get("rhs_dilation") or (1,) * n)[k])
+    per_position = _size(out) / max(1, math.prod(out.shape[d] for d in dn.out_spec[2:]))
+    return 2.0 * per_position * kernel_in * taps / max(1, p.get("batch_group_count", 1))
+
+
+def _valid_taps(size: int, out: int, kernel: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dimension that read an input element."""
+    at = np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dil - pad_lo
+    return int(np.count_nonzero((at >= 0) & (at <= (size - 1) * lhs_dil) & (at % lhs_dil == 0)))
 
 
 def _ragged_dot_flops(eqn) -> float:

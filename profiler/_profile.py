@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from jax.extend import core as jex_core
 from autopp.core import (
     TracedStep,
     differentiable_vars,
+    eqn_signature,
     forward_with_vjp,
     normalize_batch_argnums,
     trace_step,
@@ -26,7 +28,7 @@ from autopp.profiler._layer_stage import layer_graph
 from autopp.profiler._layers import Layer, group_layers
 from autopp.profiler._measure import ProfileCache, measure_layer
 from autopp.profiler._optstate import optimizer_state_owners
-from autopp.profiler._strategies import LayerProgram, layer_program
+from autopp.profiler._strategies import LayerProgram, batch_dims, layer_program
 from autopp.profiler._timemodel import KernelTimeModel
 
 Literal = jex_core.Literal
@@ -190,6 +192,8 @@ def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, Laye
         if any(not isinstance(a, Literal) and a in batch for a in e.invars):
             batch.update(e.outvars)
     diffable = differentiable_vars(fwd, spec.diff_mask) | {v for v, d in zip(fwd.invars, spec.diff_mask) if d}
+    dims = batch_dims(fwd, {v: 0 for v, b in zip(fwd.invars, traced.microbatched_grad_inputs)
+                            if b and getattr(v.aval, "shape", ())})  # a time-major sequence: its second
 
     def kind_of(v) -> str:
         floating = jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
@@ -203,12 +207,17 @@ def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, Laye
             continue
         if lay.iteration is not None:
             closed, ins, kinds = _scan_iteration(forward, lay, kind_of)
+            e = fwd.eqns[lay.eqn_range[0]]
+            xs_from = e.params["num_consts"] + e.params["num_carry"]  # a scanned operand loses its leading axis
+            in_dims = [None if isinstance(v, Literal) or v not in dims else
+                       (dims[v] - 1 if dims[v] >= 1 else None) if j >= xs_from else dims[v] for j, v in enumerate(ins)]
         else:
             graph = layer_graph(forward, range(*lay.eqn_range), spec.diff_mask)  # the runtime's slice of it
             closed, ins = jex_core.ClosedJaxpr(graph.jaxpr, graph.consts), graph.inputs
             kinds = tuple(kind_of(v) for v in ins)
+            in_dims = [dims.get(v) for v in ins]
         out[lay.fingerprint] = LayerSource(closed=closed, inputs=tuple(ins), kinds=kinds,
-                                           program=layer_program(closed, kinds))
+                                           program=layer_program(closed, kinds, in_dims))
     return out
 
 
@@ -412,7 +421,21 @@ def _layer_inputs(forward, lay: Layer, layers, sources) -> tuple:
         defined.update(fwd.eqns[i].outvars)
     consts = set(forward.jaxpr.constvars)
     ins = [v for v in ins if v not in consts]
-    return tuple(ins) if len(ins) == len(src.inputs) else src.inputs
+    if len(ins) == len(src.inputs):
+        return tuple(ins)
+    # another count (the first layer computes a value the others read from outside, a graph's degrees): match the
+    # two layers' equations and read each input where the matched equation reads it
+    a = [fwd.eqns[i] for i in range(*first.eqn_range)]
+    b = [fwd.eqns[i] for i in range(*lay.eqn_range)]
+    matcher = difflib.SequenceMatcher(None, [eqn_signature(e) for e in a], [eqn_signature(e) for e in b],
+                                      autojunk=False)
+    to = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            for x, y in zip(a[block.a + k].invars, b[block.b + k].invars):
+                if not isinstance(x, Literal) and not isinstance(y, Literal):
+                    to.setdefault(x, y)
+    return tuple(to.get(v, v) for v in src.inputs)
 
 
 def _ones_vjp(closed: jex_core.ClosedJaxpr, diff: Sequence[bool]) -> jex_core.ClosedJaxpr:

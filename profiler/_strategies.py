@@ -101,11 +101,14 @@ def _float(aval) -> bool:
     return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
-def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str]) -> LayerProgram:
+def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str],
+                  input_batch_dims: Sequence[int | None] | None = None) -> LayerProgram:
     """The forward-and-backward program of a layer given as a closed jaxpr and the kind of each input.
 
     Parameters and batch-dependent floating inputs are differentiated; every floating output receives a
     cotangent as an input of the program (so that backward equations are exactly those depending on one).
+    ``input_batch_dims``: the batch dimension of each batch-dependent input (default, or None for one: the leading
+    one; a time-major sequence ``(T, B, H)`` has it second).
     """
     jaxpr = closed.jaxpr
     kinds = tuple(input_kinds)
@@ -138,7 +141,9 @@ def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str]) -> L
             dep.update(e.outvars)
             dependent.add(i)
     regions, causal = _attention_regions(pj)
-    starts = {v: 0 for v, k in zip(pj.invars, kinds) if k in ("batch", "data") and getattr(v.aval, "shape", ())}
+    dims = list(input_batch_dims or ()) + [None] * len(kinds)
+    starts = {v: (d if d is not None and d < len(v.aval.shape) else 0) for v, k, d in zip(pj.invars, kinds, dims)
+              if k in ("batch", "data") and getattr(v.aval, "shape", ())}
     sized = batch_sized_vars(pj, starts, {ct: pj.outvars[k] for ct, k in zip(cts, ct_outputs)})
     return LayerProgram(closed=prog, num_inputs=n_in, input_kinds=kinds, ct_outputs=ct_outputs,
                         num_outputs=len(jaxpr.outvars), grad_inputs=tuple(diff), backward_eqns=frozenset(backward),
@@ -152,6 +157,12 @@ def batch_sized_vars(jaxpr, starts: dict, ct_of: dict) -> set:
     program with the same rules as the sharding strategies (any dimension size allowed); a cotangent carries it
     where its forward output does (``ct_of``: cotangent -> output). A weight gradient (the batch contracted away) or
     a loss (reduced over it) does not."""
+    return set(batch_dims(jaxpr, starts, ct_of))
+
+
+def batch_dims(jaxpr, starts: dict, ct_of: dict | None = None) -> dict:
+    """:func:`batch_sized_vars` with each variable's batch dimension: var -> dim."""
+    ct_of = ct_of or {}
     _ANY_SIZE[0] = True
     try:
         spec = dict(starts)
@@ -175,7 +186,7 @@ def batch_sized_vars(jaxpr, starts: dict, ct_of: dict) -> set:
                 if best is not None and best[1].out >= 0:
                     for v in e.outvars:
                         spec[v] = best[1].out
-        return {v for v, d in spec.items() if d >= 0}
+        return {v: d for v, d in spec.items() if d >= 0}
     finally:
         _ANY_SIZE[0] = False
 
@@ -431,6 +442,26 @@ def eqn_strategies(eqn, t: int) -> list[Strategy]:
     if name in ("slice", "rev", "pad", "dynamic_slice", "dynamic_update_slice", "concatenate", "split"):
         return _slicing_strategies(eqn, t, strategies, add)
 
+    if name == "conv_general_dilated":
+        return _conv_strategies(eqn, t, strategies, add)
+
+    if name in _WINDOWED:  # dimensions the window does not span (size 1, stride 1, no padding or dilation) pass
+        xs = _shape(eqn.invars[-1] if name.startswith("select_and") else eqn.invars[0])
+        p = eqn.params
+        for d in range(len(xs)):
+            if (_splittable(xs, d, t) and p["window_dimensions"][d] == 1 and p["window_strides"][d] == 1
+                    and tuple(p["padding"][d]) == (0, 0)
+                    and all(p.get(k, (1,) * len(xs))[d] == 1 for k in ("base_dilation", "window_dilation"))):
+                add(d, [None if isinstance(a, Literal) else d for a in eqn.invars], True)
+        return strategies
+
+    if name == "fft":  # the transform runs over the last len(fft_lengths) dimensions; the others pass
+        xs = _shape(eqn.invars[0])
+        for d in range(len(xs) - len(eqn.params["fft_lengths"])):
+            if _splittable(xs, d, t):
+                add(d, [d], True)
+        return strategies
+
     if name == "gather":
         return _gather_strategies(eqn, t, strategies, add)
 
@@ -447,6 +478,29 @@ def eqn_strategies(eqn, t: int) -> list[Strategy]:
                    for a in eqn.invars]
             if _passes_through(body, ins, d, t):
                 add(d, ins, True)
+    return strategies
+
+
+_WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
+                       "select_and_gather_add"})
+
+
+def _conv_strategies(eqn, t, strategies, add):
+    """A convolution: the batch dimension (each example convolved alone), the kernel's output features (column
+    parallel) or the input features it contracts (partial sums; the weight gradient contracts the batch so). Spatial
+    dimensions would need halo exchanges and are not split."""
+    lhs, rhs = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    ls, rs = _shape(lhs), _shape(rhs)
+    if eqn.params.get("batch_group_count", 1) == 1 and _splittable(ls, dn.lhs_spec[0], t):
+        add(dn.out_spec[0], (_none_if_lit(lhs, dn.lhs_spec[0]), _none_if_lit(rhs, REPLICATED)), True)
+    if eqn.params.get("feature_group_count", 1) == 1:
+        if _splittable(rs, dn.rhs_spec[0], t):
+            add(dn.out_spec[1], (_none_if_lit(lhs, REPLICATED), _none_if_lit(rhs, dn.rhs_spec[0])), True)
+        if _splittable(ls, dn.lhs_spec[1], t):
+            add(PARTIAL, (_none_if_lit(lhs, dn.lhs_spec[1]), _none_if_lit(rhs, dn.rhs_spec[1])), True)
+    add(PARTIAL, (_none_if_lit(lhs, PARTIAL), _none_if_lit(rhs, REPLICATED)), False)
+    add(PARTIAL, (_none_if_lit(lhs, REPLICATED), _none_if_lit(rhs, PARTIAL)), False)
     return strategies
 
 
