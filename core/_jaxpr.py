@@ -92,16 +92,23 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     return jex_core.ClosedJaxpr(new, closed.consts), len(rewrite)
 
 
+def input_free_vars(jaxpr: jex_core.Jaxpr) -> set:
+    """Variables computed from no input (from literals, constants and sizes), by equations without effects; the
+    constants themselves included."""
+    free = set(jaxpr.constvars)
+    for e in jaxpr.eqns:
+        if not e.effects and all(isinstance(a, Literal) or a in free for a in e.invars):
+            free.update(e.outvars)
+    return free
+
+
 def constant_outputs(closed: jex_core.ClosedJaxpr) -> dict[int, np.ndarray]:
     """Output position -> value, for each output of ``closed`` computed from no input (from sizes and constants
     only, such as ``jnp.float32(x.shape[0]) * 2``); literal outputs excluded."""
     jaxpr = closed.jaxpr
     const_of = dict(zip(jaxpr.constvars, closed.consts))
-    varying = set(jaxpr.invars)
-    for e in jaxpr.eqns:
-        if e.effects or any(not isinstance(a, Literal) and a in varying for a in e.invars):
-            varying.update(e.outvars)
-    wanted = {k: v for k, v in enumerate(jaxpr.outvars) if not isinstance(v, Literal) and v not in varying
+    free = input_free_vars(jaxpr)
+    wanted = {k: v for k, v in enumerate(jaxpr.outvars) if not isinstance(v, Literal) and v in free
               and v not in const_of}
     if not wanted:
         return {}

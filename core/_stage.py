@@ -12,7 +12,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, slice_jaxpr
+from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, input_free_vars, slice_jaxpr
 from autopp.core._packing import plan_packing
 from autopp.core._reroll import reroll_scans
 from autopp.core._twins import DeviceMapped, device_map, twin_key
@@ -35,18 +35,6 @@ _LOOP_PRIMITIVES = ("scan", "while")
 
 def _is_var(a) -> bool:
     return not isinstance(a, Literal)
-
-
-def _input_free(jaxpr) -> set:
-    """Variables computed from no input (from literals, constants and shapes), by equations without effects."""
-    varying = set(jaxpr.invars)
-    free = set(jaxpr.constvars)
-    for e in jaxpr.eqns:
-        if e.effects or any(_is_var(a) and a not in free for a in e.invars):
-            varying.update(e.outvars)
-        else:
-            free.update(e.outvars)
-    return free
 
 
 @dataclasses.dataclass
@@ -244,7 +232,7 @@ class StagePrograms:
         # or a fill broadcast from constants to the batch's shape), made again by the backward instead of kept.
         self.residual_source: list[tuple[str, int]] = []
         kept, remade = [], []
-        input_free = _input_free(traced.jaxpr)
+        input_free = input_free_vars(traced.jaxpr)
         for r in res_vars:
             if _is_var(r) and r in in_pos:
                 self.residual_source.append(("input", in_pos[r]))
