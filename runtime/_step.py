@@ -206,9 +206,9 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
         if (config.loss_reduction == "mean" and not per_example and not jnp.issubdtype(dt, jnp.inexact)
                 and k not in constants and not isinstance(fwd.outvars[k], Literal)):
             raise TypeError(
-                f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux values are averaged "
-                "over microbatches, which needs a floating dtype. Return it as a float (e.g. .astype(jnp.float32)) "
-                "or use loss_reduction='sum'.")
+                f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux values are "
+                "averaged over microbatches, which needs a floating dtype. Return it as a float (e.g. "
+                ".astype(jnp.float32)) or use loss_reduction='sum'.")
     graphs = stage_graphs(forward, split.stage_eqns, diff_mask, out_stage)
     invar_pos = {v: k for k, v in enumerate(fwd.invars)}
     users: dict[int, list[int]] = collections.defaultdict(list)

@@ -41,10 +41,10 @@ def _profile(loss, params, batch):
 
 
 def _simulate(prof, mb):
-    """One microbatch of ``mb`` per device, 8 data-parallel replicas of one stage."""
+    """One microbatch of ``mb`` per device, 8 data-parallel replicas of one stage, nothing recomputed."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fp32 pricing advice: these models are float32 on purpose
-        return simulate(prof, "1x8xH100", global_batch=8 * mb, tp=1, pp=1, dp=8, microbatch_size=mb)
+        return simulate(prof, "1x8xH100", global_batch=8 * mb, tp=1, pp=1, dp=8, microbatch_size=mb, recompute="none")
 
 
 # -- a small convolutional net ---------------------------------------------------------------------------------
@@ -83,8 +83,9 @@ def _input_dependent_residual_bytes(loss, params, batch) -> int:
 
 def test_cnn_pipelines_as_jit_and_its_activations_scale_with_the_microbatch():
     """Convolutions and pooling carry the batch dimension, so their activations scale with the microbatch, whatever
-    batch the step was traced at. Before: the walk stopped at the first convolution, and the prediction was 8.6x
-    below what the backward keeps (and depended on the traced batch)."""
+    batch the step was traced at, and equal what ``jax.vjp`` keeps (nothing recomputed). Before: the walk stopped at
+    the first convolution; a user trial's ResNet was predicted at 0.14x, and the prediction depended on the traced
+    batch."""
     params, batch = _cnn_params(jax.random.key(0)), _cnn_batch(jax.random.key(1), 16)
     step = _step(_cnn_loss)
     got = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
@@ -101,7 +102,7 @@ def test_cnn_pipelines_as_jit_and_its_activations_scale_with_the_microbatch():
         e = _simulate(prof, mb)
         predicted.append((e.activation_bytes, e.step_time_s))
     assert predicted[0] == pytest.approx(predicted[1], rel=1e-3)
-    assert 0.9 * truth <= predicted[0][0] <= 1.1 * truth, (predicted[0][0], truth)  # 1.008x
+    assert predicted[0][0] == pytest.approx(truth, rel=0.01)
 
 
 def test_strided_convolution_flops_are_xla_s():
@@ -155,8 +156,8 @@ def test_a_time_major_recurrent_net_keeps_its_activations_per_microbatch():
         e = _simulate(_profile(loss, params, batch_of(traced_at)), mb)
         predicted.append((e.activation_bytes, e.step_time_s))
     assert predicted[0] == pytest.approx(predicted[1], rel=1e-3)
-    # 0.62x of what jax.vjp of the scan keeps (its stacked copies of each layer's inputs and outputs); 0.22x before
-    assert 0.5 * truth <= predicted[0][0] <= 1.3 * truth, (predicted[0][0], truth)
+    # 0.75x of what jax.vjp of the scan keeps (its stacked copies of each layer's inputs and outputs); 0.001x before
+    assert 0.7 * truth <= predicted[0][0] <= 1.1 * truth, (predicted[0][0], truth)
 
 
 def test_an_fft_in_the_loss_pipelines_as_jit():
