@@ -41,9 +41,9 @@ _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "res
 
 
 def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
-                                  factor: float) -> tuple[jex_core.ClosedJaxpr, int]:
+                                  factor: float) -> jex_core.ClosedJaxpr:
     """The loss's forward with each term of the loss (output 0) that reads no microbatched input multiplied by
-    ``factor``, and how many such terms there are. A term is an operand of an addition or subtraction whose other
+    ``factor``. A term is an operand of an addition or subtraction whose other
     operand depends on the batch, on the loss's linear path (sums, differences, products and quotients by values
     that do not depend on the batch, negation, casts): ``nll.sum() + l2`` -> ``nll.sum() + l2 * factor``. With
     ``loss_reduction="sum"`` the step's loss is the microbatches' losses added up, so a weight penalty counted in
@@ -53,7 +53,7 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     dep = batch_dependent_vars(jaxpr, microbatched)
     loss = jaxpr.outvars[0]
     if isinstance(loss, Literal) or loss not in dep:
-        return closed, 0
+        return closed
 
     def depends(a) -> bool:
         return not isinstance(a, Literal) and a in dep
@@ -74,7 +74,7 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
         elif name in _LINEAR_UNARY and len(ins) == 1 and on[0]:
             linear.add(ins[0])
     if not rewrite:
-        return closed, 0
+        return closed
     eqns = list(jaxpr.eqns)
     for i, pos in rewrite.items():
         e = eqns[i]
@@ -89,7 +89,18 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
         (call,) = jax.make_jaxpr(jax.jit(scaled))(*avals).jaxpr.eqns
         eqns[i] = call.replace(invars=list(e.invars), outvars=list(e.outvars))
     new = new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects, "loss")
-    return jex_core.ClosedJaxpr(new, closed.consts), len(rewrite)
+    return jex_core.ClosedJaxpr(new, closed.consts)
+
+
+def eqns_needed(jaxpr: jex_core.Jaxpr, outvars, exclude=frozenset()) -> list[int]:
+    """Indices, in order, of the equations that ``outvars`` are computed by (equations in ``exclude`` left out)."""
+    want, ids = {v for v in outvars if not isinstance(v, Literal)}, []
+    for i in reversed(range(len(jaxpr.eqns))):
+        e = jaxpr.eqns[i]
+        if i not in exclude and any(o in want for o in e.outvars):
+            ids.append(i)
+            want.update(a for a in e.invars if not isinstance(a, Literal))
+    return ids[::-1]
 
 
 def input_free_vars(jaxpr: jex_core.Jaxpr) -> set:
@@ -112,13 +123,7 @@ def constant_outputs(closed: jex_core.ClosedJaxpr) -> dict[int, np.ndarray]:
               and v not in const_of}
     if not wanted:
         return {}
-    needed, eqn_ids = set(wanted.values()), []
-    for i in reversed(range(len(jaxpr.eqns))):
-        e = jaxpr.eqns[i]
-        if any(v in needed for v in e.outvars):
-            eqn_ids.append(i)
-            needed.update(a for a in e.invars if not isinstance(a, Literal))
-    sub, ins, _ = slice_jaxpr(closed, eqn_ids[::-1], list(wanted.values()), "constants")
+    sub, ins, _ = slice_jaxpr(closed, eqns_needed(jaxpr, wanted.values()), list(wanted.values()), "constants")
     if ins:  # (reads an input after all: leave it to the microbatches)
         return {}
     values = jax.core.eval_jaxpr(sub.jaxpr, sub.consts)

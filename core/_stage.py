@@ -12,7 +12,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars, forward_with_vjp, input_free_vars, slice_jaxpr
+from autopp.core._jaxpr import differentiable_vars, eqns_needed, forward_with_vjp, input_free_vars, slice_jaxpr
 from autopp.core._packing import plan_packing
 from autopp.core._reroll import reroll_scans
 from autopp.core._twins import DeviceMapped, device_map, twin_key
@@ -244,13 +244,8 @@ class StagePrograms:
                 kept.append(r)
         remake = None
         if remade:
-            needed, ids = set(remade), []
-            for i in reversed(range(len(traced.jaxpr.eqns))):
-                e = traced.jaxpr.eqns[i]
-                if any(v in needed for v in e.outvars):
-                    ids.append(i)
-                    needed.update(a for a in e.invars if _is_var(a))
-            remake, _, _ = slice_jaxpr(traced, ids[::-1], remade, f"stage {g.index} constant residuals")
+            remake, _, _ = slice_jaxpr(traced, eqns_needed(traced.jaxpr, remade), remade,
+                                       f"stage {g.index} constant residuals")
         packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape) for r in kept],
                                keep_loose=_loop_residuals(traced.jaxpr, kept))
         self.packing = packing
@@ -386,18 +381,8 @@ class StagePrograms:
         n_args = len(jaxpr.invars) - n_acc - n_flag
         acc_out, ct_out = jaxpr.outvars[:n_acc], jaxpr.outvars[n_acc:]
 
-        def needed_by(outvars, exclude=frozenset()):
-            want = {v for v in outvars if _is_var(v)}
-            ids = []
-            for i in reversed(range(len(jaxpr.eqns))):
-                e = jaxpr.eqns[i]
-                if i not in exclude and any(o in want for o in e.outvars):
-                    ids.append(i)
-                    want.update(a for a in e.invars if _is_var(a))
-            return sorted(ids)
-
-        input_ids = needed_by(ct_out)
-        weight_ids = needed_by(acc_out, exclude=frozenset(input_ids))
+        input_ids = eqns_needed(jaxpr, ct_out)
+        weight_ids = eqns_needed(jaxpr, acc_out, exclude=frozenset(input_ids))
         made_by_input = {o for i in input_ids for o in jaxpr.eqns[i].outvars}
         used_by_weight = []
         for i in weight_ids:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -85,6 +84,8 @@ class Step:
     """Outer variable -> the forward input (parameter) it serves."""
     opt_state: frozenset
     """Outer variables that are optimizer state."""
+    constants: tuple[dict, dict] = ({}, {})
+    """Aux outputs computed from sizes and constants (:func:`autopp.core.constant_outputs`): per microbatch, whole."""
 
     @property
     def jaxpr(self):
@@ -133,22 +134,18 @@ class Step:
                          if _per_example(self.fwd.outvars[k].aval.shape, self.spec.forward.out_avals[k].shape,
                                          self.config.num_microbatches))
 
-    @functools.cached_property
-    def _computed_constants(self) -> tuple[dict, dict]:  # aux from sizes and constants: per microbatch, whole batch
-        return constant_outputs(self.forward), constant_outputs(self.spec.forward)
-
     def is_constant_output(self, k: int) -> bool:
         """Whether aux output ``k`` reads no input of the loss (a literal, ``jnp.float32(x.shape[0]) * 2``): the step
         returns the whole batch's value (:meth:`constant_output`), as ``jax.jit`` does."""
-        return k > 0 and (isinstance(self.fwd.outvars[k], Literal) or k in self._computed_constants[0])
+        return k > 0 and (isinstance(self.fwd.outvars[k], Literal) or k in self.constants[0])
 
     def constant_output(self, k):
         """The whole batch's value of forward output ``k``, which reads no input of the loss (a size read off the
         batch, ``x.shape[0]``, and what is computed from it, is the whole batch's, as under ``jax.jit``)."""
         whole, small = self.spec.forward.jaxpr.outvars[k], self.fwd.outvars[k]
-        if isinstance(whole, Literal) or k in self._computed_constants[1]:
-            return whole.val if isinstance(whole, Literal) else self._computed_constants[1][k]
-        value = small.val if isinstance(small, Literal) else self._computed_constants[0][k]
+        if isinstance(whole, Literal) or k in self.constants[1]:
+            return whole.val if isinstance(whole, Literal) else self.constants[1][k]
+        value = small.val if isinstance(small, Literal) else self.constants[0][k]
         return value * (1 if self.config.loss_reduction == "mean" else self.config.num_microbatches)
 
     def invar_name(self, k) -> str:
@@ -193,7 +190,7 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 "autopp.parallelize: the loss function returns one of its inputs unchanged as "
                 f"{'the loss' if k == 0 else aux_names(spec)[k - 1]}; compute it inside the loss function "
                 "(e.g. `x + 0`) or return it from the step directly.")
-    names, constants = aux_names(spec), constant_outputs(forward)
+    names, constants = aux_names(spec), (constant_outputs(forward), constant_outputs(spec.forward))
     for k in range(1, len(fwd.outvars)):
         dt, small, whole = fwd.outvars[k].aval.dtype, fwd.outvars[k].aval.shape, spec.forward.out_avals[k].shape
         per_example = _per_example(small, whole, config.num_microbatches)
@@ -204,7 +201,7 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 "microbatches) or per example (leading dimension the batch's, concatenated). Return it from the "
                 "step outside the gradient instead.")
         if (config.loss_reduction == "mean" and not per_example and not jnp.issubdtype(dt, jnp.inexact)
-                and k not in constants and not isinstance(fwd.outvars[k], Literal)):
+                and k not in constants[0] and not isinstance(fwd.outvars[k], Literal)):
             raise TypeError(
                 f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux values are "
                 "averaged over microbatches, which needs a floating dtype. Return it as a float (e.g. "
@@ -241,7 +238,7 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
     label, opt_state = _label_outer(traced)
     return Step(traced=traced, forward=forward, split=split, meshes=meshes, config=config,
                 out_stage=tuple(out_stage), graphs=graphs, invar_pos=invar_pos, users=users, owner=owner,
-                tensor_spec=tensor_spec, label=label, opt_state=frozenset(opt_state))
+                tensor_spec=tensor_spec, label=label, opt_state=frozenset(opt_state), constants=constants)
 
 
 def _label_outer(traced) -> tuple[dict, set]:

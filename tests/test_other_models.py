@@ -181,7 +181,7 @@ def test_an_fft_in_the_loss_pipelines_as_jit():
 
 def test_repeated_graph_blocks_are_attributed_their_own_parameters():
     """A graph net whose first block computes the node degrees that later blocks read from outside: the blocks read
-    different numbers of outside values. Each block must still be priced with its own parameters (hand count: all
+    different numbers of outside values. It pipelines as jit, and each block is priced with its own parameters (hand count: all
     four blocks' weights). Before: every block was given the first block's, and a quarter was counted."""
     N, F, E = 12, 8, 30
     src = np.arange(E) % N
@@ -198,7 +198,13 @@ def test_repeated_graph_blocks_are_attributed_their_own_parameters():
         return (h ** 2).mean()
 
     params = {"blocks": [jnp.eye(F) * 0.5 + 0.01 * k for k in range(4)]}
-    batch = {"x": jnp.ones((4, N, F))}
+    batch = {"x": jax.random.normal(jax.random.key(0), (4, N, F))}
+    step = _step(loss)
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(
+        params, TX.init(params), batch)
+    want = jax.jit(step)(params, TX.init(params), batch)
+    for a, b in zip(jax.tree.leaves((autopp.gather(got[0]), got[2])), jax.tree.leaves((want[0], want[2]))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     prof = _profile(loss, params, batch)
     e = _simulate(prof, 4)
     assert e.param_bytes == 2 * 4 * F * F * 4, e.param_bytes  # parameters and their gradients, fp32
