@@ -147,6 +147,32 @@ def _check_step_alone(args) -> None:
                          "arguments give the shapes and dtypes: drop them.")
 
 
+def _user_code_location(e: BaseException) -> str:
+    """`` (raised at FILE:LINE in FUNC ...)`` when ``e`` (or what it was raised from) came out of the user's own code
+    (the step's module, a model library it calls) rather than from autopp's checks, whose messages say what to fix;
+    else ''."""
+    import traceback
+
+    import autopp
+    from autopp import core, planner, profiler, runtime
+
+    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in (autopp, core, planner, profiler, runtime))
+    libraries = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    for err in (e.__cause__, e):
+        if err is None or err.__traceback__ is None:
+            continue
+        frames = traceback.extract_tb(err.__traceback__)
+        if not frames or frames[-1].filename.startswith(ours):
+            continue
+        user = [f for f in frames if not f.filename.startswith(ours)
+                and not os.path.realpath(f.filename).startswith(libraries)]
+        if user:
+            f = user[-1]
+            return (f" (raised at {f.filename}:{f.lineno} in {f.name}; AUTOPP_DEBUG=1 shows the whole "
+                    "traceback)")
+    return ""
+
+
 def _what(value) -> str:
     """``int 42``, ``dict {'w': ...}``: a value's type and (shortened) repr, for error messages."""
     text = repr(value)
@@ -299,7 +325,8 @@ def _add_model_flags(p, models=("gpt", "llama"), *, mlp: bool = False, batch_siz
         p.add_argument("--sizes", type=_positive, nargs="+", default=None,
                        help="MLP layer widths (default 64 128 128 64 8)")
     if batch_size:
-        p.add_argument("--batch-size", type=_positive, default=1, help="global batch (default 1)")
+        p.add_argument("--batch-size", type=_positive, default=None,
+                       help="global batch of a zoo model (default 1; --step: the step's own arguments give it)")
 
 
 def _parse_overrides(items) -> dict:
@@ -346,9 +373,13 @@ def cmd_profile(args) -> int:
     cluster = _cluster(args)
     if args.step:
         _check_step_alone(args)
+        if args.batch_size is not None:
+            raise ValueError(f"--batch-size describes a zoo model's batch; with --step {args.step} the step's own "
+                             "arguments give it: drop --batch-size, or change the batch your function returns.")
         step, state, batch_argnums = load_step(args.step)
         what, summary = f"step {args.step}", {"step": args.step}
     else:
+        args.batch_size = args.batch_size or 1
         kind, config, step, state, batch_argnums = _model_step(args)
         what, summary = f"{kind} {config.to_dict()}, batch {args.batch_size}", config.to_dict()
     progress = None
@@ -373,7 +404,7 @@ def cmd_profile(args) -> int:
         out["profile_seconds"] = elapsed
         print(json.dumps(out, indent=1))
     else:
-        print(what)
+        print(what if not args.step else f"{what} (traced at batch {prof.batch_size})")
         print(prof.table())
         print(f"profiled in {elapsed:.2f} s")
     return 0
@@ -396,6 +427,8 @@ def cmd_plan(args) -> int:
             kwargs[name] = tuple(getattr(args, name))
     if args.time_limit is not None:
         kwargs["time_limit_s"] = args.time_limit
+    if args.loss_reduction is not None:
+        kwargs["loss_reduction"] = args.loss_reduction
     plan = plan_model(model, cluster, global_batch=args.global_batch, **kwargs)
     elapsed = time.perf_counter() - t
     if args.out:
@@ -530,6 +563,8 @@ def main(argv=None) -> int:
                       help="restrict the tensor degrees searched (divisors of a node's devices)")
     plan.add_argument("--time-limit", type=float, default=None,
                       help="seconds CP-SAT may spend per stage split (default 5)")
+    plan.add_argument("--loss-reduction", choices=("mean", "sum"), default=None,
+                      help="how the step's loss combines examples, as parallelize's loss_reduction (default mean)")
     plan.add_argument("--out", default=None, help="write the plan's JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan's JSON")
     plan.set_defaults(func=cmd_plan)
@@ -554,7 +589,7 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         if os.environ.get("AUTOPP_DEBUG"):
             raise
-        print(f"autopp {args.command}: error: {e}", file=sys.stderr)
+        print(f"autopp {args.command}: error: {e}{_user_code_location(e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader stopped early (``autopp show plan.json | head``): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not fail

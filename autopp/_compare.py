@@ -339,7 +339,7 @@ def add_parser(sub, add_model_flags, positive) -> None:
         elif action.dest == "batch_size":
             action.help = "same as --global-batch"
         elif action.dest == "step":
-            action.help += " (a target --cluster only: its arguments may be abstract)"
+            action.help += " (with a target --cluster only, not 'local': predicted, so its arguments may be abstract)"
     p.add_argument("--global-batch", type=positive, default=None, help="sequences per step (or --batch-size)")
     p.add_argument("--cluster", default="local",
                    help="'local' (measure on this machine's devices; default) or a target such as 128x8xH100 "

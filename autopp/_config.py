@@ -202,7 +202,9 @@ class ParallelizeConfig:
                              "microbatches, schedule and recomputation. Drop the keyword(s) or the plan.")
         if self.loss_reduction is not None and self.loss_reduction != plan.loss_reduction:
             raise ValueError(f"{_WHO}: loss_reduction={self.loss_reduction!r} contradicts the plan's "
-                             f"{plan.loss_reduction!r}; drop loss_reduction= or make the plan again.")
+                             f"{plan.loss_reduction!r}; drop loss_reduction= or make the plan again with "
+                             f"plan_model(..., loss_reduction={self.loss_reduction!r}) (autopp plan --loss-reduction "
+                             f"{self.loss_reduction}).")
         if any(st.equations is None and st.layers is None for st in plan.stages):
             raise ValueError(f"{_WHO}: the plan's stages give neither equations nor layers, so it cannot be "
                              "replayed; make it with step.plan_for(...) or plan_model(profile, ...).")

@@ -154,6 +154,13 @@ def _start_watchdog(timeout_s: float) -> None:
     def processes(prefix: str) -> set[int]:
         return {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(prefix)}
 
+    def steps_done() -> dict[int, int]:  # finished peer -> the steps it started
+        return {int(k.rsplit("/", 1)[1]): int(v) if v.isdigit() else 0
+                for k, v in client.key_value_dir_get(_DONE_PREFIX)}
+
+    from autopp.runtime import steps_started
+    short: dict[int, float] = {}  # finished peer that started fewer steps than this process -> when first seen
+
     def beat() -> None:
         count = 0
         while not stop.is_set():
@@ -168,6 +175,16 @@ def _start_watchdog(timeout_s: float) -> None:
             now = time.monotonic()
             last_ok[0] = now
             finished.update(done)
+            if done - {me}:
+                mine = steps_started()
+                for p, theirs in steps_done().items():
+                    if p == me or theirs >= mine:
+                        continue
+                    short.setdefault(p, now)
+                    if now - short[p] > timeout_s and not stop.is_set():  # this step needs it: it never ends
+                        _lost(f"process {p} of {n} ended after {theirs} step(s), but process {me} is in step {mine}, "
+                              "which needs it; every process must run the same steps (the same loop over the same "
+                              f"inputs). Stopping process {me}.")
             if failed and not stop.is_set():
                 _lost(f"process {min(failed)} of {n} stopped with an error (its traceback is in its output); "
                       f"stopping process {me}.")
@@ -191,7 +208,7 @@ def _start_watchdog(timeout_s: float) -> None:
         if stop.is_set():
             return
         try:
-            client.key_value_set(f"{_DONE_PREFIX}{me}", "1", allow_overwrite=True)
+            client.key_value_set(f"{_DONE_PREFIX}{me}", str(steps_started()), allow_overwrite=True)
         except Exception:  # noqa: BLE001
             pass
         # A peer's death can end this process's work early (a transfer from it fails or is cut short): wait,
@@ -253,20 +270,30 @@ def shutdown() -> None:
 
 
 def gather(x):
-    """``x`` (a step output) as a NumPy array on every process.
+    """``x`` (a step output, or a pytree of them: the parameters, the optimizer state) as NumPy arrays on every
+    process.
 
     Scalar step outputs (the loss, metrics) already are on every process: ``float(loss)`` works everywhere.
     This fetches any other output (e.g. a parameter) from the process that holds it; every process must call
     it with the same output, in the same order, as for any collective. An output held by one process travels by
-    cross-process ``jax.device_put`` (no collective), one held by several by JAX's ``process_allgather``.
+    cross-process ``jax.device_put`` (no collective); one whose every process holds a whole copy (a replicated
+    counter, such as Adam's step count) is read locally; one split over several processes needs JAX's
+    ``process_allgather`` (``initialize(cpu_collectives="gloo")`` on CPU).
     """
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    if tree.num_leaves != 1 or tree.num_nodes != 1:
+        return jax.tree_util.tree_unflatten(tree, [gather(leaf) for leaf in leaves])
     if not isinstance(x, jax.Array) or jax.process_count() == 1:
         return np.asarray(x)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
     holders = sorted({d.process_index for d in x.sharding.device_set})
     if len(holders) > 1:
+        local = _local_copy(x)
+        if local is not None:
+            return local
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -289,3 +316,15 @@ def gather(x):
             if q == me:
                 mine = got
     return np.asarray(mine)
+
+
+def _local_copy(x):
+    """``x`` as a NumPy array from this process's own shards, when they cover all of it (else None)."""
+    import numpy as np
+
+    out = np.empty(x.shape, x.dtype)
+    covered = np.zeros(x.shape, bool)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+        covered[shard.index] = True
+    return out if covered.all() else None

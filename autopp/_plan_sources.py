@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -336,14 +337,42 @@ def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> LocalPl
     from autopp.planner import plan_local
 
     n = len(config.devices)
+    layout, num_stages = config.layout, None
+    if isinstance(layout, tuple):  # one per device group: as many groups (stages) as layouts
+        if any(lay != layout[0] for lay in layout):
+            raise ValueError(f"{_WHO}: the planner gives every stage the same mesh, but layout has {len(layout)} "
+                             f"different ones ({list(layout)}); pass num_stages=, num_microbatches= and schedule= "
+                             "with them, or one layout for all.")
+        layout, num_stages = layout[0], len(layout)
     try:
         with phase(f"planning for {n} device(s)") as ph:
-            local = plan_local(prof, n, batch)
+            processes = sorted({d.process_index for d in config.devices})
+            local = plan_local(prof, n, batch, layout=layout, stage_multiple=len(processes),
+                               **({} if num_stages is None else {"num_stages": num_stages}))
             ph.done(f"planned {local.num_stages} stage(s), {local.num_microbatches} microbatch(es), {local.schedule}")
     except ValueError as e:
         raise ValueError(f"{_WHO}: cannot plan this step for {n} device(s): {str(e).removeprefix('plan_local: ')} "
                          "Or fix the layout yourself with num_stages=, num_microbatches= and schedule=.") from None
-    return local
+    return _process_0_s(local)
+
+
+_plans_agreed = itertools.count()
+
+
+def _process_0_s(local):
+    """In a multi-process run every process runs process 0's plan: each measured the layers on its own devices, and
+    times that differ could make their plans differ."""
+    import jax
+
+    if jax.process_count() == 1:
+        return local
+    from autopp.core import distributed_client
+
+    client, key = distributed_client(), f"autopp/local_plan/{next(_plans_agreed)}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, local.plan.to_json())
+        return local
+    return type(local).of(Plan.from_json(client.blocking_key_value_get(key, 600_000)), local.wall_time_s)
 
 
 # -- profile layers as equations of the pipeline's forward --------------------------------------------------------
@@ -416,7 +445,9 @@ def source_plan(config: ParallelizeConfig, step_fn: Callable, args: tuple, trace
             f"#{', #'.join(map(str, whole))}, e.g. a token count that normalises the loss). Every microbatch's loss "
             "reads the step's value, so the step's loss is the sum of the microbatch losses, not their mean: pass "
             "loss_reduction=\"sum\" (a masked token mean, sum(nll * mask) / mask.sum() over the whole batch, is then "
-            "exactly the step's). A scalar meant per microbatch is computed inside the loss instead.")
+            "exactly the step's). A scalar meant per microbatch is computed inside the loss instead."
+            + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
+               "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
     return SOURCES[config.source](config, step_fn, args, traced)
 
 

@@ -19,6 +19,7 @@ from autopp.core._compat import (
     marking_fused_attention,
     name_stack,
     new_jaxpr,
+    prng_impl,
     register_fallback_lowering,
     retarget,
     serialize_compiled,

@@ -437,3 +437,8 @@ def distributed_client():
     from jax._src import distributed as jax_distributed
 
     return jax_distributed.global_state.client
+
+
+def prng_impl(dtype):
+    """The PRNG implementation of a typed key dtype (``key<fry>``), for ``jax.random.wrap_key_data``."""
+    return dtype._impl

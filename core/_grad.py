@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from autopp.core import _compat
+from autopp.core._jaxpr import sink_parameter_work
 
 _state = threading.local()
 
@@ -113,6 +114,10 @@ def _as_tuple_argnums(argnums, num_args: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _array_like(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or _compat.is_tracer(leaf)
+
+
 def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, name: str):
     if kwargs:
         fun = functools.partial(fun, **kwargs)
@@ -124,6 +129,12 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     for a in nums:
         for i in range(starts[a], starts[a + 1]):
             arg_mask[i] = True
+    # Leaves that are not arrays (a string, None, a function) outside argnums are static, as jax.grad closes over them
+    static = {i: leaf for i, leaf in enumerate(flat_args) if not _array_like(leaf)}
+    for i, leaf in static.items():
+        if arg_mask[i]:
+            raise TypeError(f"{name}: argument(s) {nums} to differentiate hold a {type(leaf).__name__} ({leaf!r:.40}), "
+                            "which is not an array; differentiate only arrays and pass the rest as other arguments.")
     integer = [d and not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf, d in zip(flat_args, arg_mask)]
     for leaf, is_int in zip(flat_args, integer):
         if is_int and not allow_int:
@@ -135,8 +146,13 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     # allow_int: an integer leaf is not differentiated; its gradient is float0 zeros, as jax.grad gives
     in_argnums, arg_mask = arg_mask, [d and not is_int for d, is_int in zip(arg_mask, integer)]
 
+    num_leaves = len(flat_args)
+    dynamic = [i for i in range(num_leaves) if i not in static]
+
     def flat_fun(*leaves):
-        out = fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+        full = dict(static)
+        full.update(zip(dynamic, leaves))
+        out = fun(*jax.tree_util.tree_unflatten(in_tree, [full[i] for i in range(num_leaves)]))
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
@@ -161,6 +177,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         flat_fun.aux_tree = aux_tree
         return [loss, *aux_leaves]
 
+    all_args, flat_args, arg_mask = flat_args, [flat_args[i] for i in dynamic], [arg_mask[i] for i in dynamic]
     closed = jax.make_jaxpr(flat_fun)(*flat_args)
     aux_tree = flat_fun.aux_tree
     jaxpr = closed.jaxpr
@@ -173,11 +190,11 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         else:
             kept_vars.append(v)
             kept_vals.append(c)
-    forward = jex_core.ClosedJaxpr(
+    diff_mask = tuple([False] * len(lifted_vars) + arg_mask)
+    forward = sink_parameter_work(jex_core.ClosedJaxpr(
         _compat.new_jaxpr(kept_vars, [*lifted_vars, *jaxpr.invars], jaxpr.outvars, jaxpr.eqns, jaxpr.effects, name),
         kept_vals,
-    )
-    diff_mask = tuple([False] * len(lifted_vars) + arg_mask)
+    ), diff_mask)
     grad_args = [args[a] for a in nums]
     grad_tree = jax.tree_util.tree_structure(grad_args[0] if isinstance(argnums, int) else tuple(grad_args))
     spec = GradSpec(
@@ -193,7 +210,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)
     loss, aux_leaves, diff_grads = outs[0], outs[1 : 1 + spec.num_aux], iter(outs[1 + spec.num_aux :])
     grads = [np.zeros(np.shape(leaf), jax.dtypes.float0) if is_int else next(diff_grads)
-             for leaf, d, is_int in zip(flat_args, in_argnums, integer) if d]
+             for leaf, d, is_int in zip(all_args, in_argnums, integer) if d]
     aux = jax.tree_util.tree_unflatten(aux_tree, aux_leaves)
     return loss, aux, jax.tree_util.tree_unflatten(grad_tree, grads)
 

@@ -113,6 +113,56 @@ def input_free_vars(jaxpr: jex_core.Jaxpr) -> set:
     return free
 
 
+_ROW_READS = frozenset({"slice", "squeeze", "dynamic_slice"})
+
+
+def sink_parameter_work(closed: jex_core.ClosedJaxpr, diff_invars: Sequence[bool]) -> jex_core.ClosedJaxpr:
+    """``closed`` with each equation of its prologue (before anything reads another input than the differentiated
+    ones) that computes from parameters alone (a differentiated input, constants, literals: casting master weights
+    to bf16, transposing a weight) moved down to just before its first reader. A step that casts its whole parameter
+    tree at the top of the loss (``jax.tree.map(lambda w: w.astype(bf16), params)``, the usual Equinox/NNX idiom)
+    then reads each block's weights inside the block, as a step that casts per block does: the profiler's layers
+    own the parameters their blocks use and the sharding search sees each weight's matmul. Parameter work written
+    inside the model stays where it is, and so do equations with effects and the rows a layer of an unrolled
+    ``lax.scan`` takes of its stacked parameters (its header, which :func:`~autopp.core._reroll.reroll_scans` rolls
+    back). The order stays topological, so the value is the same."""
+    jaxpr = closed.jaxpr
+    eqns = jaxpr.eqns
+    param_only = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
+    neutral = set(jaxpr.constvars) | input_free_vars(jaxpr)
+    other = {v for v, d in zip(jaxpr.invars, diff_invars) if not d}
+    movable, prologue = [], True
+    for e in eqns:
+        ins = [a for a in e.invars if not isinstance(a, Literal)]
+        if any(a in other for a in ins):
+            other.update(e.outvars)
+            prologue = False
+        derived = (not e.effects and any(a in param_only for a in ins)
+                   and all(a in param_only or a in neutral for a in ins))
+        movable.append(prologue and derived and e.primitive.name not in _ROW_READS)
+        if derived:
+            param_only.update(e.outvars)
+    if not any(movable):
+        return closed
+    readers: dict = {}
+    for i, e in enumerate(eqns):
+        for a in e.invars:
+            if not isinstance(a, Literal):
+                readers.setdefault(a, []).append(i)
+    key = list(range(len(eqns)))
+    for i in range(len(eqns) - 1, -1, -1):
+        if movable[i]:
+            after = [key[j] for o in eqns[i].outvars for j in readers.get(o, ())]
+            key[i] = min(after) if after else i
+    order = sorted(range(len(eqns)), key=lambda i: (key[i], not movable[i], i))
+    if order == list(range(len(eqns))):
+        return closed
+    return jex_core.ClosedJaxpr(new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, [eqns[i] for i in order],
+                                          jaxpr.effects,
+                                          getattr(jaxpr.debug_info, "func_name", None) or "autopp"),
+                                closed.consts)
+
+
 def constant_outputs(closed: jex_core.ClosedJaxpr) -> dict[int, np.ndarray]:
     """Output position -> value, for each output of ``closed`` computed from no input (from sizes and constants
     only, such as ``jnp.float32(x.shape[0]) * 2``); literal outputs excluded."""

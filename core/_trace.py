@@ -16,7 +16,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
-from autopp.core._jaxpr import eqn_signature
+from autopp.core._jaxpr import eqn_signature, sink_parameter_work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +435,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
         with _tracing(), _at_microbatch_size(who, num_microbatches, traced):
-            mb_forward = jax.make_jaxpr(spec.loss_fn)(*small)
+            mb_forward = sink_parameter_work(jax.make_jaxpr(spec.loss_fn)(*small), spec.diff_mask)  # as spec.forward
         mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     else:
         flat, in_tree = jax.tree_util.tree_flatten(tuple(args))

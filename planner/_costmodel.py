@@ -322,7 +322,7 @@ class StepModel:
             g0, g1 = groups[c], groups[c + 1]
             if g0 == g1:
                 continue
-            nbytes = self.layers[chunk_layers[c][1]].output_bytes * scale / (t if sp else 1)
+            nbytes = self.layers[chunk_layers[c][1]].crossing_bytes * scale / (t if sp else 1)
             spans = cluster.num_nodes > 1 and (g0 * group_devices) // cluster.devices_per_node != (
                 g1 * group_devices) // cluster.devices_per_node
             send = max(send, ring_seconds("send-recv", nbytes, 2, cluster, spans_nodes=spans))

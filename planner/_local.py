@@ -62,15 +62,30 @@ class LocalPlan:
     plan: Plan
     """The plan itself."""
 
+    @classmethod
+    def of(cls, plan: Plan, wall_time_s: float) -> LocalPlan:
+        """The choices ``plan`` (made by :func:`plan_local`) holds."""
+        st = plan.planner
+        return cls(
+            num_stages=plan.num_stages, devices_per_stage=len(plan.stages[0].devices),
+            num_microbatches=plan.num_microbatches, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
+            stage_layers=tuple(s.layers for s in plan.stages), predicted=plan.predicted,
+            solver_status=st.solver_status, optimality_gap=st.optimality_gap, candidates=st.candidates,
+            best_uniform_step_time_s=st.best_uniform_step_time_s, wall_time_s=wall_time_s, plan=plan)
+
 
 def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
                schedules: Sequence[str] = RUNNABLE_SCHEDULES, num_stages: int | None = None,
-               num_microbatches: int | None = None, time_limit_s: float = 10.0) -> LocalPlan:
+               num_microbatches: int | None = None, time_limit_s: float = 10.0,
+               layout: dict[str, int] | None = None, stage_multiple: int = 1) -> LocalPlan:
     """Choose stages, microbatches, schedule and stage split for ``num_devices`` devices of the profile's cluster
     from a profile of the step at batch size ``batch_size`` (measured on the local device for a plan that matches
     the hardware: ``profile(..., measure=True)``). ``num_stages`` / ``num_microbatches`` fix that choice;
-    ``schedules`` limits the schedules tried. Raises ValueError when no layout is legal or none fits the devices'
-    memory."""
+    ``schedules`` limits the schedules tried. ``layout``: every stage's mesh as ``parallelize``'s (``{"tensor": 2}``,
+    ``{"fsdp": 2}``; an axis left out is 1, ``data`` the rest of the stage's devices): only stage counts whose device
+    groups it fits are tried, and the costs are those of that layout. Raises ValueError when no layout is legal or
+    none fits the devices' memory. ``stage_multiple``: stage counts are multiples of it (the processes of a
+    multi-process run, each of whose stages must stay within one process)."""
     if not isinstance(profile, Profile):
         raise TypeError(f"plan_local: profile must be an autopp.profiler.Profile, got {type(profile).__name__}; "
                         "make one with autopp.profiler.profile(step, *args, measure=True).")
@@ -86,17 +101,26 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
     t0 = time.perf_counter()
     cluster = Cluster(num_nodes=1, devices_per_node=num_devices, device=profile.cluster.device)
     n = num_devices
-    stages = [S for S in divisors(n) if (num_stages is None or S == num_stages) and S <= len(profile.layers)]
-    legal = [S for S in stages if batch_size % (n // S) == 0 and (
-        num_microbatches is None or batch_size % (n // S * num_microbatches) == 0)]
+    lay = dict(layout or {})
+    tp, fsdp, data = lay.get("tensor", 1), lay.get("fsdp", 1), lay.get("data")
+    stages = [S for S in divisors(n) if (num_stages is None or S == num_stages) and S <= len(profile.layers)
+              and S % stage_multiple == 0]
+    fitting = [S for S in stages if (n // S) % (tp * fsdp) == 0 and (data is None or n // S == data * fsdp * tp)]
+    if layout and not fitting:
+        raise ValueError(f"plan_local: layout {layout} fits no pipeline of {n} device(s) (every stage's devices must "
+                         f"be data x fsdp x tensor, stage counts {stages}); give a layout whose axes multiply to a "
+                         f"divisor of {n}, e.g. {{'tensor': {tp}}} with data left out, or pass num_stages=.")
+    legal = [S for S in fitting if batch_size % (n // S // tp) == 0 and (
+        num_microbatches is None or batch_size % (n // S // tp * num_microbatches) == 0)]
     if not legal:
         raise ValueError(_no_layout_message(profile, n, batch_size, num_stages, num_microbatches))
     sizes = tuple(b for b in range(1, batch_size + 1) if batch_size % b == 0)
     try:
         plan = plan_model(profile, cluster, global_batch=batch_size, schedules=tuple(schedules), recompute=("none",),
-                          microbatch_sizes=sizes, pipeline_degrees=tuple(legal), tensor_degrees=(1,),
+                          microbatch_sizes=sizes, pipeline_degrees=tuple(legal), tensor_degrees=(tp,),
                           max_virtual_stages=1, refine_top=4, time_limit_s=time_limit_s, dispatch_s=DISPATCH_S,
-                          fsdp=False, zero1=False, sequence_parallel=False, num_microbatches=num_microbatches)
+                          fsdp=fsdp > 1, fsdp_degrees=(fsdp,), zero1=False, sequence_parallel=False,
+                          num_microbatches=num_microbatches)
     except ValueError as e:
         msg = str(e)
         if "no layout" in msg or "fits" in msg:
@@ -105,13 +129,7 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
         raise
     if not plan.stages:
         raise ValueError(_no_layout_message(profile, n, batch_size, num_stages, num_microbatches))
-    st = plan.planner
-    return LocalPlan(
-        num_stages=plan.num_stages, devices_per_stage=len(plan.stages[0].devices),
-        num_microbatches=plan.num_microbatches, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
-        stage_layers=tuple(s.layers for s in plan.stages), predicted=plan.predicted,
-        solver_status=st.solver_status, optimality_gap=st.optimality_gap, candidates=st.candidates,
-        best_uniform_step_time_s=st.best_uniform_step_time_s, wall_time_s=time.perf_counter() - t0, plan=plan)
+    return LocalPlan.of(plan, time.perf_counter() - t0)
 
 
 def _no_layout_message(profile: Profile, n: int, batch: int, num_stages, num_microbatches) -> str:

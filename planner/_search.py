@@ -81,7 +81,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                pipeline_degrees: Sequence[int] | None = None, tensor_degrees: Sequence[int] | None = None,
                max_virtual_stages: int = 4, overlap: Sequence[str] = DEFAULT_OVERLAP, refine_top: int = 8,
                time_limit_s: float = 5.0, dispatch_s: float = 0.0, fsdp: bool = True, zero1: bool = True,
-               sequence_parallel: bool = True, num_microbatches: int | None = None) -> Plan:
+               sequence_parallel: bool = True, num_microbatches: int | None = None,
+               loss_reduction: str = "mean", fsdp_degrees: Sequence[int] | None = None) -> Plan:
     """The fastest plan the cost model finds for training ``model`` with ``global_batch`` examples per step on
     ``cluster`` (see the module docstring for the search).
 
@@ -93,7 +94,9 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     ``time_limit_s``). ``overlap``: communication the runtime hides behind compute (see
     :data:`~autopp.core._estimate.OVERLAPS`). ``dispatch_s``: host seconds per issued program (local
     devices only). ``fsdp``, ``zero1`` and ``sequence_parallel`` say whether those layouts are searched;
-    ``num_microbatches`` fixes the microbatches per step.
+    ``fsdp_degrees`` restricts the FSDP degrees tried (with ``fsdp=True``; 1 is no FSDP).
+    ``num_microbatches`` fixes the microbatches per step. ``loss_reduction``: ``"mean"`` (the loss averages over
+    examples) or ``"sum"``, written into the plan for ``parallelize(plan=...)`` (it does not change the costs).
 
     Raises ValueError when no layout fits the devices' memory, saying how much the least demanding one needs and
     what would make it fit.
@@ -107,6 +110,9 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
         if bad:
             raise ValueError(f"{who}: {name}={values!r} must be a non-empty tuple of {', '.join(valid)} "
                              f"(not {bad}); e.g. {name}={tuple(valid[:2])!r}.")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"{who}: loss_reduction={loss_reduction!r} must be 'mean' (the loss averages over examples) "
+                         "or 'sum' (it adds them up, or reads a value computed from the whole batch).")
     refine_top = positive_int(who, "refine_top", refine_top, 8)
     max_virtual_stages = positive_int(who, "max_virtual_stages", max_virtual_stages, 4)
     if num_microbatches is not None:
@@ -116,7 +122,7 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
         raise ValueError(f"{who}: time_limit_s must be a positive number of seconds for each CP-SAT stage split, "
                          f"got time_limit_s={time_limit_s!r}; pass e.g. time_limit_s=5.0.")
     for name, values in (("microbatch_sizes", microbatch_sizes), ("pipeline_degrees", pipeline_degrees),
-                         ("tensor_degrees", tensor_degrees)):
+                         ("tensor_degrees", tensor_degrees), ("fsdp_degrees", fsdp_degrees)):
         if values is None and name != "microbatch_sizes":
             continue
         if not isinstance(values, (tuple, list)) or not values:
@@ -143,6 +149,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
             if global_batch % dp:
                 continue
             fsdps = sorted({1, dp} | ({dpn // tp} if tp < dpn and dp % (dpn // tp) == 0 else set())) if fsdp else [1]
+            if fsdp_degrees is not None:
+                fsdps = [f for f in sorted(set(fsdp_degrees)) if dp % f == 0 and (fsdp or f == 1)]
             sizes = microbatch_sizes
             if num_microbatches is not None:
                 sizes = [global_batch // (dp * num_microbatches)] if global_batch % (dp * num_microbatches) == 0 else []
@@ -247,7 +255,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                          sharding_solves=len(sm.solve_stats),
                          sharding_solve_s=sum(x[5] for x in sm.solve_stats),
                          sharding_max_gap=max((x[4] for x in sm.solve_stats), default=0.0))
-    return to_plan(sm, best.layout, global_batch, best.split, best.recompute, best.evaluation, stats)
+    plan = to_plan(sm, best.layout, global_batch, best.split, best.recompute, best.evaluation, stats)
+    return plan if loss_reduction == "mean" else dataclasses.replace(plan, loss_reduction=loss_reduction)
 
 
 def _by_memory(modes: Sequence[str]) -> list[str]:
@@ -414,7 +423,7 @@ def to_plan(sm: StepModel, layout: Layout, global_batch: int, split, recompute, 
             equations=None, num_equations=None,
             flops=float(sum(l.flops for l in layers)) * scale,
             param_bytes=_read_param_bytes(prof, layers),
-            cut_bytes_after=0 if c == len(split) - 1 else int(prof.layers[b].output_bytes * scale),
+            cut_bytes_after=0 if c == len(split) - 1 else int(prof.layers[b].crossing_bytes * scale),
             layers=(a, b), recompute=r,
             forward_time_s=evaluation.stage_forward_s[c], backward_time_s=evaluation.stage_backward_s[c],
             param_specs=specs,

@@ -287,7 +287,23 @@ class LayerAnalysis:
                     if got is not None:
                         best = (c, got, p, int(copies[k]))
                         break
-        return None if best is None else best[1:]
+        return None if best is None else self._finest(*best[1:])
+
+    def _finest(self, s: int, p: int, copies: int) -> tuple[int, int, int]:
+        """The same span as ``copies`` copies of a shorter period that divides ``p``, if the operations (not
+        necessarily the shapes) repeat so: 48 blocks whose widths repeat every 24 are 48 blocks, not 2 of 24."""
+        span = copies * p
+        seg = self.struct_ids[s:s + span]
+        for q in range(1, p):
+            if p % q or not np.array_equal(seg[:-q], seg[q:]):
+                continue
+            cuts = np.arange(s, s + span + 1, q)
+            if np.any(self.pcons_prefix[cuts[1:]] - self.pcons_prefix[cuts[:-1]] == 0):
+                continue
+            first = self.canon(s, s + q, self.struct_ids)[0]
+            if all(self.canon(a, a + q, self.struct_ids)[0] == first for a in cuts[1:-1]):
+                return s, q, span // q
+        return s, p, copies
 
     def _place(self, a: int, e: int, p: int, copies: int, ids):
         """Phase of ``copies`` copies of period ``p`` in the periodic region ``[a, e)``: fewest bytes

@@ -105,6 +105,11 @@ class Layer:
     layer reads, from the actual dataflow (skip connections included): the edges of
     :func:`autopp.profiler.cost_graph`."""
 
+    crossing_bytes: int = 0
+    """Bytes of batch-dependent values made by this layer or an earlier one that a later layer (or the forward's
+    outputs) reads: what a stage boundary placed after this layer sends, skip connections included (a U-Net's
+    encoder features, an encoder's output read by every cross-attention)."""
+
     def to_dict(self) -> dict:
         """JSON-friendly dict of all fields (tuples become lists)."""
         d = dataclasses.asdict(self)
@@ -357,6 +362,23 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
             if src is not None:
                 consumed[src].add(key)
 
+    # what crosses a boundary after each layer: every value from its producer up to its last reader
+    last_reader: dict = {}
+    for li, r in enumerate(reads):
+        for key in r:
+            last_reader[key] = li
+    for a in an.outvar_set:
+        for key, _ in keys_of(a):
+            last_reader[key] = len(units)
+    crossing = np.zeros(len(units) + 1)
+    for li, d in enumerate(defs):
+        for key, b in d.items():
+            end = last_reader.get(key, li)
+            if producer.get(key) == li and end > li:
+                crossing[li] += b
+                crossing[end] -= b
+    crossing = np.cumsum(crossing)
+
     claimed: dict[int, float] = {}
     layers = []
     last = len(units) - 1
@@ -419,5 +441,6 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
             output_bytes=int(round(out_b)),
             input_bytes=int(round(in_b)),
             reads_from=tuple((src, int(round(b))) for src, b in sorted(edges.items())),
+            crossing_bytes=int(round(crossing[li])) if li < last else 0,
         ))
     return layers

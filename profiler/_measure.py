@@ -68,7 +68,7 @@ def measure_layer(closed: jex_core.ClosedJaxpr, diff: Sequence[bool] | None = No
     cotangent is returned as an activation's would be). Inputs are random (floating) or zeros; every differentiable
     output's cotangent is ones.
     """
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     invars = closed.jaxpr.invars
     if diff is None:
         diff = [jnp.issubdtype(v.aval.dtype, jnp.floating) for v in invars]

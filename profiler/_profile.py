@@ -72,6 +72,9 @@ class LayerProfile:
     row_fractions: tuple[tuple[int, float], ...] = ()
     """Parameters the layer owns some rows of (a scan iteration: its rows of a stacked parameter), as (forward input,
     fraction of the parameter): what a stage holds when the runtime divides the stack by rows."""
+    crossing_bytes: int = 0
+    """Bytes a stage boundary after this layer sends per traced batch: the values of this layer and earlier ones
+    that later layers read (skip connections included; :attr:`output_bytes` counts only this layer's)."""
 
     @property
     def time_s(self) -> float:
@@ -343,6 +346,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
             param_inputs=tuple(fwd_index.get(v) if kind == "param" and v in fwd_index and
                                spec.diff_mask[fwd_index[v]] else None for v, kind in zip(inputs, src.kinds)),
             row_fractions=tuple((k, f) for k, f in zip(lay.param_indices, fractions) if f < 1.0),
+            crossing_bytes=lay.crossing_bytes,
         ))
     graph = cost_graph(layers)
     for lp in out_layers:

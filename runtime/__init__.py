@@ -16,11 +16,12 @@ from autopp.core import (
     zb_h1,
 )
 
+from autopp.runtime._executable import steps_started
 from autopp.runtime._executor import Executable, StageMeshes, build_executable
 from autopp.runtime._tensor import tensor_specs
 from autopp.runtime._timeline import TaskEvent, Timeline, run_with_timeline
 
 __all__ = ["Executable", "StageMeshes", "TaskEvent", "Timeline", "build_executable", "run_with_timeline",
-           "tensor_specs",
+           "steps_started", "tensor_specs",
            "SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError", "bubble_fraction", "dispatch_order",
            "get_schedule", "gpipe", "interleaved_1f1b", "one_f_one_b", "simulate_times", "validate", "zb_h1"]

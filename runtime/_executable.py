@@ -86,6 +86,7 @@ class Executable:
     def run(self, flat_args: Sequence[Any], on_dispatch: Callable[[int, tuple], None] | None = None):
         """Run one step. ``on_dispatch(task index, outputs)``, if given, is called after each task is issued
         (for :func:`autopp.runtime.run_with_timeline`)."""
+        _steps_started[0] += 1
         env: list[Any] = [None] * self.num_slots
         for slot, value in self.const_slots:
             env[slot] = value
@@ -111,7 +112,7 @@ class Executable:
                     for dev, n in self.slot_bytes.get(slot, {}).items():
                         freed[dev] += n
                 pool.clear()
-        return dict(sorted(freed.items()))
+        return _this_process(freed)
 
     def held_between_steps(self) -> dict[int, int]:
         """Bytes per device id the executable holds now, between steps: its constants and the gradient
@@ -122,7 +123,7 @@ class Executable:
         for slot in slots:
             for dev, n in self.slot_bytes.get(slot, {}).items():
                 held[dev] += n
-        return dict(sorted(held.items()))
+        return _this_process(held)
 
     def memory_report(self, between_steps: bool = False) -> dict[int, int]:
         """Peak bytes per device id over one step, by the runtime's own accounting: every buffer the instruction
@@ -130,7 +131,8 @@ class Executable:
         task that makes it to the task after which it is dropped, plus each program's XLA temporaries
         (``memory_analysis().temp_size_in_bytes``) while it runs. The step's own inputs are not counted (the
         caller holds them); their placed copies are. ``between_steps=True``: what stays allocated between steps
-        instead (:meth:`held_between_steps`)."""
+        instead (:meth:`held_between_steps`). In a multi-process run, each process reports its own devices (it
+        neither compiles nor holds the others' programs and buffers)."""
         if between_steps:
             return self.held_between_steps()
         self.resolve()
@@ -157,11 +159,25 @@ class Executable:
                 stats = analysis()
                 temp = stats.temp_size_in_bytes if stats is not None else 0
             for dev in task.devices or live:
-                peak[dev] = max(peak[dev], live[dev] + temp // max(1, len(task.devices)))
+                peak[dev] = max(peak[dev], live[dev] + temp)  # XLA's analysis of an SPMD program is per device
             for f in task.frees:
                 if f not in gone:
                     add(f, -1)
-        return dict(sorted(peak.items()))
+        return _this_process(peak)
 
     def describe(self) -> list[str]:
         return [t.label for t in self.tasks]
+
+
+def _this_process(per_device: dict[int, int]) -> dict[int, int]:
+    """``per_device`` restricted to this process's devices, by device id."""
+    local = {d.id for d in jax.local_devices()} if jax.process_count() > 1 else None
+    return dict(sorted((d, n) for d, n in per_device.items() if local is None or d in local))
+
+
+_steps_started = [0]
+
+
+def steps_started() -> int:
+    """Steps this process has started, over every executable (a multi-process run's watchdog compares them)."""
+    return _steps_started[0]

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from autopp.core import prng_impl
 from autopp.runtime._tasks import Program, Task, Transfer, put, sds
 
 
@@ -49,8 +50,16 @@ class Processes:
 
 
 def _empty(aval, sharding) -> jax.Array:
-    """A global array with no shard on this process: the stand-in for a value another process holds."""
+    """A global array with no shard on this process: the stand-in for a value another process holds (a typed PRNG
+    key: for its raw data, which is what crosses)."""
+    if _is_key(aval):
+        raw = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+        return jax.make_array_from_single_device_arrays(tuple(raw.shape), sharding, [], dtype=raw.dtype)
     return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [], dtype=aval.dtype)
+
+
+def _is_key(aval) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def mirror(src: NamedSharding, dst: NamedSharding) -> tuple[NamedSharding, NamedSharding]:
@@ -77,6 +86,9 @@ class _Leg:
     """Stand-in for the sent value on processes other than the sender."""
     view: NamedSharding | None = None
     """For an input spanning processes: the sharding of its shards on the sender, taken before sending."""
+    copy: bool = False
+    """Send a copy: a later program of the step donates the value (a parameter updated in place), and a transfer
+    across processes does not keep the buffer it reads alive."""
 
 
 def _local_view(x, view: NamedSharding | None):
@@ -98,21 +110,26 @@ def _cross_put(legs: list[_Leg], me: int, in_avals=None) -> Transfer:
         pairs.setdefault((leg.sender, leg.receiver), []).append(k)
     groups = list(pairs.values())
     in_flight: list = []  # the sender's handles of its last sends: a send whose handle is dropped may not arrive
+    keys = {k: prng_impl(in_avals[legs[k].index].dtype) for k in range(len(legs))
+            if in_avals and _is_key(in_avals[legs[k].index])}
 
     def cross(*xs):
         sent = [leg.empty for leg in legs]
         if pre:  # sender-local reshard to the mirrored layout (a no-op when it already is)
             ins = [_local_view(xs[legs[k].index], legs[k].view) for k in pre]
-            for k, y in zip(pre, jax.device_put(ins, [legs[k].send for k in pre])):
-                sent[k] = y
+            for k, y in zip(pre, jax.device_put(ins, [legs[k].send for k in pre],
+                                                may_alias=[None if not legs[k].copy else False for k in pre])):
+                sent[k] = jax.random.key_data(y) if k in keys else y  # a typed key crosses as its raw data
         got = [None] * len(legs)
         for group in groups:  # one call per (sender, receiver): calls mixing pairs do not all arrive
             for k, y in zip(group, jax.device_put([sent[k] for k in group], [legs[k].recv for k in group])):
-                got[k] = y
+                got[k] = jax.random.wrap_key_data(y, impl=keys[k]) if k in keys else y
         if post:  # receiver-local reshard to where the value is used
             for k, y in zip(post, jax.device_put([got[k] for k in post], [legs[k].dst for k in post])):
                 got[k] = y
-        in_flight[:] = [got[k] for k in range(len(legs)) if legs[k].sender == me]
+        # the sender keeps both the handles and the buffers it sends from (a reshard's or a copy's, which nothing
+        # else holds) until this transfer runs again
+        in_flight[:] = [got[k] for k in range(len(legs)) if legs[k].sender == me] + [sent[k] for k in pre]
         return [got[mine[i]] if i in mine else x for i, x in enumerate(xs)]
 
     return Transfer("cross", cross, tuple(in_avals or ()))
@@ -163,6 +180,7 @@ def localize_tasks(program: Program, stage_devices: Sequence[Sequence[jax.Device
         first_device.setdefault(of(d), d)
     avals = program.slot_avals
     tasks = list(program.tasks)
+    donated = {slot for t in tasks for slot in t.donated}
 
     # Scalar outputs (loss, metrics) held by some processes only: sent to the others at the end of the step.
     for slot in sorted(program.output_slots):
@@ -199,7 +217,7 @@ def localize_tasks(program: Program, stage_devices: Sequence[Sequence[jax.Device
                 send, recv = mirror(src, dst)
                 sender = next(iter(sp))
                 legs.append(_Leg(i, sender, next(iter(dp)), send, recv, dst,
-                                 _empty(avals[slot], send) if sender != me else None))
+                                 _empty(avals[slot], send) if sender != me else None, copy=slot in donated))
             if local:
                 kept.append(Task(put([avals[task.ins[i]] for i in local], [task.fn.shardings[i] for i in local]),
                                  tuple(task.ins[i] for i in local), tuple(task.outs[i] for i in local), task.label,

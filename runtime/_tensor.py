@@ -42,41 +42,70 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "reduce
 
 def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
     """``{param var: spec}`` (a tuple with ``"tensor"`` at the split dimension, None elsewhere) for the
-    parameters (a set of the jaxpr's invars) the rule splits over ``tp`` devices."""
+    parameters (a set of the jaxpr's invars) the rule splits over ``tp`` devices. A layer of stacked parameters
+    (a ``lax.scan`` over layers, unrolled in a stage) reads its row, ``w[i]``: the row's split is the stack's, one
+    dimension further in."""
     params = set(params)
     split: dict = {}  # activation var -> dim split over tensor
+    rows: dict = {}  # a row of a stacked parameter (or of a row) -> (the parameter, dimensions dropped in front)
     specs: dict = {}
     alias: dict = {}  # a parameter cast to another dtype -> the parameter
     spread: dict = {}  # a parameter broadcast to an activation's rank -> (the parameter, its dims' positions)
     lost: set = set()  # values computed from split ones whose split the rules could not follow
+    held: set = set()  # heads kept whole (they do not divide) and what is computed from them up to the next matmul
     column_of: dict = {}  # a column-parallel matmul's result -> its weight
 
     def dim_of(a):
         return None if isinstance(a, Literal) else split.get(a)
 
+    def is_param(a) -> bool:
+        return not isinstance(a, Literal) and (a in params or a in rows)
+
     def decide(p, dim):
-        if p in params and p not in specs and p.aval.shape[dim] % tp == 0:
-            spec = [None] * len(p.aval.shape)
+        base, off = (p, 0) if p in params else rows.get(p, (None, 0))
+        if base is None:
+            return None
+        dim += off
+        if base not in specs and base.aval.shape[dim] % tp == 0:
+            spec = [None] * len(base.aval.shape)
             spec[dim] = "tensor"
-            specs[p] = tuple(spec)
-        return specs.get(p)
+            specs[base] = tuple(spec)
+        spec = specs.get(base)
+        return spec if spec is not None and spec[dim] == "tensor" else None
+
+    def row_of(eqn, name, outs, ins) -> bool:
+        """``w[i]`` of a stacked parameter: a one-row slice of its leading dimensions, then the squeeze."""
+        a = ins[0]
+        if not is_param(a):
+            return False
+        base, off = (a, 0) if a in params else rows[a]
+        shape, out = a.aval.shape, outs[0].aval.shape
+        if name in ("slice", "dynamic_slice") and len(out) == len(shape) and out[1:] == shape[1:]:
+            rows[outs[0]] = (base, off)
+            return True
+        if name == "squeeze" and tuple(eqn.params["dimensions"]) == (0,) and shape[0] == 1:
+            rows[outs[0]] = (base, off + 1)
+            return True
+        return False
 
     def visit(eqn, name, outs, ins) -> bool:
         """Record what ``eqn`` splits; True for a matmul with a 2-D parameter (its result is whole unless it
         is column-parallel)."""
-        if name == "convert_element_type" and not isinstance(ins[0], Literal) and ins[0] in params:
+        if name == "convert_element_type" and is_param(ins[0]):
             alias[outs[0]] = ins[0]
             return False
-        if name == "broadcast_in_dim" and not isinstance(ins[0], Literal) and ins[0] in params:
+        if name in ("slice", "dynamic_slice", "squeeze") and row_of(eqn, name, outs, ins):
+            return False
+        if name == "broadcast_in_dim" and is_param(ins[0]):
             spread[outs[0]] = (ins[0], tuple(eqn.params["broadcast_dimensions"]))
             return False
         if name == "dot_general":
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
             lhs, rhs = ins
             for act, w, ac, wc, ab in ((lhs, rhs, lc, rc, lb), (rhs, lhs, rc, lc, rb)):
-                if isinstance(w, Literal) or w not in params or len(w.aval.shape) != 2 or ab:
+                if not is_param(w) or len(w.aval.shape) != 2 or ab:
                     continue
-                if act in lost:  # how the activation is split is unknown: the weight stays whole
+                if act in lost or act in held:  # split unknown, or heads kept whole: the weight stays whole
                     return True
                 d = dim_of(act)
                 free_w = [i for i in range(2) if i not in wc][0]
@@ -113,7 +142,7 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
                         at = d - len(shape) + len(a.aval.shape)
                         if at in positions and param.aval.shape[positions.index(at)] == shape[d]:
                             decide(param, positions.index(at))
-                    elif a in params:
+                    elif is_param(a):
                         k = d - len(shape) + len(a.aval.shape)
                         if 0 <= k < len(a.aval.shape) and a.aval.shape[k] == shape[d]:
                             decide(a, k)
@@ -137,6 +166,7 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
                 elif ins[0] in column_of:  # e.g. 2 key/value heads over tensor=4: that weight stays whole
                     specs.pop(column_of.pop(ins[0]), None)
                     del split[ins[0]]
+                    held.add(outs[0])
             return False
         if name == "squeeze":
             d = dim_of(ins[0])
@@ -185,6 +215,11 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
         if not matmul and not any(o in split for o in outs) and \
                 any(not isinstance(a, Literal) and (a in split or a in lost) for a in ins):
             lost.update(outs)
+        elif not matmul and not any(o in split for o in outs) and \
+                any(not isinstance(a, Literal) and a in held for a in ins):
+            # attention over heads kept whole stays whole up to the output projection, which stays whole too
+            # (else it would go column-parallel and split the residual stream, turning the MLP the other way round)
+            held.update(outs)
     return specs
 
 

@@ -3,7 +3,8 @@
 ``python tests/_multihost_worker.py OUT_DIR PLAN [PLAN ...]``: runs each named plan of :data:`PLANS` on the tiny
 GPT for :data:`STEPS` steps and writes ``OUT_DIR/<plan>.<process>.npz`` (losses as seen here, and the parameters
 this process holds, by leaf path). Plan ``die`` runs one step of a 2-stage plan, then process 1 kills itself and
-the others try another step (which can never finish); ``raise0`` / ``raise1``: process 0 / 1 raises instead.
+the others try another step (which can never finish); ``raise0`` / ``raise1``: process 0 / 1 raises instead;
+``fewer``: process 1 runs one step fewer and ends normally.
 """
 
 from __future__ import annotations
@@ -44,17 +45,48 @@ def plan_kwargs(name: str, devices) -> dict:
     if name == "uneven4":  # stages of 2, 1, 2 and 1 devices (4 x 2 processes: one stage each, some devices idle)
         return dict(num_microbatches=2, schedule="1f1b",
                     devices=[list(devices[0:2]), [devices[2]], list(devices[4:6]), [devices[6]]])
-    if name in ("die", "raise0", "raise1"):
+    if name == "auto":  # planned: stages within processes, process 0's plan on every process
+        return dict(devices=list(devices))
+    if name in ("die", "raise0", "raise1", "fewer"):
         return dict(num_stages=2, num_microbatches=2, schedule="1f1b", devices=list(devices))
     raise ValueError(f"unknown plan {name!r}")
 
 
+def extras_case():
+    """SGD on the tiny GPT with the whole state donated (the tied embedding crosses processes each step while the
+    update donates it) and a typed PRNG key in the state (it crosses as its raw data): step, state, batch."""
+    import optax
+
+    from autopp.models import GPT, GPTConfig
+
+    model, tx = GPT(GPTConfig(layers=4, hidden=32, heads=4, seq=16, vocab=64)), optax.sgd(0.1)
+
+    def step(params, opt_state, key, batch):
+        key, sub = jax.random.split(key)
+        noisy = {**batch, "tokens": jax.random.permutation(sub, batch["tokens"], axis=1, independent=False)}
+        loss, grads = autopp.value_and_grad(model.loss)(params, noisy)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, key, loss
+
+    params = model.init(jax.random.key(0))
+    return step, (params, tx.init(params), jax.random.key(7)), model.batch(jax.random.key(1), 8)
+
+
 def run(name: str, out_dir: str) -> None:
+    if name == "extras":
+        step_fn, state, batch = extras_case()
+        step = autopp.parallelize(step_fn, num_stages=4, num_microbatches=4, donate_argnums=(0, 1))
+        losses = []
+        for _ in range(STEPS + 1):
+            *state, loss = step(*state, batch)
+            losses.append(float(loss))
+        np.save(os.path.join(out_dir, f"{name}.{jax.process_index()}.npy"), np.array(losses))
+        return
     step_fn, state, batch = gpt_case()
     step = autopp.parallelize(step_fn, **plan_kwargs(name, jax.devices()))
     me = jax.process_index()
     losses = []
-    for i in range(STEPS):
+    for i in range(STEPS - (name == "fewer" and me == 1)):
         *state, loss = step(*state, batch)
         losses.append(float(loss))  # scalar outputs are on every process
         if name == "die" and i == 0:
@@ -69,10 +101,17 @@ def run(name: str, out_dir: str) -> None:
             held[jax.tree_util.keystr(path)] = np.asarray(leaf.addressable_shards[0].data) if not \
                 leaf.is_fully_addressable else np.asarray(leaf)
     np.savez(os.path.join(out_dir, f"{name}.{me}.npz"), __losses__=np.array(losses), **held)
-    if name == "even":  # every parameter, wherever it is held, gathered to every process (no collective)
-        np.savez(os.path.join(out_dir, f"{name}.{me}.gathered.npz"),
-                 **{jax.tree_util.keystr(path): autopp.distributed.gather(leaf)
-                    for path, leaf in jax.tree_util.tree_flatten_with_path(state[0])[0]})
+    if name == "even":  # peak bytes of this process's devices, in the order of its local devices
+        report = step.memory_report(*state, batch)
+        assert sorted(report) == sorted(d.id for d in jax.local_devices()), report
+        np.save(os.path.join(out_dir, f"{name}.{me}.memory.npy"),
+                np.array([report[d.id] for d in jax.local_devices()], dtype=np.int64))
+    if name == "even":  # the whole state, wherever it is held, gathered to every process as one tree
+        params, opt_state = autopp.distributed.gather((state[0], state[1]))
+        leaves = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+        leaves.update({"opt" + jax.tree_util.keystr(path): leaf
+                       for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]})
+        np.savez(os.path.join(out_dir, f"{name}.{me}.gathered.npz"), **leaves)
     if name == "even" and jax.process_count() == 2:  # the 2-process test checks that transfers overlap compute
         np.save(os.path.join(out_dir, f"{name}.{me}.overlaps.npy"),
                 np.array(receives_during_compute(step, state, batch), dtype=np.int64))

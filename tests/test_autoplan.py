@@ -211,3 +211,33 @@ def test_parallelize_reports_an_unplannable_batch():
     with pytest.raises(ValueError, match=r"cannot plan this step for 3 device\(s\): no pipeline layout for batch "
                                          r"size 2.*multiple of 3.*num_stages="):
         step.plan_for(params, tx.init(params), batch)
+
+
+@pytest.mark.parametrize("layout, num_devices, want", [
+    ({"tensor": 2}, 8, {"tensor": 2}),
+    ([{"fsdp": 2}, {"fsdp": 2}], 4, {"fsdp": 2}),
+])
+def test_auto_plan_with_a_layout_plans_for_that_layout(layout, num_devices, want):
+    """``layout=`` without counts: the planner tries only stage counts whose device groups the layout fits and costs
+    that layout (a list of layouts gives the number of groups); the plan's microbatches times its data replicas are
+    the batch. Before, it planned plain data parallelism and then applied the layout: "1 microbatch of 1 example x 4
+    replicas" for a batch of 8, and a list of layouts was refused for the group count the planner had picked."""
+    step, state, batch, (ref_state, ref_losses) = _setup("gpt")
+    pstep = autopp.parallelize(step, devices=jax.devices()[:num_devices], layout=layout)
+    plan = pstep.plan_for(*state, batch)
+    if isinstance(layout, list):
+        assert plan.num_stages == len(layout)
+    for st in plan.stages:
+        assert all(st.mesh_shape.get(k, 1) == v for k, v in want.items()), st.mesh_shape
+    replicas = plan.stages[0].mesh_shape.get("data", 1) * plan.stages[0].mesh_shape.get("fsdp", 1)
+    assert plan.microbatch_size * plan.num_microbatches * replicas == batch["tokens"].shape[0]
+    got_state, got_losses = run_steps(pstep, state, batch)
+    assert_trees_close(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_state[0], ref_state[0], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_plan_with_different_layouts_per_group_asks_for_the_counts():
+    step, state, batch, _ = _setup("gpt")
+    with pytest.raises(ValueError, match="num_stages="):
+        autopp.parallelize(step, devices=jax.devices()[:4], layout=[{"fsdp": 2}, {"tensor": 2}]).plan_for(*state,
+                                                                                                        batch)

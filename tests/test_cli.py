@@ -135,6 +135,21 @@ def repo_root(monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
 
 
+def test_profile_step_says_its_batch_and_refuses_a_zoo_batch_size(repo_root, capsys):
+    """``profile --step`` profiles the step at the batch its function returns and says so; ``--batch-size`` (a zoo
+    model's) is refused rather than ignored, as it used to be."""
+    assert main(["profile", "--step", "examples.planning_step:tiny", "--cluster", "1x8xH100"]) == 0
+    import jax
+
+    from examples.planning_step import tiny
+
+    batch = jax.tree.leaves(tiny()[1][-1])[0].shape[0]
+    assert capsys.readouterr().out.startswith(f"step examples.planning_step:tiny (traced at batch {batch})")
+    assert main(["profile", "--step", "examples.planning_step:tiny", "--cluster", "1x8xH100",
+                 "--batch-size", "8"]) == 2
+    assert "drop --batch-size" in capsys.readouterr().err
+
+
 def test_plan_step_is_plan_model_of_the_steps_profile(repo_root, tmp_path, capsys):
     from autopp.planner import Plan, plan_model
     from autopp.profiler import profile
@@ -150,6 +165,12 @@ def test_plan_step_is_plan_model_of_the_steps_profile(repo_root, tmp_path, capsy
     step, args, batch_argnums = tiny()
     prof = profile(step, *args, cluster="1x8xH100", batch_argnums=batch_argnums)
     _same_plan(Plan.from_json(path), plan_model(prof, "1x8xH100", global_batch=16, tensor_degrees=(2,)))
+    assert Plan.from_json(path).loss_reduction == "mean"
+    summed = tmp_path / "summed.json"
+    assert main(["plan", "--step", "examples.planning_step:tiny", "--global-batch", "16", "--cluster", "1x8xH100",
+                 "--tensor-degrees", "2", "--loss-reduction", "sum", "--out", str(summed)]) == 0
+    assert Plan.from_json(summed).loss_reduction == "sum"
+    capsys.readouterr()
 
     # show: after the plan and its timeline, one line per distinct layer sharding and the planner statistics
     assert main(["show", str(path)]) == 0
@@ -283,6 +304,29 @@ def test_bad_step_is_an_error_naming_it(repo_root, tmp_path, monkeypatch, capsys
     assert main(["plan", "--step", spec, "--global-batch", "8", "--cluster", "1x8xH100"]) == 2
     err = capsys.readouterr().err
     assert f"--step {spec!r}" in err and message in err, err
+
+
+def test_an_error_in_the_user_s_own_code_says_where(tmp_path, monkeypatch, capsys):
+    """An error raised by the user's loss while autopp traces it names the file and line it came from (it used to
+    be one line with no location); autopp's own checks keep their message alone."""
+    (tmp_path / "broken_steps.py").write_text(
+        "import jax, autopp\n"
+        "def loss(w, batch):\n"
+        "    x, y, z = batch\n"
+        "    return ((x @ w - y) ** 2).mean()\n"
+        "def step(w, batch):\n"
+        "    value, grad = autopp.value_and_grad(loss)(w, batch)\n"
+        "    return w - 0.1 * grad, value\n"
+        "def broken():\n"
+        "    sds = jax.ShapeDtypeStruct\n"
+        "    return step, (sds((4, 2), 'float32'), (sds((8, 4), 'float32'), sds((8, 2), 'float32')))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_steps", raising=False)
+    assert main(["plan", "--step", "broken_steps:broken", "--global-batch", "8", "--cluster", "1x8xH100"]) == 2
+    err = capsys.readouterr().err
+    assert f"raised at {tmp_path / 'broken_steps.py'}:3 in loss; AUTOPP_DEBUG=1" in err, err
+    assert main(["plan", "--model", "gpt", "--global-batch", "8", "--cluster", "1x8xH1000"]) == 2
+    assert "raised at" not in capsys.readouterr().err
 
 
 def test_step_imports_from_the_current_directory(tmp_path, monkeypatch, capsys):

@@ -232,6 +232,41 @@ def test_graph_has_skip_connection_edges():
     assert g.edges[0, L + 1]["bytes"] == B * S * H * 4
     assert layers[0].output_bytes == B * S * H * 4  # one value, read by two layers, counted once
     assert layers[-1].input_bytes == 2 * B * S * H * 4 + B * S * 4  # two streams + int32 targets
+    # a stage boundary after block k sends the stream and the embedding the head adds back (plus the targets the
+    # loss reads, made by no layer): the planner's send bytes, which used to count only the last layer's output
+    act = B * S * H * 4
+    assert [l.crossing_bytes for l in layers] == [act] + [2 * act] * L + [0]
+
+
+def test_planned_sends_include_skip_connections_as_the_runtime_s():
+    """``plan_model``'s bytes sent after each stage equal what the runtime's own split of the same plan sends, for a
+    model whose embedding skips to the head (before: the skip was left out, 2x too few bytes)."""
+    import optax
+
+    from autopp.models import make_train_step
+    from autopp.planner import plan_model
+    from autopp.profiler import Cluster, profile
+
+    model = _gpt(layers=4, hidden=32, heads=4, seq=16, vocab=64)
+
+    def body(params, x0):
+        x = x0
+        for bp in params["blocks"]:
+            x = model.block(bp, x)
+        return x + x0
+
+    tx = optax.sgd(0.1)
+    step = make_train_step(_gpt_loss_with(model, body), tx)
+    params = model.init(jax.random.key(0))
+    state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 8)
+    cluster = Cluster.local(jax.devices()[:4])
+    prof = profile(step, *state, batch, cluster=cluster)
+    plan = plan_model(prof, cluster, global_batch=8, pipeline_degrees=(4,), tensor_degrees=(1,),
+                      microbatch_sizes=(2,), schedules=("1f1b",), recompute=("none",))
+    replayed = autopp.parallelize(step, plan=plan, devices=jax.devices()[:4]).plan_for(*state, batch)
+    sends = [st.cut_bytes_after for st in plan.stages]
+    assert sends == [st.cut_bytes_after for st in replayed.stages]
+    assert all(x >= 2 * 2 * 16 * 32 * 4 for x in sends[:-1])  # stream + skip, microbatch of 2
 
 
 def test_graph_json_round_trip(gpt_layers):
@@ -331,3 +366,24 @@ def test_gpt3_175b_grouping_is_fast():
     assert list(reps.values()) == [list(range(1, 97))]
     h = cfg["hidden"]
     assert all(l.param_bytes == 4 * (12 * h * h + 13 * h) for l in layers[1:-1])
+
+
+def test_blocks_whose_widths_repeat_are_one_layer_each():
+    """Blocks alike in their operations, with feed-forward widths that repeat every 3, are one layer each (6 + the
+    embedding and the head), as blocks of all-different widths are; before, the exact repeat won: 2 layers of 3
+    blocks, too coarse to pipeline and slow to plan."""
+    widths = [32, 48, 64] * 2
+
+    def loss(params, batch):
+        x = params["embed"][batch["tokens"]]
+        for p in params["blocks"]:
+            x = x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+        logp = jax.nn.log_softmax(x @ params["out"], axis=-1)
+        return -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1).mean()
+
+    sds = jax.ShapeDtypeStruct
+    params = {"embed": sds((V, H), jnp.float32), "out": sds((H, V), jnp.float32),
+              "blocks": [{"w1": sds((H, f), jnp.float32), "w2": sds((f, H), jnp.float32)} for f in widths]}
+    layers, _ = _group(loss, params, _batch())
+    assert [l.name for l in layers] == ["embed"] + [f"block {k}" for k in range(6)] + ["head"]
+    assert [l.param_bytes for l in layers[1:-1]] == [2 * H * f * 4 for f in widths]

@@ -33,6 +33,8 @@ def _reference() -> tuple[list[float], dict[str, np.ndarray]]:
     state, losses = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS)
     losses = [float(x) for x in losses]
     params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state[0])[0]}
+    params.update({"opt" + jax.tree_util.keystr(p): np.asarray(x)
+                   for p, x in jax.tree_util.tree_flatten_with_path(state[1])[0]})
     return losses, params
 
 
@@ -54,8 +56,10 @@ def _check(name: str, num_processes: int, tmp_path) -> None:
                 np.testing.assert_allclose(got[key], params[key], rtol=1e-5, atol=1e-7,
                                            err_msg=f"{name}: {key} on process {p}")
                 seen.add(key)
-    assert seen == set(params), f"{name}: parameters held by no process: {sorted(set(params) - seen)}"
-    if name == "even":  # autopp.distributed.gather: every parameter on every process
+    weights = {k for k in params if not k.startswith("opt")}
+    assert seen == weights, f"{name}: parameters held by no process: {sorted(weights - seen)}"
+    if name == "even":  # autopp.distributed.gather of the whole state: every parameter and optimizer state leaf
+        # (Adam's step count is replicated over both processes) on every process
         for p in range(num_processes):
             got = np.load(tmp_path / f"{name}.{p}.gathered.npz")
             assert set(got.files) == set(params)
@@ -71,11 +75,24 @@ def _not_inside_multiprocess():
 
 
 def test_two_processes_of_four_devices(tmp_path):
-    """2 x 4: 4 stages of 2 devices with 1F1B, and a plan with three stages on process 0 (2, 1, 1 devices) and one
-    of 4 devices on process 1 (transfers between stages of different sizes and layouts)."""
-    _run(2, 4, ["even", "uneven"], tmp_path)
+    """2 x 4: 4 stages of 2 devices with 1F1B, a plan with three stages on process 0 (2, 1, 1 devices) and one
+    of 4 devices on process 1 (transfers between stages of different sizes and layouts), and a planned one."""
+    _run(2, 4, ["even", "uneven", "auto", "extras"], tmp_path)
+    # SGD with the state donated and a typed PRNG key in it (a crash on the second step, and in the first, before)
+    step_fn, state, batch = worker_plans.extras_case()
+    _, want = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS + 1)
+    for p in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"extras.{p}.npy"), [float(x) for x in want], rtol=1e-5)
     _check("even", 2, tmp_path)
     _check("uneven", 2, tmp_path)
+    _check("auto", 2, tmp_path)  # no counts: planned (it used to pick one stage over both processes, then refuse it)
+    # memory_report: each process reports its own devices, as the same plan in one process does for them (it used
+    # to report the other process's devices too, without the programs and buffers it does not hold)
+    step_fn, state, batch = gpt_case()
+    single = autopp.parallelize(step_fn, **worker_plans.plan_kwargs("even", jax.devices()[:8]))
+    want = single.memory_report(*state, batch)
+    got = np.concatenate([np.load(tmp_path / f"even.{p}.memory.npy") for p in range(2)])
+    np.testing.assert_allclose(got, [want[d.id] for d in jax.devices()[:8]], rtol=0.02)
     # Transfers between processes overlap compute: in the traced steps of the even plan, receives from the other
     # process complete while the receiving stage computes another microbatch's forward or backward.
     overlaps = [np.load(tmp_path / f"even.{p}.overlaps.npy") for p in range(2)]
@@ -130,6 +147,28 @@ def test_lost_process_stops_the_others(tmp_path):
     assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
     assert "process 1 of 2 is lost" in text, text[-3000:]
     assert elapsed <= 60, elapsed
+
+
+def test_a_process_that_ends_steps_early_stops_the_others(tmp_path):
+    """Process 1 runs one step fewer and ends normally; process 0, in a step that needs it, stops within the bound
+    naming it and the steps each ran (it used to wait for ever: a finished peer is not a lost one)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(2):
+        env = process_env(i, 2, coordinator, 1)
+        env["AUTOPP_FAILURE_TIMEOUT"] = "5"
+        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), "fewer"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        code = procs[0].wait(timeout=240)
+        text = procs[0].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
+    assert (f"process 1 of 2 ended after {worker_plans.STEPS - 1} step(s), but process 0 is in step "
+            f"{worker_plans.STEPS}") in text, text[-3000:]
 
 
 @pytest.mark.parametrize("raiser", [0, 1])

@@ -5,6 +5,7 @@ by ``plan_model`` from the traced step, replays with every parameter laid out as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -39,9 +40,10 @@ class MyLlama:
     """A Llama-style model as a user writes it: list-of-dict parameters, RMSNorm, RoPE, GQA through
     ``jax.nn.dot_product_attention``, SwiGLU, an untied head."""
 
-    def __init__(self, layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, seq=32, vocab=128):
+    def __init__(self, layers=2, hidden=128, heads=8, kv_heads=4, ffn=256, seq=32, vocab=128, cast=None):
         self.layers, self.hidden, self.heads, self.kv, self.ffn, self.seq, self.vocab = (
             layers, hidden, heads, kv_heads, ffn, seq, vocab)
+        self.cast = cast  # mixed precision: fp32 parameters cast to bf16 at the top of the loss ("top") or per block
 
     def init(self, key):
         h, hd = self.hidden, self.hidden // self.heads
@@ -59,8 +61,13 @@ class MyLlama:
         tokens = batch["tokens"]
         b, s = tokens.shape
         hd = self.hidden // self.heads
+        bf16 = functools.partial(jax.tree.map, lambda w: w.astype(jnp.bfloat16))
+        if self.cast == "top":
+            params = bf16(params)
         x = params["embed"][tokens]
         for p in params["blocks"]:
+            if self.cast == "block":
+                p = bf16(p)
             y = _rms(x, p["norm1"])
             q = _rope((y @ p["wq"]).reshape(b, s, self.heads, hd))
             k = _rope((y @ p["wk"]).reshape(b, s, self.kv, hd))
@@ -83,6 +90,38 @@ def _case(which):
     tx = optax.sgd(0.05)
     params = model.init(jax.random.key(0))
     return make_train_step(model.loss, tx), (params, tx.init(params)), model.batch(jax.random.key(1), 16)
+
+
+def test_parameters_cast_at_the_top_of_the_loss_are_planned_as_cast_per_block():
+    """Mixed precision written as one ``jax.tree.map`` cast of the whole parameter tree at the top of the loss (the
+    usual Equinox/NNX idiom) is profiled and planned as the same casts written per block: each block owns its
+    weights and the tensor split is Megatron's. Before, every cast read its parameter ahead of the first block, so
+    the first layer owned every parameter, the plan put all of them on stage 0 and split none."""
+    tx = optax.sgd(0.05)
+    cluster = Cluster.local(jax.devices()[:8])
+    profiles, plans = {}, {}
+    for cast in ("top", "block"):
+        model = MyLlama(cast=cast)
+        params = model.init(jax.random.key(0))
+        step = make_train_step(model.loss, tx)
+        profiles[cast] = profile(step, params, tx.init(params), model.batch(jax.random.key(1), 16), cluster=cluster)
+        plans[cast] = plan_model(profiles[cast], cluster, global_batch=16, pipeline_degrees=(2,),
+                                 tensor_degrees=(2,), schedules=("1f1b",), recompute=("none",))
+    top, block = profiles["top"], profiles["block"]
+    assert [l.name for l in top.layers] == [l.name for l in block.layers]
+    assert [l.param_bytes for l in top.layers] == [l.param_bytes for l in block.layers]
+    names = top.param_names
+    blocks = [l for l in top.layers if l.name.startswith("block")]
+    block_bytes = sum(x.nbytes for x in jax.tree.leaves(MyLlama().init(jax.random.key(0))["blocks"][0]))
+    assert [l.param_bytes for l in blocks] == [block_bytes] * 2
+    assert [st.param_bytes for st in plans["top"].stages] == [st.param_bytes for st in plans["block"].stages]
+    assert min(st.param_bytes for st in plans["top"].stages) > 0
+    specs = {names[int(k)]: spec for st in plans["top"].stages for k, spec in st.param_specs.items()}
+    for b in range(2):
+        for w in ("wq", "w1", "w3"):  # column-parallel: the output dimension split
+            assert specs[f"args[0]['blocks'][{b}]['{w}']"][1] == "tensor", (w, specs)
+        for w in ("wo", "w2"):  # row-parallel: the contraction dimension split
+            assert specs[f"args[0]['blocks'][{b}]['{w}']"][0] == "tensor", (w, specs)
 
 
 @pytest.mark.parametrize("which", ["zoo", "test-written"])

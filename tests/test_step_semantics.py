@@ -4,6 +4,8 @@ step makes from the batch's shape alone, aux values computed from sizes. SGD in 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +141,68 @@ def test_the_planner_counts_a_weight_penalty_once_too(monkeypatch):
     (p_jit, l_jit), (p_pp, l_pp) = _run(_sgd_step(loss), loss_reduction="sum")
     _assert_equal(l_jit, l_pp)
     _assert_equal(p_jit, p_pp)
+
+
+def test_an_offline_plan_for_a_summed_loss_replays():
+    """A step whose loss divides by a count over the whole batch needs ``loss_reduction="sum"``; a plan made for it
+    by ``plan_model(..., loss_reduction="sum")`` (``autopp plan --loss-reduction sum``) says so and replays equal to
+    jit. Before, every offline plan said "mean", which such a step refuses, so none could be replayed."""
+    from autopp.planner import plan_model
+    from autopp.profiler import Cluster, profile
+
+    def loss(params, batch, count):
+        return (_nll(params, batch["x"], batch["y"]) * batch["mask"]).sum() / count
+
+    def step(params, opt_state, batch):  # the whole batch's masked token mean
+        out, grads = autopp.value_and_grad(loss)(params, batch, batch["mask"].sum())
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    def batch_at(i):
+        b = _batch(jax.random.key(1 + i))
+        return {**b, "mask": (jax.random.uniform(jax.random.key(50 + i), (B, T)) < 0.7).astype(jnp.float32)}
+
+    params = _params(jax.random.key(0))
+    cluster = Cluster.local(jax.devices()[:2])
+    prof = profile(step, params, TX.init(params), batch_at(0), cluster=cluster)
+    with pytest.raises(ValueError, match="loss_reduction"):
+        plan_model(prof, cluster, global_batch=B, loss_reduction="avg")
+    plan = plan_model(prof, cluster, global_batch=B, pipeline_degrees=(2,), microbatch_sizes=(4,),
+                      loss_reduction="sum")
+    assert plan.loss_reduction == "sum" and plan.num_microbatches == 4
+    with pytest.raises(ValueError, match="--loss-reduction sum"):
+        autopp.parallelize(step, plan=dataclasses.replace(plan, loss_reduction="mean"),
+                           devices=jax.devices()[:2])(params, TX.init(params), batch_at(0))
+    results = []
+    for fn in (jax.jit(step), autopp.parallelize(step, plan=plan, devices=jax.devices()[:2])):
+        state = (params, TX.init(params))
+        for i in range(3):
+            *state, out = fn(*state, batch_at(i))
+        results.append((autopp.gather(state[0]), out))
+    _assert_equal(results[0][1], results[1][1])
+    _assert_equal(results[0][0], results[1][0])
+
+
+def test_a_non_array_argument_of_the_loss_is_static_as_under_jax_grad():
+    """``value_and_grad(loss)(params, batch, "mean")``: a string (any non-array) outside argnums is passed through as
+    ``jax.grad`` does (it used to fail with jit's "non-array argument" error); inside argnums it is refused."""
+    def loss(params, batch, mode):
+        nll = _nll(params, batch["x"], batch["y"])
+        return nll.mean() if mode == "mean" else nll.sum()
+
+    def step(params, opt_state, batch):
+        out, grads = autopp.value_and_grad(loss)(params, batch, "mean")
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+    def bad(params, opt_state, batch):
+        return autopp.value_and_grad(lambda p, m: loss(p, batch, m), argnums=1)(params, "mean")
+
+    params = _params(jax.random.key(0))
+    with pytest.raises(TypeError, match="str"):
+        autopp.parallelize(bad, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            params, TX.init(params), _batch(jax.random.key(1)))

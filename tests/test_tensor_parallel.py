@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopp
 from autopp.runtime._tensor import tensor_specs
-from tests._helpers import (assert_within_microbatch_noise, gpt_case, make_optimizer,
+from tests._helpers import (assert_trees_close, assert_within_microbatch_noise, gpt_case, make_optimizer,
                            microbatched_jit, run_steps, tiny_gpt, with_jit_reference)
 
 # Megatron-LM's split of a GPT block: fused qkv and the MLP's first matmul by columns (their biases with them),
@@ -87,6 +87,60 @@ def test_the_rule_finds_megatrons_split_in_a_llama_block(rope, kv_heads, tp):
     want = {"attn_norm": P(), "mlp_norm": P(), "wq": P(None, "tensor"), "wk": kv, "wv": kv, "wo": P("tensor", None),
             "w_gate": P(None, "tensor"), "w_up": P(None, "tensor"), "w_down": P("tensor", None)}
     assert got == want
+
+
+def test_heads_that_do_not_divide_keep_the_attention_whole_and_the_mlp_megatron_s():
+    """2 heads over tensor 4: q/k/v stay whole, and so does the output projection (a whole attention's output split
+    by columns would split the residual stream and turn the MLP the other way round: gate/up by rows, down by
+    columns, as it used to)."""
+    h, heads, ffn = 32, 2, 64
+    shapes = {"attn_norm": (h,), "wq": (h, h), "wk": (h, h), "wv": (h, h), "wo": (h, h), "mlp_norm": (h,),
+              "w_gate": (h, ffn), "w_up": (h, ffn), "w_down": (ffn, h)}
+    params = {k: jax.ShapeDtypeStruct(s, "float32") for k, s in shapes.items()}
+    with jax.disable_jit():
+        closed = jax.make_jaxpr(lambda x, p: _llama_block(x, p, heads, heads, "half"))(
+            jax.ShapeDtypeStruct((2, 8, h), "float32"), params)
+    names = dict(zip(closed.jaxpr.invars[1:], sorted(shapes)))
+    specs = tensor_specs(closed.jaxpr, list(names), 4)
+    got = {name: P(*specs.get(v, ())) for v, name in names.items()}
+    assert got == {"attn_norm": P(), "mlp_norm": P(), "wq": P(), "wk": P(), "wv": P(), "wo": P(),
+                   "w_gate": P(None, "tensor"), "w_up": P(None, "tensor"), "w_down": P("tensor", None)}
+
+
+def test_layers_scanned_over_stacked_weights_are_split_as_a_loop_s():
+    """``lax.scan`` over stacked MLP weights (Linen ``nn.scan``, Equinox ``filter_vmap`` stacks) with tensor 2: each
+    stack is split one dimension further in than a layer's weight, Megatron's way (it used to stay whole), and the
+    steps equal plain jit with SGD."""
+    import optax
+
+    L, H = 4, 32
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(keys[0], (L, H, 4 * H)) * 0.1,
+              "w2": jax.random.normal(keys[1], (L, 4 * H, H)) * 0.1, "head": jax.random.normal(keys[2], (H, 8)) * 0.1}
+
+    def loss(p, batch):
+        x, y = batch
+        h, _ = jax.lax.scan(lambda x, w: (x + jax.nn.gelu(x @ w["w1"]) @ w["w2"], None), x,
+                            {"w1": p["w1"], "w2": p["w2"]})
+        return jnp.mean((h @ p["head"] - y) ** 2)
+
+    tx = optax.sgd(0.1)
+
+    def step(p, opt_state, batch):
+        value, grads = autopp.value_and_grad(loss)(p, batch)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, value
+
+    batch = (jax.random.normal(jax.random.key(1), (8, H)), jax.random.normal(jax.random.key(2), (8, 8)))
+    state = (params, tx.init(params))
+    reference, ref_losses = run_steps(jax.jit(step), state, batch)
+    pipelined = autopp.parallelize(step, num_stages=1, num_microbatches=2, layout={"tensor": 2},
+                                   devices=jax.devices()[:2])
+    got, losses = run_steps(pipelined, state, batch)
+    assert_trees_close(losses, ref_losses, rtol=1e-6, atol=1e-7)
+    assert_trees_close(autopp.gather(got[0]), reference[0], rtol=1e-6, atol=1e-7)
+    specs = {k: tuple(got[0][k].sharding.spec) for k in ("w1", "w2")}
+    assert specs["w1"][:3] == (None, None, "tensor") and specs["w2"][:2] == (None, "tensor"), specs
 
 
 @pytest.mark.parametrize("num_stages, layout, num_devices", [
