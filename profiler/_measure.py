@@ -147,7 +147,7 @@ class ProfileCache:
                                     for kind, c in v] for k, v in kernels.items()}
         self._load()[self.key(device_kind, fingerprint)] = entry
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = self.path + ".tmp"
+        tmp = f"{self.path}.{os.getpid()}.tmp"  # processes sharing the cache (a multi-process run) write their own
         with open(tmp, "w") as f:
             json.dump({"version": CACHE_VERSION, "entries": self._data}, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)

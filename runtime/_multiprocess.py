@@ -18,6 +18,7 @@ no addressable shards; scalar outputs (loss, metrics) are sent to every process 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,6 +125,10 @@ def _cross_put(legs: list[_Leg], me: int, in_avals=None) -> Transfer:
         for group in groups:  # one call per (sender, receiver): calls mixing pairs do not all arrive
             for k, y in zip(group, jax.device_put([sent[k] for k in group], [legs[k].recv for k in group])):
                 got[k] = jax.random.wrap_key_data(y, impl=keys[k]) if k in keys else y
+        for k in range(len(legs)):
+            if legs[k].receiver == me:
+                _pending.append(jax.random.key_data(got[k]) if k in keys else got[k])
+        _bound_pending()
         if post:  # receiver-local reshard to where the value is used
             for k, y in zip(post, jax.device_put([got[k] for k in post], [legs[k].dst for k in post])):
                 got[k] = y
@@ -133,6 +138,26 @@ def _cross_put(legs: list[_Leg], me: int, in_avals=None) -> Transfer:
         return [got[mine[i]] if i in mine else x for i, x in enumerate(xs)]
 
     return Transfer("cross", cross, tuple(in_avals or ()))
+
+
+_pending: collections.deque = collections.deque()
+"""Values received from other processes, oldest first, until they have arrived."""
+MAX_PENDING_RECEIVES = 8
+"""Receives from other processes the host lets run ahead of their arrival. Programs that read a value still on its
+way queue on their devices behind it, and a device's queue is bounded: with more receives in flight the host
+thread was seen to block inside a program's call before issuing a send the other process waited for, and both
+waited for ever (``interleaved-1f1b`` with 4 virtual stages across 2 processes: it hangs at 32 and finishes at 16).
+Waiting for the oldest receive beyond this bound keeps the host from filling a queue."""
+
+
+def _bound_pending() -> None:
+    """Wait for the oldest receives while more than :data:`MAX_PENDING_RECEIVES` are still on their way."""
+    while _pending and _pending[0].is_ready():
+        _pending.popleft()
+    while len(_pending) > MAX_PENDING_RECEIVES:
+        _pending.popleft().block_until_ready()
+        while _pending and _pending[0].is_ready():
+            _pending.popleft()
 
 
 def _place_local(in_avals, shardings) -> Transfer:

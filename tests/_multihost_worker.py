@@ -72,10 +72,31 @@ def extras_case():
     return step, (params, tx.init(params), jax.random.key(7)), model.batch(jax.random.key(1), 8)
 
 
+def interleaved_case():
+    """8 tanh layers under interleaved 1F1B with 4 virtual stages on 2 device groups: every chunk boundary crosses
+    processes (it hung before the host bounded the receives in flight): step, state, batch."""
+    import jax.numpy as jnp
+
+    def loss(params, batch):
+        x = batch[0]
+        for p in params:
+            x = jnp.tanh(x @ p["w"] + p["b"])
+        return jnp.mean((x - batch[1]) ** 2)
+
+    def step(params, batch):
+        value, grads = autopp.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), value
+
+    params = [dict(w=jax.random.normal(k, (32, 32)) / 6, b=jnp.zeros(32)) for k in jax.random.split(jax.random.key(0), 8)]
+    return step, (params,), (jax.random.normal(jax.random.key(1), (16, 32)), jax.random.normal(jax.random.key(2), (16, 32)))
+
+
 def run(name: str, out_dir: str) -> None:
-    if name == "extras":
-        step_fn, state, batch = extras_case()
-        step = autopp.parallelize(step_fn, num_stages=4, num_microbatches=4, donate_argnums=(0, 1))
+    if name in ("extras", "interleaved"):
+        step_fn, state, batch = (extras_case if name == "extras" else interleaved_case)()
+        step = autopp.parallelize(step_fn, num_stages=4, num_microbatches=4, donate_argnums=(0, 1)) \
+            if name == "extras" else autopp.parallelize(step_fn, num_stages=2, num_microbatches=8,
+                                                        schedule="interleaved-1f1b", virtual_stages=4)
         losses = []
         for _ in range(STEPS + 1):
             *state, loss = step(*state, batch)

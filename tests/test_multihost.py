@@ -77,12 +77,14 @@ def _not_inside_multiprocess():
 def test_two_processes_of_four_devices(tmp_path):
     """2 x 4: 4 stages of 2 devices with 1F1B, a plan with three stages on process 0 (2, 1, 1 devices) and one
     of 4 devices on process 1 (transfers between stages of different sizes and layouts), and a planned one."""
-    _run(2, 4, ["even", "uneven", "auto", "extras"], tmp_path)
-    # SGD with the state donated and a typed PRNG key in it (a crash on the second step, and in the first, before)
-    step_fn, state, batch = worker_plans.extras_case()
-    _, want = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS + 1)
-    for p in range(2):
-        np.testing.assert_allclose(np.load(tmp_path / f"extras.{p}.npy"), [float(x) for x in want], rtol=1e-5)
+    _run(2, 4, ["even", "uneven", "auto", "extras", "interleaved"], tmp_path)
+    # SGD with the state donated and a typed PRNG key in it (a crash on the second step, and in the first, before);
+    # interleaved 1F1B with 4 virtual stages, every chunk boundary across processes (a hang before)
+    for name, case in (("extras", worker_plans.extras_case), ("interleaved", worker_plans.interleaved_case)):
+        step_fn, state, batch = case()
+        _, want = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS + 1)
+        for p in range(2):
+            np.testing.assert_allclose(np.load(tmp_path / f"{name}.{p}.npy"), [float(x) for x in want], rtol=1e-5)
     _check("even", 2, tmp_path)
     _check("uneven", 2, tmp_path)
     _check("auto", 2, tmp_path)  # no counts: planned (it used to pick one stage over both processes, then refuse it)
