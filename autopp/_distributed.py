@@ -328,3 +328,47 @@ def _local_copy(x):
         out[shard.index] = np.asarray(shard.data)
         covered[shard.index] = True
     return out if covered.all() else None
+
+
+_input_checks = [0]
+_CHECKED_BYTES = 256 * 2**20
+"""Bytes of step inputs on devices the first-step check reads at most (host values and the batch always)."""
+
+
+def check_same_inputs(leaves, names, batch_mask) -> None:
+    """Every process must pass the same host values: on a signature's first step, each process publishes a digest of
+    its inputs (host values, the batch, and device arrays up to :data:`_CHECKED_BYTES` in all) and compares the
+    others'. Raises ValueError naming the inputs that differ (a batch drawn from another seed on each process would
+    otherwise train on a mixture, with no error)."""
+    import hashlib
+
+    import numpy as np
+
+    me, n = jax.process_index(), jax.process_count()
+    budget, digests = _CHECKED_BYTES, []
+    for x, is_batch in zip(leaves, batch_mask):
+        on_device = isinstance(x, jax.Array)
+        if on_device and (not x.is_fully_addressable or (not is_batch and x.nbytes > budget)):
+            digests.append("-")
+            continue
+        if on_device and not is_batch:
+            budget -= x.nbytes
+        if on_device and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            x = jax.random.key_data(x)
+        a = np.ascontiguousarray(np.asarray(x))
+        digests.append(hashlib.blake2b(a.tobytes() + repr((a.shape, str(a.dtype))).encode(), digest_size=8).hexdigest())
+    client, check = distributed_client(), _input_checks[0]
+    _input_checks[0] += 1
+    client.key_value_set(f"autopp/inputs/{check}/{me}", ",".join(digests))
+    for p in range(n):
+        if p == me:
+            continue
+        theirs = client.blocking_key_value_get(f"autopp/inputs/{check}/{p}", 600_000).split(",")
+        differ = [names[i] for i, (a, b) in enumerate(zip(digests, theirs)) if a != b and "-" not in (a, b)]
+        if differ:
+            raise ValueError(
+                f"autopp.parallelize: the step's inputs on process {me} differ from process {p}'s at "
+                f"{', '.join(differ[:6])}{f' and {len(differ) - 6} more' if len(differ) > 6 else ''}. Every process "
+                "passes the same host "
+                "values (the whole batch and the same initial state; each process feeds its own stages): draw them "
+                "from the same seed or read the same files on every process.")

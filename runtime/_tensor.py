@@ -115,7 +115,7 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
                     out_dims = len(outs[0].aval.shape)
                     # result dims: batch, lhs free, rhs free: the weight's free dim is last when it is the rhs
                     split[outs[0]] = out_dims - 1 if w is rhs else len(lb) + 0
-                    column_of[outs[0]] = w
+                    column_of[outs[0]] = rows.get(w, (w,))[0]  # the parameter (a row: its stack)
                 return True
             dl, dr = dim_of(lhs), dim_of(rhs)
             if dl is not None and dl in lb and (dr is None and rhs not in lost or dr in rb and

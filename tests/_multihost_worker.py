@@ -4,7 +4,7 @@
 GPT for :data:`STEPS` steps and writes ``OUT_DIR/<plan>.<process>.npz`` (losses as seen here, and the parameters
 this process holds, by leaf path). Plan ``die`` runs one step of a 2-stage plan, then process 1 kills itself and
 the others try another step (which can never finish); ``raise0`` / ``raise1``: process 0 / 1 raises instead;
-``fewer``: process 1 runs one step fewer and ends normally.
+``fewer``: process 1 runs one step fewer and ends normally; ``batchdiff``: process 1 passes another batch.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def plan_kwargs(name: str, devices) -> dict:
                     devices=[list(devices[0:2]), [devices[2]], list(devices[4:6]), [devices[6]]])
     if name == "auto":  # planned: stages within processes, process 0's plan on every process
         return dict(devices=list(devices))
-    if name in ("die", "raise0", "raise1", "fewer"):
+    if name in ("die", "raise0", "raise1", "fewer", "batchdiff"):
         return dict(num_stages=2, num_microbatches=2, schedule="1f1b", devices=list(devices))
     raise ValueError(f"unknown plan {name!r}")
 
@@ -106,6 +106,8 @@ def run(name: str, out_dir: str) -> None:
     step_fn, state, batch = gpt_case()
     step = autopp.parallelize(step_fn, **plan_kwargs(name, jax.devices()))
     me = jax.process_index()
+    if name == "batchdiff" and me == 1:  # another batch on process 1: refused on the first step
+        batch = jax.tree.map(lambda x: (x + 1) % 16, batch)
     losses = []
     for i in range(STEPS - (name == "fewer" and me == 1)):
         *state, loss = step(*state, batch)

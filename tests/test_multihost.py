@@ -151,6 +151,16 @@ def test_lost_process_stops_the_others(tmp_path):
     assert elapsed <= 60, elapsed
 
 
+def test_different_inputs_on_two_processes_are_refused(tmp_path):
+    """Each process must pass the same host values; another batch on process 1 is refused on the first step, naming
+    the leaves that differ (it used to train on a mixture of the two batches, with no error)."""
+    out = io.StringIO()
+    code = launch([sys.executable, WORKER, str(tmp_path), "batchdiff"], 2, 1, out=out)
+    text = out.getvalue()
+    assert code != 0, text[-3000:]
+    assert "the step's inputs on process" in text and "args[2]['tokens']" in text, text[-3000:]
+
+
 def test_a_process_that_ends_steps_early_stops_the_others(tmp_path):
     """Process 1 runs one step fewer and ends normally; process 0, in a step that needs it, stops within the bound
     naming it and the steps each ran (it used to wait for ever: a finished peer is not a lost one)."""

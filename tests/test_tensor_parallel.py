@@ -107,6 +107,29 @@ def test_heads_that_do_not_divide_keep_the_attention_whole_and_the_mlp_megatron_
                    "w_gate": P(None, "tensor"), "w_up": P(None, "tensor"), "w_down": P("tensor", None)}
 
 
+def test_stacked_attention_weights_whose_heads_do_not_divide_stay_whole():
+    """Layers reading rows of stacked weights (``w[i]``, an unrolled ``lax.scan``) with 2 heads over tensor 4: the
+    stacked q/k/v/o stay whole, as a loop's weights do, and the stacked MLP weights are split Megatron's way."""
+    h, heads, ffn, n = 32, 2, 64, 2
+    shapes = {"attn_norm": (n, h), "wq": (n, h, h), "wk": (n, h, h), "wv": (n, h, h), "wo": (n, h, h),
+              "mlp_norm": (n, h), "w_gate": (n, h, ffn), "w_up": (n, h, ffn), "w_down": (n, ffn, h)}
+    params = {k: jax.ShapeDtypeStruct(s, "float32") for k, s in shapes.items()}
+
+    def layers(x, p):
+        for i in range(n):
+            x = _llama_block(x, {k: w[i] for k, w in p.items()}, heads, heads, "half")
+        return x
+
+    with jax.disable_jit():
+        closed = jax.make_jaxpr(layers)(jax.ShapeDtypeStruct((2, 8, h), "float32"), params)
+    names = dict(zip(closed.jaxpr.invars[1:], sorted(shapes)))
+    specs = tensor_specs(closed.jaxpr, list(names), 4)
+    got = {name: P(*specs.get(v, ())) for v, name in names.items()}
+    assert got == {"attn_norm": P(), "mlp_norm": P(), "wq": P(), "wk": P(), "wv": P(), "wo": P(),
+                   "w_gate": P(None, None, "tensor"), "w_up": P(None, None, "tensor"),
+                   "w_down": P(None, "tensor", None)}
+
+
 def test_layers_scanned_over_stacked_weights_are_split_as_a_loop_s():
     """``lax.scan`` over stacked MLP weights (Linen ``nn.scan``, Equinox ``filter_vmap`` stacks) with tensor 2: each
     stack is split one dimension further in than a layer's weight, Megatron's way (it used to stay whole), and the
