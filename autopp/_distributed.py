@@ -271,7 +271,7 @@ def shutdown() -> None:
 
 def gather(x):
     """``x`` (a step output, or a pytree of them: the parameters, the optimizer state) as NumPy arrays on every
-    process.
+    process (a typed PRNG key as its raw data, ``jax.random.key_data``).
 
     Scalar step outputs (the loss, metrics) already are on every process: ``float(loss)`` works everywhere.
     This fetches any other output (e.g. a parameter) from the process that holds it; every process must call
@@ -285,6 +285,8 @@ def gather(x):
     leaves, tree = jax.tree_util.tree_flatten(x)
     if tree.num_leaves != 1 or tree.num_nodes != 1:
         return jax.tree_util.tree_unflatten(tree, [gather(leaf) for leaf in leaves])
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        x = jax.random.key_data(x)  # a typed PRNG key: its raw data (NumPy has no key dtype)
     if not isinstance(x, jax.Array) or jax.process_count() == 1:
         return np.asarray(x)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -73,7 +73,7 @@ class Parallelized(Generic[_P, _R]):
         self.devices = list(config.devices)
         self.loss_reduction = config.loss_reduction
         self._cache: dict[Any, Built] = {}
-        self._checked: set[int] = set()  # builds whose first step checked that every process passed the same inputs
+        self._checked: set[int] = set()  # builds whose first step ran (multi-process: inputs checked alike)
         functools.update_wrapper(self, step_fn)
 
     def _lookup(self, args: tuple) -> tuple[Built, list]:
@@ -114,10 +114,11 @@ class Parallelized(Generic[_P, _R]):
                 "the batch is found by position (batch_argnums)."
             )
         built, flat = self._lookup(args)
-        if jax.process_count() > 1 and id(built) not in self._checked:  # a signature's first step, on every process
-            from autopp._distributed import check_same_inputs
+        if id(built) not in self._checked:  # a signature's first step: the same inputs on every process
+            if jax.process_count() > 1:
+                from autopp._distributed import check_same_inputs
 
-            check_same_inputs(flat, built.traced.leaf_paths, built.traced.batch_mask)
+                check_same_inputs(flat, built.traced.leaf_paths, built.traced.batch_mask)
             self._checked.add(id(built))
         exe = built.executable
         return jax.tree_util.tree_unflatten(exe.out_tree, exe.run(flat))

@@ -102,6 +102,9 @@ def run(name: str, out_dir: str) -> None:
             *state, loss = step(*state, batch)
             losses.append(float(loss))
         np.save(os.path.join(out_dir, f"{name}.{jax.process_index()}.npy"), np.array(losses))
+        if name == "extras":  # the whole state gathered, the typed key (held by both processes) as its raw data
+            np.save(os.path.join(out_dir, f"{name}.{jax.process_index()}.key.npy"),
+                    autopp.distributed.gather(state[2]))
         return
     step_fn, state, batch = gpt_case()
     step = autopp.parallelize(step_fn, **plan_kwargs(name, jax.devices()))

@@ -82,9 +82,12 @@ def test_two_processes_of_four_devices(tmp_path):
     # interleaved 1F1B with 4 virtual stages, every chunk boundary across processes (a hang before)
     for name, case in (("extras", worker_plans.extras_case), ("interleaved", worker_plans.interleaved_case)):
         step_fn, state, batch = case()
-        _, want = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS + 1)
+        final, want = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS + 1)
         for p in range(2):
             np.testing.assert_allclose(np.load(tmp_path / f"{name}.{p}.npy"), [float(x) for x in want], rtol=1e-5)
+            if name == "extras":
+                np.testing.assert_array_equal(np.load(tmp_path / f"extras.{p}.key.npy"),
+                                              jax.random.key_data(final[2]))
     _check("even", 2, tmp_path)
     _check("uneven", 2, tmp_path)
     _check("auto", 2, tmp_path)  # no counts: planned (it used to pick one stage over both processes, then refuse it)
@@ -125,16 +128,22 @@ def test_cpu_collectives_are_checked(monkeypatch):
     assert not autopp.distributed.is_initialized()
 
 
-def test_lost_process_stops_the_others(tmp_path):
-    """Process 1 dies after a step; process 0, blocked in the next step's transfers, exits non-zero within the
-    bound with an error naming process 1."""
+def _two_workers(tmp_path, plan: str) -> list[subprocess.Popen]:
+    """Two worker processes of one device each, started by hand (as on a cluster), with a 5 s failure bound."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(2):
         env = process_env(i, 2, coordinator, 1)
         env["AUTOPP_FAILURE_TIMEOUT"] = "5"
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), "die"], env=env,
+        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), plan], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_lost_process_stops_the_others(tmp_path):
+    """Process 1 dies after a step; process 0, blocked in the next step's transfers, exits non-zero within the
+    bound with an error naming process 1."""
+    procs = _two_workers(tmp_path, "die")
     try:
         died = procs[1].wait(timeout=240)
         t_dead = time.monotonic()
@@ -164,13 +173,7 @@ def test_different_inputs_on_two_processes_are_refused(tmp_path):
 def test_a_process_that_ends_steps_early_stops_the_others(tmp_path):
     """Process 1 runs one step fewer and ends normally; process 0, in a step that needs it, stops within the bound
     naming it and the steps each ran (it used to wait for ever: a finished peer is not a lost one)."""
-    coordinator = f"127.0.0.1:{free_port()}"
-    procs = []
-    for i in range(2):
-        env = process_env(i, 2, coordinator, 1)
-        env["AUTOPP_FAILURE_TIMEOUT"] = "5"
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), "fewer"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = _two_workers(tmp_path, "fewer")
     try:
         code = procs[0].wait(timeout=240)
         text = procs[0].stdout.read()

@@ -34,6 +34,15 @@ def _step(loss):
     return step
 
 
+def _one_step_equals_jit(step, params, batch, num_microbatches: int, atol: float) -> None:
+    """One SGD step on 2 stages gives plain jit's parameters and loss."""
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=num_microbatches, devices=jax.devices()[:2])(
+        params, TX.init(params), batch)
+    want = jax.jit(step)(params, TX.init(params), batch)
+    for a, b in zip(jax.tree.leaves((autopp.gather(got[0]), got[2])), jax.tree.leaves((want[0], want[2]))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=atol)
+
+
 def _profile(loss, params, batch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fp32 pricing advice
@@ -87,12 +96,7 @@ def test_cnn_pipelines_as_jit_and_its_activations_scale_with_the_microbatch():
     the first convolution; a user trial's ResNet was predicted at 0.14x, and the prediction depended on the traced
     batch."""
     params, batch = _cnn_params(jax.random.key(0)), _cnn_batch(jax.random.key(1), 16)
-    step = _step(_cnn_loss)
-    got = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
-        params, TX.init(params), batch)
-    want = jax.jit(step)(params, TX.init(params), batch)
-    for a, b in zip(jax.tree.leaves((autopp.gather(got[0]), got[2])), jax.tree.leaves((want[0], want[2]))):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    _one_step_equals_jit(_step(_cnn_loss), params, batch, num_microbatches=4, atol=1e-6)
 
     mb = 4
     truth = _input_dependent_residual_bytes(_cnn_loss, params, _cnn_batch(jax.random.key(1), mb))
@@ -199,12 +203,7 @@ def test_repeated_graph_blocks_are_attributed_their_own_parameters():
 
     params = {"blocks": [jnp.eye(F) * 0.5 + 0.01 * k for k in range(4)]}
     batch = {"x": jax.random.normal(jax.random.key(0), (4, N, F))}
-    step = _step(loss)
-    got = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(
-        params, TX.init(params), batch)
-    want = jax.jit(step)(params, TX.init(params), batch)
-    for a, b in zip(jax.tree.leaves((autopp.gather(got[0]), got[2])), jax.tree.leaves((want[0], want[2]))):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    _one_step_equals_jit(_step(loss), params, batch, num_microbatches=2, atol=1e-7)
     prof = _profile(loss, params, batch)
     e = _simulate(prof, 4)
     assert e.param_bytes == 2 * 4 * F * F * 4, e.param_bytes  # parameters and their gradients, fp32
