@@ -97,11 +97,6 @@ class Checkpointer:
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise ValueError(f"autopp.checkpoint: directory={directory!r} names no directory; give the path of the "
                              "directory that holds (or will hold) the checkpoints, e.g. 'checkpoints'.")
-        if jax.process_count() > 1:
-            raise ValueError("autopp.checkpoint saves and restores a single process's training state; this run has "
-                             f"{jax.process_count()} processes (see docs/limits.md). Gather the state to every "
-                             "process with autopp.distributed.gather and save it from one, or checkpoint each "
-                             "process's own arrays with orbax directly.")
         self.directory = os.path.abspath(os.fspath(directory))
         parent = self.directory
         while not os.path.exists(parent):
@@ -110,10 +105,18 @@ class Checkpointer:
             raise ValueError(f"autopp.checkpoint: {parent} is a file, not a directory, so {self.directory} cannot be "
                              "a checkpoint directory; give a directory path.")
         self._ocp = ocp
+        # Several processes: each works alone on the shared directory (process 0 writes, every process reads), so
+        # orbax waits for no other process (their pipeline stages' arrays are gathered to every process first).
+        me = jax.process_index()
+        alone = {}
+        if jax.process_count() > 1:
+            alone = dict(create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}))
+            os.makedirs(self.directory, exist_ok=True)  # (orbax creates it only without active_processes)
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
-                                                 create=True))
+            options=ocp.CheckpointManagerOptions(**{"max_to_keep": max_to_keep, "enable_async_checkpointing": False,
+                                                    "create": True, **alone}))
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -141,7 +144,11 @@ class Checkpointer:
     def save(self, step: int, state: Any) -> str:
         """Write ``state`` (any pytree of arrays: jax Arrays on any devices and shardings, numpy arrays, Python
         numbers) as checkpoint ``step``; returns the step's directory. The step number must exceed every
-        step already in the directory. Returns once the checkpoint is completely written."""
+        step already in the directory. Returns once the checkpoint is completely written.
+
+        In a run of several processes every process calls it with the whole state gathered
+        (``autopp.distributed.gather(state)``: NumPy arrays on every process); process 0 writes it, and each
+        returns once it is written. Every process can then :meth:`restore` it."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"autopp.checkpoint.save: step must be an int (the training step number), got "
                             f"{step!r} ({type(step).__name__}).")
@@ -163,6 +170,13 @@ class Checkpointer:
                 f"autopp.checkpoint.save: {len(deleted)} leaf/leaves of the state were deleted, e.g. "
                 f"{', '.join(deleted[:3])}: they were donated to a step (donate_argnums), which reused their buffers. "
                 "Save the state the step returned, not the one passed to it.")
+        split = [jax.tree_util.keystr(path) for path, x in leaves
+                 if isinstance(x, jax.Array) and not x.is_fully_addressable]
+        if split:
+            raise ValueError(
+                f"autopp.checkpoint.save: {len(split)} leaf/leaves of the state are held partly by other processes, "
+                f"e.g. {', '.join(split[:3])}. Gather the state first, on every process: "
+                "autopp.checkpoint.save(directory, step, autopp.distributed.gather(state)).")
         entries, items = [], {}
         for i, (path, x) in enumerate(leaves):
             entry, value = _describe_leaf(path, x)
@@ -174,9 +188,14 @@ class Checkpointer:
         meta = {"format": FORMAT, "version": VERSION, "step": step, "treedef": str(treedef), "leaves": entries,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         args = self._ocp.args
-        self._manager.save(step, args=args.Composite(**{_STATE: args.StandardSave(items), _META: args.JsonSave(meta)}),
-                           force=True)
-        self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            self._manager.save(step, args=args.Composite(**{_STATE: args.StandardSave(items),
+                                                           _META: args.JsonSave(meta)}), force=True)
+            self._manager.wait_until_finished()
+        if jax.process_count() > 1:
+            from autopp._distributed import barrier
+
+            barrier(f"autopp-checkpoint-{self.directory}-{step}")
         return self._step_dir(step)
 
     # -- restore ---------------------------------------------------------------------------------

@@ -31,13 +31,15 @@ def _set(obj, name: str, value) -> None:
     object.__setattr__(obj, name, value)
 
 
-def _check_count(name: str, value) -> None:
+def _check_count(name: str, value) -> int | None:
+    """``value`` as a Python int (a NumPy integer is one), or None."""
     if value is None:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{_WHO}: {name} must be a positive int, got {value!r} ({type(value).__name__}).")
     if value <= 0:
         raise ValueError(f"{_WHO}: {name} must be a positive int, got {value}; use e.g. {name}=1.")
+    return int(value)
 
 
 def _check_donate_argnums(value) -> tuple[int, ...]:
@@ -141,6 +143,9 @@ class ParallelizeConfig:
     donate_argnums: tuple[int, ...] = ()
     """Positional arguments whose buffers the step may reuse for its results (as ``jax.jit``'s); given as an int,
     a sequence of ints or None (none)."""
+    zero1: bool | None = None
+    """ZeRO-1: the optimizer state sharded over each stage's data axis (parameters and gradients stay replicated
+    over it); None for off (or the replayed plan's)."""
 
     def __post_init__(self) -> None:
         _set(self, "donate_argnums", _check_donate_argnums(self.donate_argnums))
@@ -149,9 +154,8 @@ class ParallelizeConfig:
             plan = Plan.from_json(plan)
             _set(self, "plan", plan)
         _set(self, "schedule", _parse_schedule(self.schedule))
-        _check_count("num_stages", self.num_stages)
-        _check_count("num_microbatches", self.num_microbatches)
-        _check_count("virtual_stages", self.virtual_stages)
+        for name in ("num_stages", "num_microbatches", "virtual_stages"):
+            _set(self, name, _check_count(name, getattr(self, name)))
         if plan is not None:
             self._check_replay(plan)
         if self.loss_reduction is None:
@@ -168,6 +172,10 @@ class ParallelizeConfig:
                              "or drop virtual_stages=.")
         recompute = self.recompute
         if recompute is not None and not isinstance(recompute, str):
+            if not isinstance(recompute, (tuple, list)):
+                raise TypeError(f"{_WHO}: recompute={recompute!r} ({type(recompute).__name__}) must be a mode name, "
+                                f"one of {', '.join(RECOMPUTE_MODES)} (e.g. recompute='full' for True), or a tuple "
+                                "of them, one per stage (model chunk).")
             recompute = tuple(recompute)
             _set(self, "recompute", recompute)
         if recompute is not None and not all(r in RECOMPUTE_MODES for r in
@@ -175,6 +183,8 @@ class ParallelizeConfig:
             raise ValueError(f"{_WHO}: recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} or a tuple "
                              "of them, one per stage (model chunk).")
         _set(self, "layout", _check_layout(self.layout))
+        if self.zero1 is not None and not isinstance(self.zero1, bool):
+            raise TypeError(f"{_WHO}: zero1 must be True or False, got {self.zero1!r} ({type(self.zero1).__name__}).")
         cache = self.compilation_cache
         if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
             raise TypeError(f"{_WHO}: compilation_cache must be a directory (str or path), True, False or None, got "
@@ -195,8 +205,8 @@ class ParallelizeConfig:
         return "counts"
 
     def _check_replay(self, plan: Plan) -> None:
-        given = [k for k in ("num_stages", "num_microbatches", "schedule", "virtual_stages", "recompute", "layout")
-                 if getattr(self, k) is not None]
+        given = [k for k in ("num_stages", "num_microbatches", "schedule", "virtual_stages", "recompute", "layout",
+                             "zero1") if getattr(self, k) is not None]
         if given:
             raise ValueError(f"{_WHO}: pass either plan= or {', '.join(given)}, not both: a plan fixes the stages, "
                              "microbatches, schedule and recomputation. Drop the keyword(s) or the plan.")
@@ -210,7 +220,13 @@ class ParallelizeConfig:
                              "replayed; make it with step.plan_for(...) or plan_model(profile, ...).")
 
     def _normalize_devices(self) -> None:
-        devices = list(jax.devices() if self.devices is None else self.devices)
+        given = self.devices
+        if isinstance(given, jax.Device):  # one device
+            given = [given]
+        elif isinstance(given, np.ndarray) and given.ndim > 1:
+            raise TypeError(f"{_WHO}: devices is a {given.ndim}-D array of devices (a mesh's devices?); pass "
+                            "devices.tolist() for one device group per row, or list(devices.flat) for one list.")
+        devices = list(jax.devices() if given is None else given)
         if devices and all(isinstance(g, (list, tuple)) for g in devices):  # one list per device group
             groups = [tuple(g) for g in devices]
             if any(not g for g in groups):

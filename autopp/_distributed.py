@@ -133,6 +133,11 @@ def _client():
     return distributed_client()
 
 
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+    """Wait until every process has reached the barrier ``name`` (each name used once per run)."""
+    _client().wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def _lost(message: str) -> None:
     sys.stderr.write(f"autopp.distributed: {message}\n")
     sys.stderr.flush()
@@ -223,6 +228,11 @@ def _start_watchdog(timeout_s: float) -> None:
                 break
             time.sleep(interval)
         stop.set()
+        # the watchdog's threads must be out of the coordinator's client before JAX shuts it down: a call in
+        # flight then aborts the process ("terminate called after throwing ...") after its work is done
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=timeout_s + 2 * interval)
 
     previous_hook = sys.excepthook
 
@@ -251,8 +261,10 @@ def _start_watchdog(timeout_s: float) -> None:
         sys.stdout.flush()
         os._exit(1)
 
-    for target in (beat, monitor):
-        threading.Thread(target=target, name=f"autopp-watchdog-{target.__name__}", daemon=True).start()
+    threads = [threading.Thread(target=target, name=f"autopp-watchdog-{target.__name__}", daemon=True)
+               for target in (beat, monitor)]
+    for thread in threads:
+        thread.start()
     atexit.register(finish)
     sys.excepthook = excepthook
     _state["stop_watchdog"] = finish

@@ -114,7 +114,8 @@ class MetricsLogger:
     ``every`` steps to ``sink`` (default ``print``; e.g. ``logging.getLogger("train").info``). ``history`` keeps
     the logged :class:`StepMetrics`.
 
-    * ``loss``: the output leaf at ``loss_index`` of the step's flat outputs (default -1: the last, as in
+    * ``loss``: the output leaf at ``loss_index`` of the step's flat outputs (default: the one leaf named
+      ``loss``, a dict key or attribute, when there is one, as in ``{"loss": ..., "lr": ...}``; else the last, as in
       ``(params, opt_state, loss)``);
     * ``tokens_per_step``: default :func:`tokens_in` of the batch argument (``batch_argnums``, default the last);
     * ``flops_per_step``: default the step's FLOPs (forward + backward + update) by
@@ -130,7 +131,7 @@ class MetricsLogger:
     """
 
     def __init__(self, step: Callable, *, every: int = 1, sink: Callable[[str], Any] | None = print,
-                 loss_index: int = -1, tokens_per_step: int | None = None, flops_per_step: float | None = None,
+                 loss_index: int | None = None, tokens_per_step: int | None = None, flops_per_step: float | None = None,
                  devices: Sequence[jax.Device] | None = None, peak_flops: float | None = None,
                  batch_argnums: int | None = None):
         if not callable(step):
@@ -139,14 +140,15 @@ class MetricsLogger:
         self.tokens_per_step = _positive_number("tokens_per_step", tokens_per_step, integer=True)
         self.flops_per_step = _positive_number("flops_per_step", flops_per_step)
         self.peak_flops = _positive_number("peak_flops", peak_flops)
-        if isinstance(loss_index, bool) or not isinstance(loss_index, (int, np.integer)):
-            raise TypeError(f"autopp.metrics: loss_index must be an int, got {loss_index!r}.")
+        if loss_index is not None and (isinstance(loss_index, bool) or not isinstance(loss_index, (int, np.integer))):
+            raise TypeError(f"autopp.metrics: loss_index must be an int or None, got {loss_index!r}.")
         if batch_argnums is not None and (isinstance(batch_argnums, bool) or
                                           not isinstance(batch_argnums, (int, np.integer))):
             raise TypeError(f"autopp.metrics: batch_argnums must be an int, got {batch_argnums!r}.")
         self.step = step
         self.sink = sink
-        self.loss_index = int(loss_index)
+        self.loss_index = None if loss_index is None else int(loss_index)
+        self._loss_at: dict = {}  # output structure -> the loss's flat position (loss_index=None)
         self.batch_argnums = batch_argnums
         given = devices if devices is not None else getattr(step, "devices", None)
         self.devices = list(given) if given is not None else jax.devices()
@@ -190,6 +192,16 @@ class MetricsLogger:
         peaks = [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
         return int(max(peaks)) if peaks else None
 
+    def _loss_position(self, out, treedef) -> int:
+        if self.loss_index is not None:
+            return self.loss_index
+        hit = self._loss_at.get(treedef)
+        if hit is None:
+            named = [k for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(out)[0])
+                     if path and getattr(path[-1], "key", getattr(path[-1], "name", None)) == "loss"]
+            hit = self._loss_at[treedef] = named[0] if len(named) == 1 else -1
+        return hit
+
     def __call__(self, *args):
         if self._last_end is None:
             self._last_end = time.perf_counter()
@@ -202,9 +214,9 @@ class MetricsLogger:
         end = time.perf_counter()
         dt = (end - self._last_end) / self._since
         self._since = 0
-        leaves = jax.tree_util.tree_leaves(out)
+        leaves, treedef = jax.tree_util.tree_flatten(out)
         try:
-            loss = float(leaves[self.loss_index])
+            loss = float(leaves[self._loss_position(out, treedef)])
         except (IndexError, TypeError) as e:
             raise ValueError(f"autopp.metrics: loss_index={self.loss_index} does not name a scalar among the step's "
                              f"{len(leaves)} output leaves ({e}); pass the loss's index.") from None
@@ -240,8 +252,8 @@ def _xla_flops(step, args) -> float | None:
     return float(flops) if flops and flops > 0 else None
 
 
-def log_metrics(step: Callable, *, every: int = 1, sink: Callable[[str], Any] | None = print, loss_index: int = -1,
-                tokens_per_step: int | None = None, flops_per_step: float | None = None,
+def log_metrics(step: Callable, *, every: int = 1, sink: Callable[[str], Any] | None = print,
+                loss_index: int | None = None, tokens_per_step: int | None = None, flops_per_step: float | None = None,
                 devices: Sequence[jax.Device] | None = None, peak_flops: float | None = None,
                 batch_argnums: int | None = None) -> MetricsLogger:
     """:class:`MetricsLogger` of ``step`` (the keywords are its own):

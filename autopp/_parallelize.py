@@ -51,6 +51,8 @@ class Built(NamedTuple):
     """The loss's forward at microbatch size (a ClosedJaxpr): the program the plan's equations index."""
     executable: Executable
     """The runtime's instruction list for the plan."""
+    donated: tuple[int, ...] = ()
+    """Flat indices of the donated arguments' leaves."""
 
 
 class Parallelized(Generic[_P, _R]):
@@ -74,12 +76,31 @@ class Parallelized(Generic[_P, _R]):
         self.loss_reduction = config.loss_reduction
         self._cache: dict[Any, Built] = {}
         self._checked: set[int] = set()  # builds whose first step ran (multi-process: inputs checked alike)
+        self._last: Built | None = None  # the build the last step ran
         functools.update_wrapper(self, step_fn)
+
+    def __copy__(self) -> Parallelized:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)  # the same builds: the copy shares the compiled programs
+        return new
+
+    def __reduce__(self):
+        raise TypeError("autopp.parallelize: a pipelined step holds its devices and compiled programs, so it cannot be "
+                        "pickled or deep-copied. Save its plan instead (step.plan_for(*args).to_json(path)) and make "
+                        "the step again with autopp.parallelize(step_fn, plan=path); copy.copy shares the compiled "
+                        "state.")
+
+    def __deepcopy__(self, memo):
+        self.__reduce__()
 
     def _lookup(self, args: tuple) -> tuple[Built, list]:
         """The build for ``args``' signature (made on its first call) and ``args``' flat leaves: the arguments
         are flattened once per call."""
         flat, tree = jax.tree_util.tree_flatten(args)
+        if flat and (isinstance(flat[0], jax.core.Tracer) or isinstance(flat[-1], jax.core.Tracer)):
+            raise TypeError("autopp.parallelize: the pipelined step was called inside a JAX transformation (jax.jit, "
+                            "vmap, grad, eval_shape, ...): its arguments are traced values. Call it outside them; it "
+                            "compiles its own programs (to plan without running, use step.plan_for(...)).")
         try:
             key = (tree, *map(_leaf_signature, flat))
         except Exception:  # noqa: BLE001 - a leaf that is not an array: say which and how to fix it
@@ -100,11 +121,11 @@ class Parallelized(Generic[_P, _R]):
             ph.done("traced the step")
         plan, forward = source_plan(self.config, self._step_fn, args, traced)
         with phase(f"compiling the {plan.num_stages}-stage pipeline") as ph:
-            exe = build_executable(traced, plan, forward, self.config.devices,
-                                   donated=_donated_leaves(args, self.config.donate_argnums))
+            donated = _donated_leaves(args, self.config.donate_argnums)
+            exe = build_executable(traced, plan, forward, self.config.devices, donated=donated)
             ph.done(f"built {exe.num_programs} program(s) for {plan.num_stages} stage(s); they compile in the "
                     "background and the first step runs each as soon as it is ready")
-        return Built(traced, plan, forward, exe)
+        return Built(traced, plan, forward, exe, tuple(sorted(donated)))
 
     # -- public ----------------------------------------------------------------------------------
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -120,8 +141,19 @@ class Parallelized(Generic[_P, _R]):
 
                 check_same_inputs(flat, built.traced.leaf_paths, built.traced.batch_mask)
             self._checked.add(id(built))
+        self._start(built, flat)
         exe = built.executable
         return jax.tree_util.tree_unflatten(exe.out_tree, exe.run(flat))
+
+    def _start(self, built: Built, flat: list) -> None:
+        """Before a step runs: donated leaves must be distinct arrays; a step of another signature than the last
+        frees the accumulators the last one kept (one signature's at a time: a short last batch per epoch would
+        otherwise keep a second set of gradient buffers for good)."""
+        if built.donated:
+            _check_donated_distinct(built, flat)
+        last, self._last = self._last, built
+        if last is not None and last is not built:
+            last.executable.release()
 
     def plan_for(self, *args) -> Plan:
         """The plan this step runs for arguments like ``args`` (arrays or ShapeDtypeStructs); runs nothing."""
@@ -142,6 +174,7 @@ class Parallelized(Generic[_P, _R]):
                                  "create it or write elsewhere. Nothing was run.")
         built, flat = self._lookup(args)
         plan, exe = built.plan, built.executable
+        self._start(built, flat)
         outputs, timeline = run_with_timeline(exe, flat)
         if trace_json is not None:
             timeline.to_chrome_trace(trace_json)
@@ -159,7 +192,8 @@ class Parallelized(Generic[_P, _R]):
 
     def release(self) -> dict[int, int]:
         """Free the gradient accumulators kept between steps (for every argument signature built); the next step
-        allocates new ones, as the first did. Returns the bytes freed per device id. The compiled programs stay."""
+        allocates new ones, as the first did. Returns the bytes freed per device id. The compiled programs stay.
+        (A step of another signature than the last frees the last one's by itself.)"""
         freed: dict[int, int] = {}
         for built in self._cache.values():
             for dev, n in built.executable.release().items():
@@ -181,6 +215,22 @@ def _check_launched_processes_joined() -> None:
             f"autopp.parallelize: this process was started as one of {launched} (autopp launch sets "
             "$AUTOPP_NUM_PROCESSES) but has not joined them, so each would train alone on its own devices. Call "
             "autopp.distributed.initialize() first thing in the program, before any other JAX call.")
+
+
+def _check_donated_distinct(built: Built, flat: list) -> None:
+    """Refuse, before anything runs, a donated argument whose leaves share an array (its buffer would be consumed
+    twice: the step would fail midway, having consumed others)."""
+    arrays = [flat[i] for i in built.donated if isinstance(flat[i], jax.Array)]
+    if len({id(x) for x in arrays}) == len(arrays):
+        return
+    first: dict[int, int] = {}
+    for i in built.donated:
+        if isinstance(flat[i], jax.Array) and first.setdefault(id(flat[i]), i) != i:
+            names = built.traced.leaf_paths
+            raise ValueError(
+                f"autopp.parallelize: {names[first[id(flat[i])]]} and {names[i]} are the same array, in arguments "
+                "the step donates (donate_argnums): its buffer would be consumed twice. Give each leaf an array of "
+                "its own (e.g. jnp.array(x, copy=True)), or do not donate that argument. Nothing was run.")
 
 
 def _donated_leaves(args: tuple, donate_argnums: tuple[int, ...]) -> frozenset[int]:
@@ -225,12 +275,13 @@ def parallelize(
     layout: dict[str, int] | Sequence[dict[str, int]] | None = None,
     compilation_cache: str | bool | None = None,
     donate_argnums: int | Sequence[int] | None = None,
+    zero1: bool | None = None,
 ) -> Callable[[Callable[_P, _R]], Parallelized[_P, _R]]: ...
 
 
 def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, schedule=None, devices=None,
                 batch_argnums=None, loss_reduction=None, plan=None, virtual_stages=None, recompute=None,
-                layout=None, compilation_cache=None, donate_argnums=None):
+                layout=None, compilation_cache=None, donate_argnums=None, zero1=None):
     """Run a training step as an MPMD pipeline over ``devices``.
 
     The step must take its gradient with :func:`autopp.grad` / :func:`autopp.value_and_grad`. The loss's
@@ -256,7 +307,9 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     ``schedule="1f1b"``. ``devices`` defaults to ``jax.devices()``, split into equal groups, or is one list of
     devices per group. ``layout`` gives each stage's mesh, ``{"data": d, "fsdp": f, "tensor": t}`` with
     ``d * f * t`` its device count (one dict for all groups or one per group): FSDP shards parameters, gradients
-    and optimizer state (ZeRO-3), tensor splits matmuls as Megatron does (read off the jaxpr). The step returns
+    and optimizer state (ZeRO-3), tensor splits matmuls as Megatron does (read off the jaxpr); ``zero1=True``
+    shards the optimizer state over the data axis too (ZeRO-1: parameters and gradients stay whole there). The step
+    returns
     each parameter and optimizer state on its stage's devices; :func:`gather` puts them on one device for plain
     JAX.
 
@@ -281,7 +334,7 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     config = ParallelizeConfig(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
                                devices=devices, batch_argnums=batch_argnums, loss_reduction=loss_reduction, plan=plan,
                                virtual_stages=virtual_stages, recompute=recompute, layout=layout,
-                               compilation_cache=compilation_cache, donate_argnums=donate_argnums)
+                               compilation_cache=compilation_cache, donate_argnums=donate_argnums, zero1=zero1)
     if step_fn is None:
         return lambda f: _wrap(f, config)
     return _wrap(step_fn, config)

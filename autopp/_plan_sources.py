@@ -200,7 +200,7 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
                           _stage_recompute(config, sched.num_stages))
     plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,
                 schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
-                virtual_stages=sched.num_stages // sched.num_ranks)
+                virtual_stages=sched.num_stages // sched.num_ranks, zero1=bool(config.zero1))
     return Sourced(plan, forward)
 
 
@@ -328,7 +328,7 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
                    for st, p in zip(stages, local.plan.stages))
     plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=local.num_microbatches,
                 schedule=local.schedule, schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
-                microbatch_size=local.microbatch_size, predicted=local.predicted,
+                microbatch_size=local.microbatch_size, predicted=local.predicted, zero1=local.plan.zero1,
                 planner=dataclasses.replace(local.plan.planner, wall_time_s=planning_s))
     return Sourced(plan, forward)
 
@@ -348,7 +348,7 @@ def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> LocalPl
         with phase(f"planning for {n} device(s)") as ph:
             processes = sorted({d.process_index for d in config.devices})
             local = plan_local(prof, n, batch, layout=layout, stage_multiple=len(processes),
-                               **({} if num_stages is None else {"num_stages": num_stages}))
+                               zero1=bool(config.zero1), **({} if num_stages is None else {"num_stages": num_stages}))
             ph.done(f"planned {local.num_stages} stage(s), {local.num_microbatches} microbatch(es), {local.schedule}")
     except ValueError as e:
         raise ValueError(f"{_WHO}: cannot plan this step for {n} device(s): {str(e).removeprefix('plan_local: ')} "

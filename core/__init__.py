@@ -80,6 +80,7 @@ from autopp.core._plan import (
     StagePlan,
     id_ranges,
 )
+from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import ScanRun, find_scan_runs, read_rows, reroll_scans, row_slice
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs
 from autopp.core._twins import DeviceMapped, twin_program

@@ -14,6 +14,7 @@ from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
 from autopp.core._jaxpr import differentiable_vars, eqns_needed, forward_with_vjp, input_free_vars, slice_jaxpr
 from autopp.core._packing import plan_packing
+from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import reroll_scans
 from autopp.core._twins import DeviceMapped, device_map, twin_key
 
@@ -110,7 +111,8 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
 
 
 RECOMPUTE_POLICIES = {
-    "full": None,  # keep only the stage's inputs; the backward re-runs the whole forward
+    "full": None,  # keep each layer's input; the backward re-runs a layer's forward before its backward
+    # (:mod:`autopp.core._remat`; a stage without ``layer_starts`` is one layer)
     # keep the outputs of matmuls without batch dimensions (the linear layers); recompute the rest, notably the
     # attention core, whose einsums carry batch and head dimensions (Korthikanti et al. 2022's selective scheme)
     "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -149,16 +151,20 @@ class StagePrograms:
     programs as :class:`~autopp.core.DeviceMapped` ones instead of tracing and differentiating its own. Its
     ``residual_sharding`` must then give, for each shape, the layout the earlier stage's gives on the mapped
     devices (checked for the shapes the programs use; a stage that fails the check makes its own programs).
+
+    ``layer_starts``: ``id`` of each forward equation that begins a layer: where ``recompute="full"`` checkpoints
+    (:mod:`autopp.core._remat`).
     """
 
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
                  in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
                  flag_sharding, recompute: str = "none", constraints: dict | None = None,
-                 twins: dict | None = None):
+                 twins: dict | None = None, layer_starts: frozenset = frozenset()):
         own_kwargs = dict(is_param=is_param, seed_of_output=seed_of_output, in_shardings=in_shardings,
                           out_shardings_fwd=out_shardings_fwd, grad_shardings=grad_shardings,
                           act_ct_shardings=act_ct_shardings, residual_sharding=residual_sharding,
-                          flag_sharding=flag_sharding, recompute=recompute, constraints=constraints)
+                          flag_sharding=flag_sharding, recompute=recompute, constraints=constraints,
+                          layer_starts=layer_starts)
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -180,8 +186,10 @@ class StagePrograms:
         """(source stage's programs, device map, this stage's own programs on demand) of a twin stage."""
         keyed = None
         if twins is not None and not constraints:
+            layers = tuple(i for i, e in enumerate(closed.jaxpr.eqns) if id(e) in layer_starts) \
+                if recompute == "full" else ()
             flags = (tuple(g.diff_inputs), tuple(g.diff_outputs), tuple(is_param),
-                     tuple(sorted(self.seed_of_output.items())), len(self.row_bases), recompute)
+                     tuple(sorted(self.seed_of_output.items())), len(self.row_bases), recompute, layers)
             keyed = twin_key(closed, flags, [*in_shardings, *out_shardings_fwd, *grad_shardings,
                                              *act_ct_shardings, flag_sharding])
             real = functools.cache(lambda: StagePrograms(graph, **own_kwargs))
@@ -194,20 +202,23 @@ class StagePrograms:
         n_in = len(in_avals)
         in_shardings = list(in_shardings) + [flag_sharding] * len(self.row_bases)
 
-        def run(inputs):
+        def constrain(_, eqn, invals):  # lay the chosen activations out as planned (sequence parallelism)
+            outs = _compat.bind_eqn(eqn, invals)
+            many = eqn.primitive.multiple_results
+            return [jax.lax.with_sharding_constraint(o, constraints[v]) if v in constraints else o
+                    for v, o in zip(eqn.outvars, outs if many else [outs])]
+
+        def evaluate(sub, inputs):
             if not constraints:
-                return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *inputs)
+                return jax.core.eval_jaxpr(sub.jaxpr, sub.consts, *inputs)
+            return eval_jaxpr_with(sub.jaxpr, sub.consts, inputs, constrain)
 
-            def constrain(_, eqn, invals):  # lay the chosen activations out as planned (sequence parallelism)
-                outs = _compat.bind_eqn(eqn, invals)
-                many = eqn.primitive.multiple_results
-                outs = [jax.lax.with_sharding_constraint(o, constraints[v]) if v in constraints else o
-                        for v, o in zip(eqn.outvars, outs if many else [outs])]
-                return outs
-
-            return eval_jaxpr_with(closed.jaxpr, closed.consts, inputs, constrain)
-
-        forward = forward_with_vjp(closed, self.diff_in_idx, self.diff_out_idx, recompute=recompute,
+        if recompute == "full":  # one layer at a time, as Megatron-LM (layers begin at ``layer_starts``)
+            run = layer_checkpointed(closed, layer_starts, evaluate)
+        else:
+            run = functools.partial(evaluate, closed)
+        forward = forward_with_vjp(closed, self.diff_in_idx, self.diff_out_idx,
+                                   recompute="none" if recompute == "full" else recompute,
                                    policy=RECOMPUTE_POLICIES.get(recompute), run=run)
 
         diff_in_idx, diff_out_idx = self.diff_in_idx, self.diff_out_idx

@@ -280,7 +280,9 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         raise ValueError(
             f"{who}: the step takes no gradient with autopp.grad or autopp.value_and_grad, so "
             "there is nothing to pipeline. Replace jax.grad / jax.value_and_grad in the step with "
-            "autopp.grad / autopp.value_and_grad (same arguments)."
+            "autopp.grad / autopp.value_and_grad (same arguments). A function without a gradient (an evaluation "
+            "loss) is not pipelined: run it with jax.jit on the state gathered onto one device "
+            "(autopp.gather(params))."
         )
     if len(grads) > 1:
         raise ValueError(

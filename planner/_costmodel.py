@@ -61,7 +61,7 @@ from autopp.core import (
     simulate_times,
 )
 from autopp.planner._chunks import LayerSums, ParamState, cached_schedule, chunk_split, even_layers, live_microbatches
-from autopp.planner._sharding import LayerCost, layer_cost, solve
+from autopp.planner._sharding import LEAN_NS_PER_MB, LayerCost, layer_cost, solve
 from autopp.profiler import Cluster, KernelTimeModel, Profile, REPLICATED, boundary_options, build_graph, ring_seconds
 
 STAGE_INSTRUCTIONS = 12
@@ -183,7 +183,9 @@ class StepModel:
             graph = build_graph(self.profile.programs[fingerprint], tensor, boundary,
                                 cache=self._graph_parts.setdefault(fingerprint, {}))
             # solved for one example per microbatch, whatever batch the step was traced at
-            sol = solve(graph, self.tm, self.cluster, scale=1.0 / self.profile.batch_size)
+            # sequence parallelism is there to save activation memory: its layout keeps the fewest bytes first
+            sol = solve(graph, self.tm, self.cluster, scale=1.0 / self.profile.batch_size,
+                        memory_ns_per_mb=1.0 if boundary == REPLICATED else LEAN_NS_PER_MB)
             hit = self._solutions[key] = layer_cost(sol)
             self.solve_stats.append((fingerprint, tensor, boundary, sol.status, sol.gap, sol.wall_time_s))
         return hit
@@ -426,9 +428,11 @@ class StepModel:
         extra = sum(x.sum("extra", *ab) for x, ab in zip(arr, span)) * M * d
         n = layout.devices
         worst = max(range(P), key=lambda g: mem[g])
-        comp = M * max(sum(compute[c] for c in mine) for mine in members)
-        tp_s = M * max(sum(tp[c] for c in mine) for mine in members)
-        fsdp_s = M * max(sum(fsdp_exposed[c] for c in mine) for mine in members)
+        # the breakdown is the busiest device group's (its parts then add up to no more than the step)
+        busiest = max(members, key=lambda mine: sum(compute[c] + tp[c] + fsdp_exposed[c] for c in mine))
+        comp = M * sum(compute[c] for c in busiest)
+        tp_s = M * sum(tp[c] for c in busiest)
+        fsdp_s = M * sum(fsdp_exposed[c] for c in busiest)
         dev = cluster.device
         est = Estimate(
             step_time_s=step,

@@ -77,7 +77,7 @@ class LocalPlan:
 def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
                schedules: Sequence[str] = RUNNABLE_SCHEDULES, num_stages: int | None = None,
                num_microbatches: int | None = None, time_limit_s: float = 10.0,
-               layout: dict[str, int] | None = None, stage_multiple: int = 1) -> LocalPlan:
+               layout: dict[str, int] | None = None, stage_multiple: int = 1, zero1: bool = False) -> LocalPlan:
     """Choose stages, microbatches, schedule and stage split for ``num_devices`` devices of the profile's cluster
     from a profile of the step at batch size ``batch_size`` (measured on the local device for a plan that matches
     the hardware: ``profile(..., measure=True)``). ``num_stages`` / ``num_microbatches`` fix that choice;
@@ -85,7 +85,8 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
     ``{"fsdp": 2}``; an axis left out is 1, ``data`` the rest of the stage's devices): only stage counts whose device
     groups it fits are tried, and the costs are those of that layout. Raises ValueError when no layout is legal or
     none fits the devices' memory. ``stage_multiple``: stage counts are multiples of it (the processes of a
-    multi-process run, each of whose stages must stay within one process)."""
+    multi-process run, each of whose stages must stay within one process). ``zero1``: the optimizer state sharded
+    over each stage's data axis (ZeRO-1)."""
     if not isinstance(profile, Profile):
         raise TypeError(f"plan_local: profile must be an autopp.profiler.Profile, got {type(profile).__name__}; "
                         "make one with autopp.profiler.profile(step, *args, measure=True).")
@@ -119,7 +120,7 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
         plan = plan_model(profile, cluster, global_batch=batch_size, schedules=tuple(schedules), recompute=("none",),
                           microbatch_sizes=sizes, pipeline_degrees=tuple(legal), tensor_degrees=(tp,),
                           max_virtual_stages=1, refine_top=4, time_limit_s=time_limit_s, dispatch_s=DISPATCH_S,
-                          fsdp=fsdp > 1, fsdp_degrees=(fsdp,), zero1=False, sequence_parallel=False,
+                          fsdp=fsdp > 1, fsdp_degrees=(fsdp,), zero1=bool(zero1), sequence_parallel=False,
                           num_microbatches=num_microbatches)
     except ValueError as e:
         msg = str(e)

@@ -5,7 +5,9 @@ layer's per-microbatch time on one device of the tensor group: each node's compu
 ``t`` when the strategy splits it) plus, on every edge, the collective that turns the producer's layout into the
 one the consumer needs (all-gather, all-reduce, reduce-scatter, all-to-all; free when a replicated value is only
 sliced locally), on the link inside a node. A parameter node also receives its gradient: the gradient must end in
-the parameter's own layout. Memory breaks ties (a megabyte kept on each device weighs as a nanosecond).
+the parameter's own layout. Memory breaks ties (a megabyte of parameters, or of residuals the backward keeps, on
+each device weighs as a nanosecond), except that under sequence parallelism residuals come first
+(:data:`LEAN_NS_PER_MB`).
 
 The ILP has one boolean per (node, strategy) and, per edge, one non-negative cost variable bounded below by
 ``cost(a, b) * (producer gives a + consumer needs b - 1)`` for every pair of layouts with a positive cost. A layer
@@ -50,6 +52,10 @@ from autopp.profiler import (
 Literal = jex_core.Literal
 _NS = 1e-9
 _MB = 2**20
+LEAN_NS_PER_MB = 1e5
+"""The weight of activation memory in a sequence-parallel layer's sharding ILP: a megabyte of residuals kept per
+device outweighs 100 us, more than any collective of the layer takes to move it (so the layout keeps the fewest
+bytes, the fastest among those)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +169,48 @@ def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeMod
     return total / t if strategy.split else total
 
 
-class _Costs:
-    """Integer costs (nanoseconds) of a graph's nodes and edges."""
+def kept_values(graph: StrategyGraph) -> dict[int, list]:
+    """Node index -> the batch-sized values it defines that the backward keeps from the forward (read by backward
+    equations; not an attention region's internals, which a fused kernel recomputes): the residuals, whose bytes per
+    device follow the node's strategy (split values keep ``1/t`` of them)."""
+    prog = graph.program
+    j = prog.closed.jaxpr
+    region_of = {i: r for r, eqs in enumerate(prog.attention_regions) for i in eqs}
+    internal = {v for eqs in prog.attention_regions for i in eqs for v in j.eqns[i].outvars}
+    forward = {v for i, e in enumerate(j.eqns) if i not in prog.backward_eqns for v in e.outvars}
+    read = set()
+    for i in prog.backward_eqns:
+        for a in j.eqns[i].invars:
+            if not isinstance(a, Literal) and a in forward and a in prog.batch_vars and \
+                    not (a in internal and i in region_of):
+                read.add(a)
+    out: dict[int, list] = {}
+    for k, node in enumerate(graph.nodes):
+        defined = node.defined if node.kind == "group" else node.outvars
+        mine = [v for v in defined if v in read]
+        if mine:
+            out[k] = mine
+    return out
 
-    def __init__(self, graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, scale: float = 1.0):
+
+def _spec_under(graph: StrategyGraph, node: OpNode, strategy, var) -> int:
+    if node.kind == "group":
+        return strategy.defined[node.defined.index(var)]
+    return output_spec(graph, node, strategy, var)
+
+
+class _Costs:
+    """Integer costs (nanoseconds) of a graph's nodes and edges. ``memory_ns_per_mb``: what a megabyte of
+    residuals kept on each device weighs against time (see :func:`solve`); a parameter's megabyte weighs a
+    nanosecond."""
+
+    def __init__(self, graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, scale: float = 1.0,
+                 memory_ns_per_mb: float = 1.0):
         self.graph, t = graph, graph.t
         self.node: list[list[int]] = []
         sc = _Scale(graph, scale)
-        for node in graph.nodes:
+        kept = kept_values(graph)
+        for k, node in enumerate(graph.nodes):
             row = []
             full = None
             for s in node.strategies:
@@ -180,10 +220,13 @@ class _Costs:
                     if full is None:
                         full = node_seconds(graph, node, dataclasses.replace(s, split=False), tm, cluster, scale)
                     sec = full / t if s.split else full
-                mem = 0
+                mem = 0.0
                 if node.kind == "param":
                     mem = aval_bytes(node.outvars[0].aval) / (t if s.out >= 0 else 1)
-                row.append(int(round(sec / _NS)) + int(round(mem / _MB)))
+                kept_bytes = sum(sc.bytes(v) / (t if _spec_under(graph, node, s, v) >= 0 else 1)
+                                 for v in kept.get(k, ()))
+                row.append(int(round(sec / _NS)) + int(round(mem / _MB))
+                           + int(round(kept_bytes / _MB * memory_ns_per_mb)))
             self.node.append(row)
         self.var_bytes = {v: int(sc.bytes(v)) for v in graph.producer}
         self._cache: dict = {}
@@ -254,11 +297,15 @@ def total_seconds(graph: StrategyGraph, choice: Sequence[int], tm: KernelTimeMod
 
 
 def solve(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, scale: float = 1.0,
-          time_limit_s: float = 10.0, workers: int = 1) -> ShardingSolution:
-    """The cheapest strategy per node (CP-SAT), with costs at ``scale`` times the traced batch."""
+          time_limit_s: float = 10.0, workers: int = 1, memory_ns_per_mb: float = 1.0) -> ShardingSolution:
+    """The cheapest strategy per node (CP-SAT), with costs at ``scale`` times the traced batch. The residuals the
+    backward keeps weigh ``memory_ns_per_mb`` nanoseconds per megabyte on each device (a parameter's megabyte weighs
+    one): by default memory only breaks ties; :data:`LEAN_NS_PER_MB` makes the layout keep the fewest activation
+    bytes first (sequence parallelism as Megatron-LM lays it out: every value the backward keeps is split, and a
+    norm's output is gathered again in the backward rather than kept whole)."""
     t0 = time.perf_counter()
     nodes = graph.nodes
-    costs = _Costs(graph, tm, cluster, scale)
+    costs = _Costs(graph, tm, cluster, scale, memory_ns_per_mb)
     if graph.t == 1 or all(len(n.strategies) == 1 for n in nodes):
         choice = tuple(0 for _ in nodes)
         return ShardingSolution(graph, choice, total_seconds(graph, choice, tm, cluster, costs), "TRIVIAL", 0.0,
@@ -347,10 +394,10 @@ def solve(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, scale:
 
 
 def brute_force(graph: StrategyGraph, tm: KernelTimeModel, cluster: Cluster, *, scale: float = 1.0,
-                limit: int = 2_000_000) -> ShardingSolution:
+                limit: int = 2_000_000, memory_ns_per_mb: float = 1.0) -> ShardingSolution:
     """The cheapest assignment by enumerating every combination of strategies (small graphs only)."""
     t0 = time.perf_counter()
-    costs = _Costs(graph, tm, cluster, scale)
+    costs = _Costs(graph, tm, cluster, scale, memory_ns_per_mb)
     sizes = [len(n.strategies) for n in graph.nodes]
     if math.prod(sizes) > limit:
         raise ValueError(f"brute_force: {math.prod(sizes)} combinations exceed limit={limit}.")

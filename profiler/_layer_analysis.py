@@ -337,11 +337,22 @@ class LayerAnalysis:
             kinds.append("other")
             return [(lo, hi)]
         s, p, copies = rep
+        # a block next to the repeat with the same operations but another dataflow in one of them (the first block
+        # adds its auxiliary loss to a literal 0.0, the others to the running sum) is a block too
+        while s - p >= lo and self._same_ops(s - p, s, p):
+            s, copies = s - p, copies + 1
+        while s + (copies + 1) * p <= hi and self._same_ops(s + copies * p, s, p):
+            copies += 1
         out = self.segment(lo, s, kinds)
         out += [(s + c * p, s + (c + 1) * p) for c in range(copies)]
         kinds += ["block"] * copies
         out += self.segment(s + copies * p, hi, kinds)
         return out
+
+    def _same_ops(self, a: int, s: int, p: int) -> bool:
+        """Whether positions ``[a, a + p)`` run the operations of ``[s, s + p)`` (and read parameters)."""
+        return (bool(np.array_equal(self.struct_ids[a:a + p], self.struct_ids[s:s + p]))
+                and self.pcons_prefix[a + p] - self.pcons_prefix[a] > 0)
 
     # -- scans ---------------------------------------------------------------------------------------
 

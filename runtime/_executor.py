@@ -73,14 +73,30 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     compiler = Compiler()
     builder = StepBuilder(step, TaskList(compiler.lower))
     if rows is None:
-        return builder.build(), compiler, meshes
+        program = builder.build()
+        _warn_fsdp_whole(meshes)
+        return program, compiler, meshes
 
     def shardings_of(stages):
         return [meshes.replicated[s] for s in stages]
 
     user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, shardings_of)
     program = builder.build()
+    _warn_fsdp_whole(meshes)
     return row_outputs(program, rows, user_slots, shardings_of), compiler, meshes
+
+
+def _warn_fsdp_whole(meshes: StageMeshes) -> None:
+    """FSDP cannot split a parameter none of whose dimensions its degree divides (JAX arrays shard evenly): say
+    which stay whole on every device of their stage, with their optimizer state."""
+    for loc, whole in sorted(meshes.fsdp_whole.items()):
+        n = meshes.layouts[loc]["fsdp"]
+        names = ", ".join(f"{name} {list(shape)}" for name, shape in list(whole.items())[:8])
+        more = f" and {len(whole) - 8} more" if len(whole) > 8 else ""
+        warnings.warn(
+            f"autopp: fsdp={n} on stage {loc} leaves {len(whole)} parameter(s) whole on each of its devices (with "
+            f"their gradients and optimizer state), since no dimension of theirs is divisible by {n}: {names}{more}. "
+            f"Use sizes divisible by {n}, or a smaller fsdp degree that divides them.", stacklevel=3)
 
 
 def _refuse_rows(zero1: bool, sequence_vars) -> str | None:

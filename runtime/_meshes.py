@@ -3,6 +3,7 @@ places values with on them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -31,6 +32,8 @@ class StageMeshes:
                        for d, lay in zip(self.devices, self.layouts)]
         self.replicated = [NamedSharding(m, P()) for m in self.meshes]
         self._multi: dict[frozenset[int], NamedSharding] = {}
+        self.fsdp_whole: dict[int, dict[str, tuple]] = {}
+        """Stage -> {parameter: shape} of the parameters its FSDP axis leaves whole (no dimension divides)."""
 
     def batch_sharding(self, loc: int, shape) -> NamedSharding:
         """Leading dim over the stage's data and FSDP axes when it divides evenly (else over as many as divide),
@@ -52,12 +55,14 @@ class StageMeshes:
         batch = self.batch_sharding(loc, shape).spec
         return NamedSharding(self.meshes[loc], P(batch[0] if len(batch) else None, "tensor"))
 
-    def state_sharding(self, loc: int, shape, tensor_spec=None, zero: bool = False) -> NamedSharding:
+    def state_sharding(self, loc: int, shape, tensor_spec=None, zero: bool = False,
+                       name: str | None = None) -> NamedSharding:
         """Parameters, gradients and optimizer state on stage ``loc``: ``tensor_spec`` (the parameter's split over
         the tensor axis, from the plan or Megatron's column/row rule, see :mod:`autopp.runtime._tensor`), and the
         largest other dimension that the FSDP axis divides sharded over it; with ``zero`` (optimizer state under
         ZeRO-1) the largest remaining dimension the data axis divides is sharded over it too; replicated without
-        any."""
+        any. A parameter (``name``) that FSDP cannot shard (no dimension divides) is recorded in
+        :attr:`fsdp_whole`."""
         spec = list(tensor_spec) if tensor_spec is not None else [None] * len(shape)
         for axis, on in (("fsdp", True), ("data", zero)):
             n_axis = self.layouts[loc][axis]
@@ -66,6 +71,8 @@ class StageMeshes:
             dims = [i for i, n in enumerate(shape) if n % n_axis == 0 and spec[i] is None]
             if dims:
                 spec[max(dims, key=lambda i: (shape[i], -i))] = axis
+            elif axis == "fsdp" and name is not None and math.prod(shape) > 1:
+                self.fsdp_whole.setdefault(loc, {})[name] = tuple(shape)
         while spec and spec[-1] is None:
             spec.pop()
         return NamedSharding(self.meshes[loc], P(*spec)) if spec else self.replicated[loc]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from autopp.core import StagePrograms, dispatch_order
+from autopp.profiler import group_layers
 
 from autopp.runtime._passes import sum_program
 from autopp.runtime._tasks import Accumulators, reused_buffers
@@ -29,6 +30,7 @@ def stage_programs(step) -> list[StagePrograms]:
     seed = 1.0 / config.num_microbatches if config.loss_reduction == "mean" else 1.0
     loss_var = fwd.outvars[0]
     progs, twins = [], {}
+    layer_starts = layer_starts_of(step) if "full" in config.recompute else frozenset()
     for g in step.graphs:
         s = g.index
         rep = meshes.replicated[s]
@@ -55,8 +57,18 @@ def stage_programs(step) -> list[StagePrograms]:
                                    out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
                                    residual_sharding=functools.partial(meshes.batch_sharding, s),
                                    flag_sharding=rep, recompute=config.recompute[s], constraints=constraints,
-                                   twins=twins))
+                                   twins=twins, layer_starts=layer_starts))
     return progs
+
+
+def layer_starts_of(step) -> frozenset[int]:
+    """``id`` of each forward equation that begins a layer (:func:`autopp.profiler.group_layers`, as the planner
+    sees them): where full recomputation checkpoints."""
+    try:
+        layers = group_layers(step.forward, step.mb_invar, step.diff_mask)
+    except ValueError:  # nothing depends on the batch: one layer
+        return frozenset()
+    return frozenset(id(step.fwd.eqns[lay.eqn_range[0]]) for lay in layers)
 
 
 @dataclasses.dataclass(eq=False)

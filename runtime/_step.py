@@ -16,7 +16,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
 from autopp.core import (RECOMPUTE_POLICIES, Schedule, check_gradient_not_split, constant_outputs, eval_jaxpr_with,
-                         reroll_scans, slice_jaxpr, stage_graphs, twin_program)
+                         layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -119,7 +119,8 @@ class Step:
         if k is not None and tuple(self.fwd.invars[k].aval.shape) == tuple(shape):
             spec = self.tensor_spec.get((loc, k))
         zero = self.config.zero1 and var is not None and var in self.opt_state
-        return self.meshes.state_sharding(loc, shape, spec, zero=zero)
+        name = self.invar_name(k) if k is not None and spec is None else None  # (FSDP may leave it whole)
+        return self.meshes.state_sharding(loc, shape, spec, zero=zero, name=name)
 
     def aux_name(self, k) -> str:
         """Forward output ``k`` (1 + aux leaf index) as the user wrote it, e.g. ``aux['pred']``."""
@@ -624,6 +625,7 @@ class StepBuilder:
         """One stage: the whole step is one program, the loss's microbatches a ``lax.scan`` inside it: gradient
         accumulation as one writes it by hand, so a one-stage plan costs what plain ``jax.jit`` with microbatching
         costs."""
+        from autopp.runtime._pipeline import layer_starts_of
         st, jaxpr = self.step, self.jaxpr
         M, spec = st.config.num_microbatches, st.spec
         fwd, _, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit
@@ -635,6 +637,7 @@ class StepBuilder:
 
         mb_mask, diff_idx = list(st.mb_invar), spec.diff_indices
         recompute = st.config.recompute[0]
+        by_layer = layer_checkpointed(fwd, layer_starts_of(st)) if recompute == "full" else None
 
         def accumulate(*invals):
             stacked = [x.reshape((M, x.shape[0] // M) + x.shape[1:]) for x, mb in zip(invals, mb_mask) if mb]
@@ -647,10 +650,10 @@ class StepBuilder:
                     v = list(vals)
                     for i, d in zip(diff_idx, diff_vals):
                         v[i] = d
-                    outs = jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
+                    outs = by_layer(v) if by_layer else jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
                     return outs[0], outs[1:]
 
-                if recompute != "none":
+                if recompute == "selective":
                     loss_of = jax.checkpoint(loss_of, policy=RECOMPUTE_POLICIES[recompute])
                 (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
                 summed = [a for k, a in enumerate(aux, 1) if k not in concatenated]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,6 +139,18 @@ def run(name: str, out_dir: str) -> None:
         leaves.update({"opt" + jax.tree_util.keystr(path): leaf
                        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]})
         np.savez(os.path.join(out_dir, f"{name}.{me}.gathered.npz"), **leaves)
+        # a checkpoint of the gathered state (process 0 writes it), restored on every process, runs the next step
+        directory = os.path.join(out_dir, "ckpt")
+        try:  # the state as the step returns it: partly held by the other process
+            autopp.checkpoint.save(directory, STEPS, (state[0], state[1]))
+        except ValueError as e:
+            print(f"ungathered state refused: {e}", flush=True)
+        autopp.checkpoint.save(directory, STEPS, (params, opt_state))
+        restored = autopp.checkpoint.restore(directory, like=(params, opt_state))
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves((params,
+                                                                                                 opt_state))))
+        *_, resumed = step(*restored, batch)
+        np.save(os.path.join(out_dir, f"{name}.{me}.resumed.npy"), np.array(float(resumed)))
     if name == "even" and jax.process_count() == 2:  # the 2-process test checks that transfers overlap compute
         np.save(os.path.join(out_dir, f"{name}.{me}.overlaps.npy"),
                 np.array(receives_during_compute(step, state, batch), dtype=np.int64))
@@ -167,4 +180,12 @@ if __name__ == "__main__":
     autopp.distributed.initialize()  # before anything starts JAX's backend
     for plan in sys.argv[2:]:
         run(plan, sys.argv[1])
+    from autopp._distributed import _state
+
+    _state["stop_watchdog"]()  # what runs at exit, before JAX's shutdown
+    # the watchdog's threads must have left the coordinator's client before JAX's shutdown (else ~30% of processes
+    # aborted at exit, after their work)
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("autopp-watchdog") and t.is_alive())
+    print(f"watchdog threads alive once stopped: {alive}", flush=True)
+    autopp.distributed.shutdown()
     print("worker done", flush=True)

@@ -109,3 +109,25 @@ def test_donate_argnums_past_the_arguments_is_refused():
     s = autopp.parallelize(step, num_stages=1, num_microbatches=2, devices=jax.devices()[:1], donate_argnums=(0, 5))
     with pytest.raises(ValueError, match=r"argument\(s\) \[5\].*3 positional"):
         s(params, opt_state, batch)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_a_donated_array_in_two_leaves_is_refused_before_anything_runs(num_stages):
+    """One array in two leaves of a donated argument: jax.jit refuses it ("donate the same buffer twice") and
+    deletes nothing; so does the pipelined step, naming both leaves (2 stages used to fail midway, after deleting
+    24 of the optimizer state's leaves)."""
+    model, tx = tiny_gpt(), optax.adamw(1e-3)
+    _, _, params, _, batch = _sgd_case(model, 8)
+    step = make_train_step(model.loss, tx)
+    shared = jnp.zeros_like(params["blocks"][0]["ln1"]["bias"])
+    params["blocks"][0]["ln1"]["bias"] = params["blocks"][0]["ln2"]["bias"] = shared
+    state = (params, tx.init(params))
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        jax.jit(step, donate_argnums=(0, 1))(*state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    pipelined = autopp.parallelize(step, num_stages=num_stages, num_microbatches=2, donate_argnums=(0, 1),
+                                   devices=jax.devices()[:num_stages])
+    with pytest.raises(ValueError, match=re.escape("args[0]['blocks'][0]['ln1']['bias'] and "
+                                                   "args[0]['blocks'][0]['ln2']['bias'] are the same array")):
+        pipelined(*state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))

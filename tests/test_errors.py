@@ -168,6 +168,13 @@ def test_count_and_schedule_mistakes_are_refused_at_parallelize(counts, message)
         autopp.parallelize(lambda p, b: p, devices=jax.devices()[:2], **counts)
 
 
+@pytest.mark.parametrize("value", [True, 1])
+def test_recompute_that_is_not_a_mode_is_refused_naming_the_modes(value):
+    with pytest.raises(TypeError, match=r"recompute=(True|1) \((bool|int)\) must be a mode name, one of none, "
+                                        r"full, selective \(e\.g\. recompute='full' for True\)"):
+        autopp.parallelize(lambda p, b: p, num_stages=2, recompute=value, devices=jax.devices()[:2])
+
+
 def test_a_custom_schedule_may_repeat_its_chunks_as_virtual_stages():
     text = "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1"
     step = autopp.parallelize(lambda p, b: p, schedule=text, virtual_stages=2, devices=jax.devices()[:2])
@@ -184,3 +191,43 @@ def test_batch_argnums_that_miss_the_batch_is_named(mlp_setup):
                                          r"\(args\[1\]\).*by default the last argument, 2"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, batch_argnums=1,
                            devices=jax.devices()[:2])(*state, batch)
+
+
+def test_numpy_counts_single_devices_and_mesh_arrays(mlp_setup):
+    """NumPy integers are counts like ints (they used to be refused with "num_stages must be a positive int, got
+    np.int64(2)"); one Device is a list of one; a 2-D array of devices (a mesh's) is refused naming .tolist()."""
+    import numpy as np
+
+    _, step, state, batch = mlp_setup
+    *want, _ = jax.jit(step)(*state, batch)
+    piped = autopp.parallelize(step, num_stages=np.int64(2), num_microbatches=np.int32(2), devices=jax.devices()[:2])
+    assert piped.config.num_stages == 2 and type(piped.config.num_stages) is int
+    *got, _ = piped(*state, batch)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-5, atol=1e-7)), got, want))
+    one = autopp.parallelize(step, num_stages=1, devices=jax.devices()[3])
+    assert one.devices == [jax.devices()[3]]
+    with pytest.raises(TypeError, match=r"devices is a 2-D array of devices .*devices\.tolist\(\)"):
+        autopp.parallelize(step, devices=np.array(jax.devices()).reshape(4, 2))
+
+
+def test_a_step_inside_a_jax_transformation_or_pickled_is_refused(mlp_setup):
+    """Called under jax.jit / eval_shape (before or after its first call), the step says so instead of failing in
+    its build ("'sharding' attribute is not available on traced array") or while issuing; pickling and deepcopy
+    say what to save instead, and copy.copy shares the compiled programs."""
+    import copy
+    import pickle
+
+    _, step, state, batch = mlp_setup
+    piped = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
+    for call in (lambda: jax.jit(piped)(*state, batch), lambda: jax.eval_shape(piped, *state, batch)):
+        with pytest.raises(TypeError, match=r"called inside a JAX transformation .*Call it outside them"):
+            call()
+    piped(*state, batch)
+    with pytest.raises(TypeError, match=r"called inside a JAX transformation"):
+        jax.jit(piped)(*state, batch)
+    for save in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=r"cannot be pickled or deep-copied\. Save its plan instead"):
+            save(piped)
+    twin = copy.copy(piped)
+    assert twin._cache is piped._cache
+    twin(*state, batch)

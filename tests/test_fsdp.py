@@ -74,3 +74,58 @@ def test_bad_layouts():
         autopp.parallelize(step, num_stages=2, layout={"model": 2})
     with pytest.raises(TypeError, match=r"layout must be a dict"):
         autopp.parallelize(step, num_stages=2, layout="fsdp")
+
+
+def test_parameters_fsdp_cannot_split_are_named():
+    """JAX arrays shard evenly: a weight none of whose dimensions the FSDP degree divides stays whole on every device
+    of its stage. That is said, naming the leaves (it used to happen silently while the plan said fsdp=4)."""
+    import jax.numpy as jnp
+    import optax
+
+    params = {"w1": jnp.ones((6, 10)) * 0.1, "b1": jnp.zeros((10,)), "w2": jnp.ones((10, 8)) * 0.1}
+    tx = optax.sgd(0.1)
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] - b["y"]) ** 2)
+
+    def step(p, s, b):
+        g = autopp.grad(loss)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    batch = {"x": jnp.ones((8, 6)), "y": jnp.zeros((8, 8))}
+    pipelined = autopp.parallelize(step, num_stages=1, num_microbatches=2, layout={"fsdp": 4},
+                                   devices=jax.devices()[:4])
+    with pytest.warns(UserWarning, match=r"fsdp=4 on stage 0 leaves 2 parameter\(s\) whole .*no dimension of theirs "
+                                         r"is divisible by 4: args\[0\]\['b1'\] \[10\], args\[0\]\['w1'\] \[6, 10\]"):
+        new, _ = pipelined(params, tx.init(params), batch)
+    assert new["w1"].sharding.spec == P() and new["b1"].sharding.spec == P()  # the arrays' own layout: whole
+    assert new["w2"].sharding.spec == P(None, "fsdp")  # (the larger divisible dimension)
+    assert_trees_close(new, jax.jit(step)(params, tx.init(params), batch)[0])
+
+
+@pytest.mark.parametrize("counts", [dict(num_stages=2, num_microbatches=2), dict()], ids=["counts", "planned"])
+def test_zero1_keyword_shards_the_optimizer_state_over_data(case, counts):
+    """``parallelize(..., zero1=True)``: the optimizer state sharded over each stage's data axis (1/data of its bytes
+    per device, by the arrays' own shards), parameters whole, the step equal to plain jit. Before, ZeRO-1 at run time
+    needed a plan made by ``plan_model(..., zero1=True)``."""
+    step, state, batch, reference = case
+    pipelined = autopp.parallelize(step, zero1=True, **counts)
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, reference)
+    plan = pipelined.plan_for(*state, batch)
+    assert plan.zero1
+    for st in plan.stages:
+        assert st.mesh_shape.get("data", 1) > 1
+    moments = [x for x in jax.tree.leaves(got[1]) if x.ndim]
+    assert all("data" in x.sharding.spec for x in moments if max(x.shape) % 4 == 0)
+    for x in moments:
+        data = next(st.mesh_shape["data"] for st in plan.stages
+                    if {d.id for d in x.sharding.device_set} == set(st.devices))
+        if "data" in x.sharding.spec:
+            assert all(s.data.size * data == x.size for s in x.addressable_shards)
+    assert all(x.sharding.spec == P() for x in jax.tree.leaves(got[0]))
+    with pytest.raises(ValueError, match="zero1"):
+        autopp.parallelize(step, plan=plan, zero1=True)
+    with pytest.raises(TypeError, match=r"zero1 must be True or False, got 'yes'"):
+        autopp.parallelize(step, zero1="yes")

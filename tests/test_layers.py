@@ -387,3 +387,33 @@ def test_blocks_whose_widths_repeat_are_one_layer_each():
     layers, _ = _group(loss, params, _batch())
     assert [l.name for l in layers] == ["embed"] + [f"block {k}" for k in range(6)] + ["head"]
     assert [l.param_bytes for l in layers[1:-1]] == [2 * H * f * 4 for f in widths]
+
+
+@pytest.mark.parametrize("start", ["literal", "list"])
+def test_a_running_auxiliary_loss_keeps_every_block_a_layer(start):
+    """A mixture-of-experts step sums each block's auxiliary loss into a running total that starts at 0.0: the first
+    block adds its loss to a literal, the others to the sum, so its dataflow differs in one operation. It is a block
+    all the same, as when the losses are collected in a list and summed after the loop (the independent truth here);
+    it used to be merged into the embedding ("embed" = embedding + block 0, 4 blocks named "block 0-3")."""
+    def loss(params, batch):
+        x = params["embed"][batch["tokens"]]
+        total, parts = 0.0, []
+        for p in params["blocks"]:
+            h = jax.nn.gelu(x @ p["w1"])
+            aux = jnp.mean(jax.nn.softmax(h, axis=-1) ** 2)
+            x = x + h @ p["w2"]
+            if start == "literal":
+                total = total + aux
+            else:
+                parts.append(aux)
+        total = total if start == "literal" else sum(parts)
+        logp = jax.nn.log_softmax(x @ params["out"], axis=-1)
+        return -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1).mean() + 0.01 * total
+
+    sds = jax.ShapeDtypeStruct
+    params = {"embed": sds((V, H), jnp.float32), "out": sds((H, V), jnp.float32),
+              "blocks": [{"w1": sds((H, 64), jnp.float32), "w2": sds((64, H), jnp.float32)} for _ in range(5)]}
+    layers, _ = _group(loss, params, _batch())
+    assert [l.name for l in layers] == ["embed"] + [f"block {k}" for k in range(5)] + ["head"]
+    assert [l.param_bytes for l in layers[1:-1]] == [2 * H * 64 * 4] * 5
+    assert layers[0].param_bytes == V * H * 4

@@ -110,3 +110,22 @@ def test_a_plain_jax_step_gets_xlas_flop_count_or_none(case):
         opaque(*state, batch)
     opaque(*state, batch)  # counted once: no second warning, no error
     assert opaque.history[-1].tflops_per_device is None and "| - TFLOP/s/dev |" in lines[-1]
+
+
+def test_a_leaf_named_loss_is_the_loss():
+    """A step returning ``{"loss": ..., "lr": ...}``: the loss is the leaf named ``loss``, not the last flat leaf
+    (``lr``, the last in sorted keys, used to be logged as the loss); without such a leaf, the last one."""
+    import jax.numpy as jnp
+
+    lines = []
+    named = log_metrics(lambda x: {"loss": jnp.sum(x), "lr": jnp.float32(0.1)}, sink=lines.append,
+                        flops_per_step=1.0, tokens_per_step=1)
+    named(jnp.arange(4.0))
+    assert named.history[-1].loss == 6.0
+    plain = log_metrics(lambda x: (x, jnp.sum(x)), sink=lines.append, flops_per_step=1.0, tokens_per_step=1)
+    plain(jnp.arange(4.0))
+    assert plain.history[-1].loss == 6.0
+    chosen = log_metrics(lambda x: {"loss": jnp.sum(x), "lr": jnp.float32(0.1)}, sink=lines.append,
+                         flops_per_step=1.0, tokens_per_step=1, loss_index=1)
+    chosen(jnp.arange(4.0))
+    assert chosen.history[-1].loss == pytest.approx(0.1)

@@ -77,7 +77,8 @@ def _not_inside_multiprocess():
 def test_two_processes_of_four_devices(tmp_path):
     """2 x 4: 4 stages of 2 devices with 1F1B, a plan with three stages on process 0 (2, 1, 1 devices) and one
     of 4 devices on process 1 (transfers between stages of different sizes and layouts), and a planned one."""
-    _run(2, 4, ["even", "uneven", "auto", "extras", "interleaved"], tmp_path)
+    out = _run(2, 4, ["even", "uneven", "auto", "extras", "interleaved"], tmp_path)
+    assert out.count("watchdog threads alive once stopped: []") == 2, out[-3000:]
     # SGD with the state donated and a typed PRNG key in it (a crash on the second step, and in the first, before);
     # interleaved 1F1B with 4 virtual stages, every chunk boundary across processes (a hang before)
     for name, case in (("extras", worker_plans.extras_case), ("interleaved", worker_plans.interleaved_case)):
@@ -89,6 +90,15 @@ def test_two_processes_of_four_devices(tmp_path):
                 np.testing.assert_array_equal(np.load(tmp_path / f"extras.{p}.key.npy"),
                                               jax.random.key_data(final[2]))
     _check("even", 2, tmp_path)
+    # autopp.checkpoint across processes: the gathered state saved by process 0, restored on both, runs the step
+    # after as plain jit does (it used to refuse both, while its message advised exactly this)
+    step_fn, state, batch = gpt_case()
+    _, want = run_steps(jax.jit(step_fn), state, batch, n=worker_plans.STEPS + 1)
+    for p in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"even.{p}.resumed.npy"), float(want[-1]), rtol=1e-5)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [str(worker_plans.STEPS)]
+    assert out.count("ungathered state refused: autopp.checkpoint.save: ") == 2, out[-3000:]
+    assert "held partly by other processes" in out and "autopp.distributed.gather(state)" in out
     _check("uneven", 2, tmp_path)
     _check("auto", 2, tmp_path)  # no counts: planned (it used to pick one stage over both processes, then refuse it)
     # memory_report: each process reports its own devices, as the same plan in one process does for them (it used

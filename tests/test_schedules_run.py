@@ -5,6 +5,7 @@ import jax
 import pytest
 
 import autopp
+from autopp.models import GPT, GPTConfig
 from autopp.runtime import Schedule
 from tests._helpers import (
     assert_trees_close, assert_within_microbatch_noise, gpt_case, make_optimizer, make_step, microbatched_jit,
@@ -111,6 +112,31 @@ def test_recomputation_equals_plain_jit_and_keeps_less(case, kept_without_recomp
             assert less[f"{s}F0"] == kept_without_recompute[f"{s}F0"]
         else:
             assert less[f"{s}F0"] < kept_without_recompute[f"{s}F0"]
+
+
+def test_full_recomputation_keeps_each_layers_input():
+    """Full recomputation as Megatron-LM runs it, one layer per checkpoint (what the planner's memory model assumes):
+    a stage's forward keeps each of its layers' inputs for the backward, which runs one layer's forward again just
+    before its backward. Hand count for an 8-layer GPT on 2 stages: as many ``[microbatch, seq, hidden]`` float32
+    values as blocks whose weights stage 0 holds (the embedding's input is the stage's own input). It used to keep
+    the stage's inputs only, and the backward then held the whole stage's residuals at once."""
+    cfg = GPTConfig(layers=8, hidden=32, heads=4, seq=16, vocab=64)
+    model, tx = GPT(cfg), make_optimizer()
+    params = model.init(jax.random.key(0))
+    state, batch = (params, tx.init(params)), model.batch(jax.random.key(1), 8)
+    step = make_step(model, tx)
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, schedule="gpipe", recompute="full",
+                                   devices=jax.devices()[:2])
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(got, run_steps(jax.jit(step), state, batch)[0])
+    stage0 = jax.devices()[0]
+    blocks = sum(all(leaf.sharding.device_set == {stage0} for leaf in jax.tree.leaves(b)) for b in got[0]["blocks"])
+    assert 0 < blocks < cfg.layers
+    (fwd,) = [t for t in pipelined.executable_for(*state, batch).tasks if t.label == "0F0"]
+    outs = jax.tree.leaves(fwd.fn.out_info)
+    activation = 2 * cfg.seq * cfg.hidden * 4  # microbatch of 2
+    kept = sum(o.size * o.dtype.itemsize for o in outs) - activation  # less the activation sent to stage 1
+    assert kept == blocks * activation, (kept, blocks, [(o.shape, o.dtype) for o in outs])
 
 
 def test_bad_schedule_arguments():

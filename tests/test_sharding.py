@@ -384,6 +384,21 @@ def test_megatron_layout_is_found(name, t, sp):
         assert v in ("R", "S(0)"), (k, v)
 
 
+@pytest.mark.parametrize("name,t", [("my-llama", 2), ("my-llama", 8), ("gpt", 8)])
+def test_sequence_parallel_keeps_every_activation_split(name, t):
+    """Sequence parallelism (Korthikanti et al. 2022) divides every activation a layer keeps for its backward by
+    the tensor degree: the norms run on sequence shards and their outputs are gathered again in the backward, not
+    kept whole. The independent truth: the unsplit layer's residual bytes over ``t``. Without sequence parallelism
+    the norms' values are kept whole."""
+    unsplit, _ = _block_cost(name, 1, False)
+    lc, _ = _block_cost(name, t, True)
+    print(f"{name} t={t}: residuals {lc.residual_bytes / 2**20:.2f} MiB per device, unsplit "
+          f"{unsplit.residual_bytes / 2**20:.2f} MiB")
+    assert lc.residual_bytes == pytest.approx(unsplit.residual_bytes / t, rel=1e-6)
+    whole, _ = _block_cost(name, t, False)
+    assert whole.residual_bytes > 1.2 * unsplit.residual_bytes / t
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. Optimality is proven, quickly
 
