@@ -59,7 +59,11 @@ t2 = time.perf_counter()
 jax.make_jaxpr(step)(*args)
 t3 = time.perf_counter()
 e = plan.predicted
-print(json.dumps(dict(profile_s=t1 - t0, plan_s=t2 - t1, make_jaxpr_s=t3 - t2, step_s=e.step_time_s, mfu=e.mfu,
+from autopp.planner import simulate
+mega = simulate(prof, "64x8xH100", global_batch=1024, tp=8, pp=8, dp=8, microbatch_size=1, schedule="interleaved-1f1b",
+                virtual_stages=5, recompute="selective", zero1=True, sequence_parallel=True)  # Megatron's layout
+print(json.dumps(dict(megatron_act_gib=mega.activation_bytes / 2**30, megatron_peak_gib=mega.peak_memory_bytes_per_gpu
+                      / 2**30, megatron_fits=mega.fits, megatron_step_s=mega.step_time_s,profile_s=t1 - t0, plan_s=t2 - t1, make_jaxpr_s=t3 - t2, step_s=e.step_time_s, mfu=e.mfu,
                       tflops=e.tflops_per_gpu, fits=e.fits, memory_gib=e.peak_memory_bytes_per_gpu / 2**30,
                       model_flops=(prof.forward_flops + prof.backward_flops) * 1024 / prof.batch_size,
                       devices=cluster.num_devices, peak=cluster.device.peak_flops("bfloat16"),
@@ -120,7 +124,10 @@ def test_llama_70b_profile_and_plan_vs_make_jaxpr(benchmark):
           f"          plan: {out['stages']} stage(s) x {out['mesh'][0]}, {out['schedule']}, microbatch "
           f"{out['microbatch_size']}: {out['step_s']:.2f} s/step, MFU {100 * out['mfu']:.1f}% (from the step time: "
           f"{100 * mfu_from_step:.1f}%), {out['tflops']:.0f} TFLOP/s/GPU, {out['memory_gib']:.1f} GiB, fits "
-          f"{out['fits']}, tensor inside a node {out['tensor_inside_node']}")
+          f"{out['fits']}, tensor inside a node {out['tensor_inside_node']}\n"
+          f"          Megatron's layout (tensor 8, pipeline 8, interleaved v=5, sequence parallel, ZeRO-1): "
+          f"{out['megatron_step_s']:.2f} s/step, activations {out['megatron_act_gib']:.2f} GiB, peak "
+          f"{out['megatron_peak_gib']:.2f} GiB, fits {out['megatron_fits']}")
     assert out["fits"] and out["tensor_inside_node"] and out["tensor"] > 1
     assert math.isclose(mfu_from_step, out["mfu"], rel_tol=1e-6)
 
