@@ -18,8 +18,8 @@ from autopp._compile_cache import use_compilation_cache
 from autopp._config import ParallelizeConfig
 from autopp._plan_sources import source_plan
 from autopp._progress import phase
-from autopp.core import (Plan, Schedule, TracedStep, check_array_leaves, is_weak, normalize_batch_argnums,
-                         trace_step)
+from autopp.core import (Plan, Schedule, TracedStep, check_array_leaves, is_tracer, is_weak,
+                         normalize_batch_argnums, trace_step)
 from autopp.runtime import Executable, build_executable
 
 _P = ParamSpec("_P")
@@ -97,7 +97,7 @@ class Parallelized(Generic[_P, _R]):
         """The build for ``args``' signature (made on its first call) and ``args``' flat leaves: the arguments
         are flattened once per call."""
         flat, tree = jax.tree_util.tree_flatten(args)
-        if flat and (isinstance(flat[0], jax.core.Tracer) or isinstance(flat[-1], jax.core.Tracer)):
+        if flat and (is_tracer(flat[0]) or is_tracer(flat[-1])):
             raise TypeError("autopp.parallelize: the pipelined step was called inside a JAX transformation (jax.jit, "
                             "vmap, grad, eval_shape, ...): its arguments are traced values. Call it outside them; it "
                             "compiles its own programs (to plan without running, use step.plan_for(...)).")

@@ -66,7 +66,9 @@ class ShardingSolution:
     choice: tuple[int, ...]
     """Index into ``graph.nodes[k].strategies`` per node."""
     objective_s: float
-    """The layer's time per microbatch under the ILP's cost model (compute plus resharding, traced batch)."""
+    """The ILP's objective: the layer's time per microbatch under its cost model (compute plus resharding, traced
+    batch) plus memory at the solve's weight (a nanosecond per megabyte by default, :data:`LEAN_NS_PER_MB` under
+    sequence parallelism): not a time then; :func:`layer_cost` gives the layer's times."""
     status: str
     """CP-SAT status (``OPTIMAL``, ``FEASIBLE``) or ``TRIVIAL`` (t = 1) or ``ENUMERATED``."""
     gap: float
