@@ -171,25 +171,26 @@ def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeMod
     return total / t if strategy.split else total
 
 
-def kept_values(graph: StrategyGraph) -> dict[int, list]:
-    """Node index -> the batch-sized values it defines that the backward keeps from the forward (read by backward
-    equations; not an attention region's internals, which a fused kernel recomputes): the residuals, whose bytes per
-    device follow the node's strategy (split values keep ``1/t`` of them)."""
-    prog = graph.program
+def _residuals(prog) -> set:
+    """What the backward keeps: forward values (and layer inputs) read by backward equations, not an attention
+    region's internals read inside it (a fused kernel recomputes those)."""
     j = prog.closed.jaxpr
     region_of = {i: r for r, eqs in enumerate(prog.attention_regions) for i in eqs}
     internal = {v for eqs in prog.attention_regions for i in eqs for v in j.eqns[i].outvars}
     forward = {v for i, e in enumerate(j.eqns) if i not in prog.backward_eqns for v in e.outvars}
-    read = set()
-    for i in prog.backward_eqns:
-        for a in j.eqns[i].invars:
-            if not isinstance(a, Literal) and a in forward and a in prog.batch_vars and \
-                    not (a in internal and i in region_of):
-                read.add(a)
+    forward.update(j.invars[:prog.num_inputs])
+    return {a for i in prog.backward_eqns for a in j.eqns[i].invars
+            if not isinstance(a, Literal) and a in forward and not (a in internal and i in region_of)}
+
+
+def kept_values(graph: StrategyGraph) -> dict[int, list]:
+    """Node index -> the batch-sized residuals it defines (:func:`_residuals`), whose bytes per device follow the
+    node's strategy (split values keep ``1/t`` of them)."""
+    prog = graph.program
+    read = {v for v in _residuals(prog) if v in prog.batch_vars}
     out: dict[int, list] = {}
     for k, node in enumerate(graph.nodes):
-        defined = node.defined if node.kind == "group" else node.outvars
-        mine = [v for v in defined if v in read]
+        mine = [v for v in (node.defined if node.kind == "group" else node.outvars) if v in read]
         if mine:
             out[k] = mine
     return out
@@ -520,24 +521,8 @@ def layer_cost(solution: ShardingSolution) -> LayerCost:
                 collectives.append(Collective(kind, nbytes if is_batch(var) else 0.0,
                                               0.0 if is_batch(var) else nbytes, n.backward,
                                               f"{var.aval.str_short()} inside a fused group"))
-    # What the backward keeps: forward values read by backward equations (not an attention region's internals).
-    region_internal = set()
-    region_of = {}
-    for r, eqs in enumerate(prog.attention_regions):
-        for i in eqs:
-            region_of[i] = r
-    for eqs in prog.attention_regions:
-        for i in eqs:
-            region_internal.update(j.eqns[i].outvars)
-    fwd_defined = {v for i in fwd_ids for v in j.eqns[i].outvars} | set(j.invars[:prog.num_inputs])
-    residuals = set()
-    for i in bwd_ids:
-        for a in j.eqns[i].invars:
-            if isinstance(a, Literal) or a not in fwd_defined:
-                continue
-            if a in region_internal and i in region_of:
-                continue
-            residuals.add(a)
+    residuals = _residuals(prog)
+    region_internal = {v for eqs in prog.attention_regions for i in eqs for v in j.eqns[i].outvars}
     extra = 0.0
     for eqs in prog.attention_regions:  # a flash kernel keeps its output and the softmax statistics
         outs = [v for i in eqs if i not in prog.backward_eqns for v in j.eqns[i].outvars

@@ -3,6 +3,7 @@ same plans give what plain jax.jit gives; a lost process stops the others with a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -138,33 +139,35 @@ def test_cpu_collectives_are_checked(monkeypatch):
     assert not autopp.distributed.is_initialized()
 
 
-def _two_workers(tmp_path, plan: str) -> list[subprocess.Popen]:
-    """Two worker processes of one device each, started by hand (as on a cluster), with a 5 s failure bound."""
+@contextlib.contextmanager
+def _two_workers(tmp_path, plan: str):
+    """Two worker processes of one device each, started by hand (as on a cluster), with a 5 s failure bound; those
+    still running at the end are killed."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
-    for i in range(2):
-        env = process_env(i, 2, coordinator, 1)
-        env["AUTOPP_FAILURE_TIMEOUT"] = "5"
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), plan], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
+    try:
+        for i in range(2):
+            env = process_env(i, 2, coordinator, 1)
+            env["AUTOPP_FAILURE_TIMEOUT"] = "5"
+            procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), plan], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def test_lost_process_stops_the_others(tmp_path):
     """Process 1 dies after a step; process 0, blocked in the next step's transfers, exits non-zero within the
     bound with an error naming process 1."""
-    procs = _two_workers(tmp_path, "die")
-    try:
+    with _two_workers(tmp_path, "die") as procs:
         died = procs[1].wait(timeout=240)
         t_dead = time.monotonic()
         assert died == -9, procs[1].stdout.read()[-3000:]
         code = procs[0].wait(timeout=60)
         elapsed = time.monotonic() - t_dead
         text = procs[0].stdout.read()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
     assert "process 1 of 2 is lost" in text, text[-3000:]
     assert elapsed <= 60, elapsed
@@ -183,14 +186,9 @@ def test_different_inputs_on_two_processes_are_refused(tmp_path):
 def test_a_process_that_ends_steps_early_stops_the_others(tmp_path):
     """Process 1 runs one step fewer and ends normally; process 0, in a step that needs it, stops within the bound
     naming it and the steps each ran (it used to wait for ever: a finished peer is not a lost one)."""
-    procs = _two_workers(tmp_path, "fewer")
-    try:
+    with _two_workers(tmp_path, "fewer") as procs:
         code = procs[0].wait(timeout=240)
         text = procs[0].stdout.read()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
     assert (f"process 1 of 2 ended after {worker_plans.STEPS - 1} step(s), but process 0 is in step "
             f"{worker_plans.STEPS}") in text, text[-3000:]
