@@ -219,8 +219,20 @@ def _check_launched_processes_joined() -> None:
 
 def _check_donated_distinct(built: Built, flat: list) -> None:
     """Refuse, before anything runs, a donated argument whose leaves share an array (its buffer would be consumed
-    twice: the step would fail midway, having consumed others)."""
+    twice: the step would fail midway, having consumed others), or one that an argument not donated passes too
+    (the step would read a buffer it consumed, as ``jax.jit`` refuses ``f(donate(a), a)``)."""
     arrays = [flat[i] for i in built.donated if isinstance(flat[i], jax.Array)]
+    if not arrays:
+        return
+    donated_ids = {id(flat[i]): i for i in built.donated}
+    donated = set(built.donated)
+    for i, x in enumerate(flat):
+        if id(x) in donated_ids and i not in donated and isinstance(x, jax.Array):
+            names = built.traced.leaf_paths
+            raise ValueError(
+                f"autopp.parallelize: {names[donated_ids[id(x)]]}, which the step donates (donate_argnums), is the "
+                f"same array as {names[i]}, which it does not: the step would read a buffer it consumed. Pass a copy "
+                "to one of them (e.g. jnp.array(x, copy=True)), or do not donate that argument. Nothing was run.")
     if len({id(x) for x in arrays}) == len(arrays):
         return
     first: dict[int, int] = {}

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -95,13 +96,24 @@ def _microbatches_for(config: ParallelizeConfig, traced: TracedStep) -> int:
         if not fits:
             raise ValueError(f"{_WHO}: dualpipev needs at least {2 * n} microbatches (2 per device group) dividing "
                              f"the batch of {batch}; pass num_microbatches= or another batch size.")
-        return min(fits)
+        return min(_split_evenly(fits, batch, config) or fits)
     step = n if config.schedule == "interleaved-1f1b" else 1  # a multiple of the groups
     fits = [d for d in range(step, 2 * n + 1, step) if batch % d == 0]
     if not fits:
         raise ValueError(f"{_WHO}: interleaved-1f1b needs a microbatch count that is a multiple of the {n} device "
                          f"groups and divides the batch of {batch}; pass num_microbatches= or another batch size.")
-    return max(fits)
+    return max(_split_evenly(fits, batch, config) or fits)
+
+
+def _split_evenly(counts: list[int], batch: int, config: ParallelizeConfig) -> list[int]:
+    """The microbatch counts of ``counts`` whose microbatches every device group's data x FSDP devices divide (its
+    devices over its tensor degree): the others leave those devices repeating the same examples."""
+    groups = config.group_devices(config.num_stages)
+    lays = config.layout if isinstance(config.layout, tuple) else [config.layout or {}] * len(groups)
+    if len(lays) != len(groups):
+        return counts  # (refused with its own message when the stages are laid out)
+    degrees = {max(1, len(g) // lay.get("tensor", 1)) for g, lay in zip(groups, lays)}
+    return [m for m in counts if all((batch // m) % d == 0 for d in degrees)]
 
 
 def _schedule_for(config: ParallelizeConfig, num_microbatches: int) -> tuple[str, Schedule]:
@@ -129,9 +141,23 @@ def _stage_layouts(config: ParallelizeConfig, sched: Schedule, stage_devices) ->
         d = given.get("data", len(devs) // (f * tp))
         if d * f * tp != len(devs):
             raise ValueError(f"{_WHO}: layout {given} does not fit stage {c}'s {len(devs)} device(s): data x fsdp x "
-                             f"tensor must equal {len(devs)}; e.g. layout={{'fsdp': {len(devs)}}}.")
+                             f"tensor must equal {len(devs)}; {_layout_fix(given, len(devs), sched.num_ranks)}.")
         out.append({"data": d, "fsdp": f, "tensor": tp})
     return out
+
+
+def _layout_fix(given: dict[str, int], per_stage: int, num_groups: int) -> str:
+    """How to make ``given`` fit stages of ``per_stage`` devices (``num_groups`` device groups)."""
+    split = given.get("fsdp", 1) * given.get("tensor", 1)
+    if per_stage % split == 0:  # only data is wrong: let it fill the rest
+        return f"leave data out (it fills the rest): layout={ {k: v for k, v in given.items() if k != 'data'} }"
+    total = per_stage * num_groups
+    if split <= total and total % split == 0 and split > per_stage:
+        return (f"fsdp x tensor = {split} needs {split} devices per stage, but {total} devices in {num_groups} "
+                f"device groups give each {per_stage}: use num_stages <= {total // split}, or a smaller layout")
+    sizes = [str(k) for k in range(1, per_stage + 1) if per_stage % k == 0]
+    listed = sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
+    return f"use an fsdp x tensor that divides {per_stage} ({listed}), or other device counts"
 
 
 def _stage_recompute(config: ParallelizeConfig, num_chunks: int) -> tuple[str, ...]:
@@ -194,14 +220,35 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     groups = config.group_devices(sched.num_ranks)
     rank_of = sched.stage_to_rank()
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
-    split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages,  # groups of other sizes:
-                         weights=[len(d) for d in stage_devices], refuse_unbalanced=True)  # FLOPs per device
+    try:
+        split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages,  # groups of other sizes:
+                             weights=[len(d) for d in stage_devices], refuse_unbalanced=True)  # FLOPs per device
+    except ValueError as e:
+        raise _per_chunk(e, sched, name) from None
     stages = _stage_plans(traced, forward, split, stage_devices, _stage_layouts(config, sched, stage_devices),
                           _stage_recompute(config, sched.num_stages))
     plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,
                 schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
                 virtual_stages=sched.num_stages // sched.num_ranks, zero1=bool(config.zero1))
     return Sourced(plan, forward)
+
+
+def _per_chunk(error: ValueError, sched: Schedule, name: str) -> ValueError:
+    """``split_stages``' refusal of too many stages, said in the keywords that set them when a schedule runs several
+    model chunks per device group (interleaved-1f1b: ``virtual_stages``; dualpipev: 2)."""
+    limit = re.search(r"; use num_stages <= (\d+)\.", str(error))
+    chunks = sched.num_stages // sched.num_ranks
+    if limit is None or chunks == 1:
+        return error
+    most = int(limit.group(1))
+    fix = (f"use num_stages <= {max(1, most // 2)} (dualpipev runs 2 model chunks per device group)" if
+           name == "dualpipev" else
+           f"use num_stages x virtual_stages <= {most} (here {sched.num_ranks} x {chunks})"
+           + (f", e.g. virtual_stages={most // sched.num_ranks}" if most >= 2 * sched.num_ranks else
+              ", e.g. schedule='1f1b' (one chunk per group)" if most >= sched.num_ranks else ""))
+    return ValueError(str(error).replace(f"{sched.num_stages} pipeline stages; use num_stages <= {most}.",
+                                         f"{sched.num_stages} pipeline stages ({sched.num_ranks} device groups x "
+                                         f"{chunks} model chunks each); {fix}."))
 
 
 # -- a replayed plan -------------------------------------------------------------------------------------------

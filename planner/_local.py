@@ -136,14 +136,24 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
 def _no_layout_message(profile: Profile, n: int, batch: int, num_stages, num_microbatches) -> str:
     units = len(profile.layers)
     stages = [S for S in divisors(n) if S <= units and (num_stages is None or S == num_stages)]
+    fewer = _most_devices_with_a_layout(n, units, batch, num_stages, num_microbatches)
     if not stages:
         return (f"plan_local: no pipeline layout on {n} device(s): the number of stages must divide {n} and be at "
                 f"most the {units} layer(s) of the model" + (f" (num_stages={num_stages})" if num_stages else "")
-                + "; pass fewer devices, e.g. devices=jax.devices()[:"
-                f"{max(S for S in divisors(n) if S <= units)}].")
+                + f"; pass fewer devices, e.g. devices=jax.devices()[:{fewer}].")
     d = n // max(stages)
     return (f"plan_local: no pipeline layout for batch size {batch} on {n} device(s): the model can be cut into at "
             f"most {max(stages)} stage(s) that divide the devices evenly, so every stage has at least {d} devices "
             f"and a microbatch must split evenly over them (batch / microbatches a multiple of {d}"
             + (f", microbatches={num_microbatches}" if num_microbatches else "") + f"). Use a batch size that is a "
-            f"multiple of {d}, or pass fewer devices, e.g. devices=jax.devices()[:{max(stages)}].")
+            f"multiple of {d}, or pass fewer devices, e.g. devices=jax.devices()[:{fewer}].")
+
+
+def _most_devices_with_a_layout(n: int, units: int, batch: int, num_stages, num_microbatches) -> int:
+    """The most devices below ``n`` that a pipeline of at most ``units`` stages (``num_stages`` if given) lays out
+    with the batch split evenly over each stage's devices (1 at least)."""
+    for m in range(n - 1, 1, -1):
+        for S in divisors(m):
+            if S <= units and num_stages in (None, S) and batch % (m // S * (num_microbatches or 1)) == 0:
+                return m
+    return 1

@@ -75,6 +75,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     if rows is None:
         program = builder.build()
         _warn_fsdp_whole(meshes)
+        _warn_batch_undivided(meshes, num_microbatches)
         return program, compiler, meshes
 
     def shardings_of(stages):
@@ -83,6 +84,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, shardings_of)
     program = builder.build()
     _warn_fsdp_whole(meshes)
+    _warn_batch_undivided(meshes, num_microbatches)
     return row_outputs(program, rows, user_slots, shardings_of), compiler, meshes
 
 
@@ -97,6 +99,17 @@ def _warn_fsdp_whole(meshes: StageMeshes) -> None:
             f"autopp: fsdp={n} on stage {loc} leaves {len(whole)} parameter(s) whole on each of its devices (with "
             f"their gradients and optimizer state), since no dimension of theirs is divisible by {n}: {names}{more}. "
             f"Use sizes divisible by {n}, or a smaller fsdp degree that divides them.", stacklevel=3)
+
+
+def _warn_batch_undivided(meshes: StageMeshes, num_microbatches: int) -> None:
+    """A microbatch that a stage's data-parallel devices do not divide runs whole on each of them (or on each of the
+    part that divides it): they repeat the same work. Say so, with the batch sizes that divide."""
+    for size, n in sorted(set(meshes.batch_undivided.values())):
+        warnings.warn(
+            f"autopp.parallelize: microbatches of {size} example(s) do not divide over a stage's {n} data-parallel "
+            f"devices (data x fsdp), so those devices repeat the same examples instead of sharing them. Use a batch "
+            f"size that is a multiple of num_microbatches x {n} = {num_microbatches * n}, or fewer microbatches.",
+            stacklevel=3)
 
 
 def _refuse_rows(zero1: bool, sequence_vars) -> str | None:

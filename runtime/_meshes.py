@@ -34,6 +34,9 @@ class StageMeshes:
         self._multi: dict[frozenset[int], NamedSharding] = {}
         self.fsdp_whole: dict[int, dict[str, tuple]] = {}
         """Stage -> {parameter: shape} of the parameters its FSDP axis leaves whole (no dimension divides)."""
+        self.batch_undivided: dict[int, tuple[int, int]] = {}
+        """Stage -> (examples per microbatch, its data x FSDP devices) where those devices do not divide the
+        microbatch (:meth:`microbatch_sharding`)."""
 
     def batch_sharding(self, loc: int, shape) -> NamedSharding:
         """Leading dim over the stage's data and FSDP axes when it divides evenly (else over as many as divide),
@@ -45,6 +48,14 @@ class StageMeshes:
                 if n > 1 and shape[0] % n == 0:
                     return NamedSharding(self.meshes[loc], P(axes if len(axes) > 1 else axes[0]))
         return self.replicated[loc]
+
+    def microbatch_sharding(self, loc: int, shape) -> NamedSharding:
+        """:meth:`batch_sharding` of one microbatch of a per-step input; where the stage's data x FSDP devices do not
+        divide it (some of them, or all, then repeat the same examples) it is recorded in :attr:`batch_undivided`."""
+        n = self.layouts[loc]["data"] * self.layouts[loc]["fsdp"]
+        if n > 1 and len(shape) >= 1 and shape[0] % n:
+            self.batch_undivided[loc] = (shape[0], n)
+        return self.batch_sharding(loc, shape)
 
     def sequence_sharding(self, loc: int, shape) -> NamedSharding | None:
         """Sequence parallelism: the batch dimension as :meth:`batch_sharding` lays it out, the second (sequence)

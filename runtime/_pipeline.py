@@ -152,7 +152,7 @@ class Pipeline:
         for s, (mb_positions, full) in mb_inputs.items():
             g = st.graphs[s]
             shapes = [g.inputs[p].aval.shape for p in mb_positions]
-            out_sh = [meshes.batch_sharding(s, sh) for sh in shapes for _ in range(M)]
+            out_sh = [meshes.microbatch_sharding(s, sh) for sh in shapes for _ in range(M)]
 
             def split(*xs, M=M):
                 return tuple(x.reshape((M, x.shape[0] // M) + x.shape[1:])[m] for x in xs for m in range(M))

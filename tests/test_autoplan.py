@@ -185,8 +185,14 @@ def test_no_legal_layout_says_why_and_what_to_change():
     tx = make_optimizer()
     prof = profile(step, params, tx.init(params), model.batch(jax.random.key(1), 2), cluster=Cluster.parse("1x8xcpu"))
     with pytest.raises(ValueError, match=r"no pipeline layout for batch size 2 on 8 device\(s\).*at most 2 stage.*"
-                                         r"multiple of 4.*devices=jax.devices\(\)\[:2\]"):
+                                         r"multiple of 4.*devices=jax.devices\(\)\[:4\]"):
         _local.plan_local(prof, 8, 2)
+    # the suggestion is the most devices that do plan (it used to be the stage count, 2)
+    chosen = _local.plan_local(prof, 4, 2)
+    assert chosen.num_stages * chosen.devices_per_stage == 4
+    for fewer in (5, 6, 7):
+        with pytest.raises(ValueError, match="no pipeline layout"):
+            _local.plan_local(prof, fewer, 2)
 
 
 def test_model_that_fits_nowhere_says_why_and_what_to_change():
@@ -209,7 +215,7 @@ def test_parallelize_reports_an_unplannable_batch():
     batch = model.batch(jax.random.key(1), 2)
     step = autopp.parallelize(make_step(model, tx), devices=jax.devices()[:3])
     with pytest.raises(ValueError, match=r"cannot plan this step for 3 device\(s\): no pipeline layout for batch "
-                                         r"size 2.*multiple of 3.*num_stages="):
+                                         r"size 2.*multiple of 3.*devices=jax.devices\(\)\[:2\].*num_stages="):
         step.plan_for(params, tx.init(params), batch)
 
 

@@ -131,3 +131,34 @@ def test_a_donated_array_in_two_leaves_is_refused_before_anything_runs(num_stage
                                                    "args[0]['blocks'][0]['ln2']['bias'] are the same array")):
         pipelined(*state, batch)
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_a_donated_array_also_passed_undonated_is_refused_before_anything_runs(num_stages):
+    """The parameters passed twice, donated as the first argument and not as the second (an EMA started from them):
+    jax.jit refuses ``f(donate(a), a)`` at run time; the pipelined step used to fail the same way inside one of its
+    programs, naming an internal argument. It now refuses before anything runs, naming both leaves."""
+    model, tx = tiny_gpt(), optax.sgd(0.1)
+    _, _, params, _, batch = _sgd_case(model, 8)
+
+    def step(params, ema, opt_state, batch):
+        grads = autopp.grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, params), opt_state
+
+    state = (params, params, tx.init(params))
+    with pytest.raises(Exception, match="previously donated in the same call"):
+        jax.jit(step, donate_argnums=(0,))(*state, batch)
+    params = _sgd_case(model, 8)[2]  # (jit donated some)
+    state = (params, params, tx.init(params))
+    pipelined = autopp.parallelize(step, num_stages=num_stages, num_microbatches=2, donate_argnums=(0,),
+                                   devices=jax.devices()[:num_stages])
+    with pytest.raises(ValueError, match=re.escape("args[0]['blocks'][0]['attn']['out_b'], which the step "
+                                                   "donates (donate_argnums), is the same array as "
+                                                   "args[1]['blocks'][0]['attn']['out_b'], which it does not")):
+        pipelined(*state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    got = pipelined(params, jax.tree.map(jnp.copy, params), state[2], batch)  # a copy: it runs, as jit does
+    fresh = _sgd_case(model, 8)[2]
+    assert_trees_close(got, jax.jit(step)(fresh, fresh, tx.init(fresh), batch))

@@ -231,3 +231,29 @@ def test_a_step_inside_a_jax_transformation_or_pickled_is_refused(mlp_setup):
     twin = copy.copy(piped)
     assert twin._cache is piped._cache
     twin(*state, batch)
+
+
+def test_too_many_model_chunks_are_refused_in_the_keywords_that_set_them(mlp_setup):
+    """interleaved-1f1b and dualpipev cut the model into several chunks per device group: a model with too few
+    operations for them is refused naming virtual_stages (or dualpipev's 2 chunks), not only num_stages (which the
+    user had set within the limit), and the suggested setting does plan."""
+    import re
+
+    _, step, state, batch = mlp_setup
+    with pytest.raises(ValueError, match=r"cannot be split into 32 pipeline stages \(4 device groups x 8 model chunks "
+                                         r"each\); use num_stages x virtual_stages <= \d+ \(here 4 x 8\)") as refused:
+        autopp.parallelize(step, num_stages=4, schedule="interleaved-1f1b", virtual_stages=8, num_microbatches=4,
+                           devices=jax.devices()[:4]).plan_for(*state, batch)
+    suggested = int(re.search(r"e\.g\. virtual_stages=(\d+)", str(refused.value)).group(1))
+    plan = autopp.parallelize(step, num_stages=4, schedule="interleaved-1f1b", virtual_stages=suggested,
+                              num_microbatches=4, devices=jax.devices()[:4]).plan_for(*state, batch)
+    assert plan.num_stages == 4 * suggested
+    from autopp.models import MLP, MLPConfig
+
+    small = MLP(MLPConfig(sizes=(4, 4, 4)))  # 9 operations: fewer than dualpipev's 2 x 8 chunks
+    params = small.init(jax.random.key(0))
+    tx = make_optimizer()
+    with pytest.raises(ValueError, match=r"\(8 device groups x 2 model chunks each\); use num_stages <= 4 \(dualpipev "
+                                         r"runs 2 model chunks per device group\)"):
+        autopp.parallelize(make_step(small, tx), num_stages=8, schedule="dualpipev", num_microbatches=16).plan_for(
+            params, tx.init(params), small.batch(jax.random.key(1), 16))

@@ -67,9 +67,19 @@ def test_fsdp_plan_replays(case, tmp_path):
 
 def test_bad_layouts():
     step = make_step(tiny_gpt(), make_optimizer())
-    with pytest.raises(ValueError, match=r"data x fsdp x tensor must equal 2"):
-        _, state, batch = gpt_case()
-        autopp.parallelize(step, num_stages=2, layout={"tensor": 4}, devices=jax.devices()[:4])(*state, batch)
+    _, state, batch = gpt_case()
+    # each message's fix is one that fits (it used to suggest layout={'fsdp': n} whatever was wrong, {'fsdp': 1} too)
+    for layout, devices, fix, fitting in [
+            ({"tensor": 4}, 4, r"fsdp x tensor = 4 needs 4 devices per stage, but 4 devices in 2 device groups give each 2: use "
+                               r"num_stages <= 1", dict(num_stages=1, layout={"tensor": 4})),
+            ({"tensor": 2, "data": 2}, 4, r"leave data out \(it fills the rest\): layout=\{'tensor': 2\}",
+             dict(num_stages=2, layout={"tensor": 2})),
+            ({"fsdp": 3}, 8, r"use an fsdp x tensor that divides 4 \(1, 2 or 4\)", None)]:
+        with pytest.raises(ValueError, match=r"data x fsdp x tensor must equal \d+; " + fix):
+            autopp.parallelize(step, num_stages=2, layout=layout, devices=jax.devices()[:devices]).plan_for(*state,
+                                                                                                              batch)
+        if fitting:
+            autopp.parallelize(step, devices=jax.devices()[:devices], **fitting).plan_for(*state, batch)
     with pytest.raises(ValueError, match=r"unknown axes \['model'\]"):
         autopp.parallelize(step, num_stages=2, layout={"model": 2})
     with pytest.raises(TypeError, match=r"layout must be a dict"):

@@ -257,6 +257,38 @@ def test_data_parallel_inside_stages(model_name):
     assert all(len(leaf.sharding.device_set) == 2 for leaf in jax.tree.leaves(got_state[0]))
 
 
+def test_a_microbatch_the_data_axis_does_not_divide_is_named():
+    """12 examples in 4 microbatches over stages of 2 data-parallel devices: each microbatch (3 examples) cannot be
+    split evenly, so both devices run all of it. The step is still right (equal to jit), but that used to happen
+    silently; it is now said, with the batch sizes that divide (a multiple of 4 x 2). Left to choose the count, autopp
+    takes one whose microbatches divide."""
+    import warnings
+
+    model = tiny_mlp()
+    tx = make_optimizer()
+    step = make_step(model, tx)
+    params = model.init(jax.random.key(0))
+    state = (params, tx.init(params))
+    for size, undivided in ((12, True), (16, False)):
+        batch = model.batch(jax.random.key(1), size)
+        pstep = autopp.parallelize(make_step(model, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:4])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = pstep(*state, batch)
+        said = [str(w.message) for w in caught if "do not divide" in str(w.message)]
+        if undivided:
+            assert said == ["autopp.parallelize: microbatches of 3 example(s) do not divide over a stage's 2 "
+                            "data-parallel devices (data x fsdp), so those devices repeat the same examples instead "
+                            "of sharing them. Use a batch size that is a multiple of num_microbatches x 2 = 8, or "
+                            "fewer microbatches."]
+        else:
+            assert said == []
+        assert_trees_close(got, jax.jit(step)(*state, batch))
+    # left to choose, the microbatch count is the largest (up to 2 x stages) whose microbatches divide over data
+    batch = model.batch(jax.random.key(1), 12)
+    chosen = autopp.parallelize(make_step(model, tx), num_stages=2, devices=jax.devices()[:4])
+    assert chosen.plan_for(*state, batch).num_microbatches == 3  # (4 before: microbatches of 3 over 2 devices)
+
 def test_custom_text_schedule():
     """A schedule written by hand as text (rank rows of F/B actions) runs and matches plain jax.jit."""
     from autopp.runtime import Schedule
