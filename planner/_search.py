@@ -29,6 +29,7 @@ import heapq
 import math
 import numbers
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -256,7 +257,24 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                          sharding_solve_s=sum(x[5] for x in sm.solve_stats),
                          sharding_max_gap=max((x[4] for x in sm.solve_stats), default=0.0))
     plan = to_plan(sm, best.layout, global_batch, best.split, best.recompute, best.evaluation, stats)
+    _warn_batch_caps_data(global_batch, n, best.layout, who)
     return plan if loss_reduction == "mean" else dataclasses.replace(plan, loss_reduction=loss_reduction)
+
+
+def _warn_batch_caps_data(global_batch: int, num_devices: int, layout: Layout, who: str) -> None:
+    """The data-parallel degree divides both the global batch and the device count. When their common factor leaves
+    at most an eighth of the devices to data parallelism and the plan uses all of it, the batch size, not speed,
+    bounded the plan (a global batch of 1001 on 64 devices: pipeline x tensor only): say so, with sizes that don't."""
+    cap = math.gcd(global_batch, num_devices)
+    if cap * 8 > num_devices or layout.data < cap:
+        return
+    lower, upper = global_batch // num_devices * num_devices, -(-global_batch // num_devices) * num_devices
+    sizes = f"{lower} or {upper}" if lower else f"{upper}"
+    warnings.warn(f"{who}: global_batch={global_batch} has only the factor {cap} in common with the {num_devices} "
+                  f"devices, so the data-parallel degree (which divides both) can be at most {cap}; the plan's is "
+                  f"{layout.data}, with pipeline {layout.pipeline} x tensor {layout.tensor}. A global batch that is a "
+                  f"multiple of {num_devices} (e.g. {sizes}) leaves the planner free to choose data parallelism.",
+                  stacklevel=3)
 
 
 def _by_memory(modes: Sequence[str]) -> list[str]:

@@ -134,6 +134,15 @@ class Profile:
     def table(self) -> str:
         return format_profile_table(self)
 
+    def __reduce__(self):
+        raise TypeError("Profile: a profile holds the traced step's layer programs (jaxprs), which do not pickle. Plan "
+                        "in the process that profiled (plan_model(profile, cluster, ...)) and save the plan "
+                        "(plan.to_json(path)), or profile the step again where it is needed (autopp plan --step "
+                        "package.module:function plans a step in one command).")
+
+    def __copy__(self):
+        return self  # (frozen)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "cluster": self.cluster.to_dict(),

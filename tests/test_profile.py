@@ -239,3 +239,22 @@ def test_a_scanned_model_is_priced_as_its_unrolled_twin():
         assert s.param_bytes == u.param_bytes and s.optimizer_bytes == pytest.approx(u.optimizer_bytes, rel=1e-6)
         assert s.forward_time_s == pytest.approx(u.forward_time_s, rel=0.02)
         assert s.backward_time_s == pytest.approx(u.backward_time_s, rel=0.02)
+
+
+def test_a_profile_refuses_pickling_with_what_to_do_instead():
+    """A profile holds jaxprs, which do not pickle: pickle used to fail naming a JAX internal
+    ("Can't pickle local object '_effect_free_abstract_eval...'"); it now says what to save instead. copy.copy of
+    the frozen profile is the profile."""
+    import copy
+    import pickle
+
+    model, batch_size = CASES["gpt-small"]
+    tx = optax.sgd(0.1)
+    params = model.init_abstract()
+    prof = profile(_step(model, tx), params, jax.eval_shape(tx.init, params),
+                   jax.eval_shape(lambda: model.batch(jax.random.key(0), batch_size)), cluster="1x8xA100-80GB")
+    with pytest.raises(TypeError, match=r"Profile: a profile holds .* do not pickle\. .*plan\.to_json\(path\)"):
+        pickle.dumps(prof)
+    with pytest.raises(TypeError, match=r"Profile: a profile holds"):
+        copy.deepcopy(prof)
+    assert copy.copy(prof) is prof
