@@ -71,6 +71,18 @@ def check_layout_axes(layout: dict, who: str) -> None:
             raise ValueError(f"{who}: layout {layout}: {k} must be a positive int, got {v!r}.")
 
 
+def _id_ranges(ids: Sequence[int], most: int = 6) -> str:
+    """Sorted device ids as runs (``0-7, 16-23``), at most ``most`` runs shown."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    shown = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:most])
+    return shown + (f" and {len(runs) - most} more run(s)" if len(runs) > most else "")
+
+
 def _check_layout(layout):
     if layout is None:
         return None
@@ -255,12 +267,14 @@ class ParallelizeConfig:
                    " (on a CPU-only machine, jax.config.update('jax_num_cpu_devices', 8) before JAX is first used "
                    "makes 8)") + ".")
         if self.plan is not None:
-            missing = sorted({i for st in self.plan.stages for i in st.devices} - {d.id for d in devices})
+            planned = {i for st in self.plan.stages for i in st.devices}
+            missing = sorted(planned - {d.id for d in devices})
             if missing:
                 raise ValueError(
-                    f"{_WHO}: the plan places stages on device id(s) {missing}, which are not among the devices "
-                    f"given ({sorted(d.id for d in devices)}); pass devices that include them, or make a plan for "
-                    "these.")
+                    f"{_WHO}: the plan places stages on {len(planned)} devices, id(s) {_id_ranges(sorted(planned))}; "
+                    f"{_id_ranges(missing)} are not among the {len(devices)} devices given "
+                    f"({_id_ranges(sorted(d.id for d in devices))}). Pass devices that include them, or make a plan "
+                    "for these (autopp.parallelize(step) without a plan plans for the devices it is given).")
 
     def _check_counts(self) -> None:
         devices, schedule = self.devices, self.schedule

@@ -69,6 +69,14 @@ class GradSpec:
     def diff_indices(self) -> tuple[int, ...]:
         return tuple(i for i, d in enumerate(self.diff_mask) if d)
 
+    @property
+    def aux_names(self) -> list[str]:
+        """Each aux leaf of the loss as the user wrote it (``aux['pred']``, ``aux[0]``); ``aux`` for one array."""
+        if not self.has_aux:
+            return []
+        numbered = jax.tree_util.tree_unflatten(self.aux_tree, list(range(self.num_aux)))
+        return ["aux" + jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
+
     def __hash__(self):
         return id(self)
 

@@ -112,6 +112,9 @@ def plan_packing(avals: Sequence, shardings: Sequence, max_bytes: int = PACK_MAX
     by_key: dict = {}
     loose = []
     for i, (a, sh) in enumerate(zip(avals, shardings)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # a typed PRNG key: no bytes to concatenate
+            loose.append(i)
+            continue
         n = _rows(sh, a.shape)
         size = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
         if n is None or size // max(n, 1) > max_bytes or size == 0 or i in keep_loose:

@@ -221,6 +221,11 @@ def _zero_flop(eqn) -> OpCost:
     return _arith(eqn, 0.0)
 
 
+def _tag(eqn) -> OpCost:
+    """An identity that only labels a value (``checkpoint_name``): XLA emits nothing for it."""
+    return OpCost(0.0, 0.0, 0, _out_bytes(eqn))
+
+
 def _elementwise(eqn) -> OpCost:
     k = 1.0
     if eqn.primitive.name == "integer_pow":
@@ -354,7 +359,9 @@ _RULES.update({
     "dot_general": _dot, "conv_general_dilated": _conv, "ragged_dot_general": _ragged_dot,
     "scan": _scan, "cond": _cond, "while": _while, "shard_map": _shard_map,
     "autopp_value_and_grad": _value_and_grad, "reduce": _reduce, "sort": _sort, "top_k": _top_k,
-    "approx_top_k": _top_k, "random_gamma": _random_gamma,
+    "approx_top_k": _top_k, "random_gamma": _random_gamma, "name": _tag,
+    # host callbacks (jax.debug.print, pure_callback, io_callback): no device arithmetic, their operands cross
+    "debug_callback": _zero_flop, "debug_print": _zero_flop, "pure_callback": _zero_flop, "io_callback": _zero_flop,
 })
 del _names, _rule, _n
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp.core import StagePrograms, dispatch_order
+from autopp.core import StagePrograms, batch_dependent_vars, dispatch_order
 from autopp.profiler import group_layers
 
 from autopp.runtime._passes import sum_program
@@ -299,6 +299,7 @@ class Pipeline:
         b, st = self.b, self.st
         mean = st.config.loss_reduction == "mean"
         concatenated = st.concatenated_outputs()
+        batch_dependent = batch_dependent_vars(st.fwd, st.mb_invar)
         for k in range(1 + st.spec.num_aux):
             a = st.fwd.outvars[k]
             s = st.out_stage[k]
@@ -308,6 +309,10 @@ class Pipeline:
                 continue
             parts = self.out_parts[k]
             assert len(parts) == self.M, (k, len(parts))
+            if k > 0 and a not in batch_dependent:  # read off the parameters alone: every microbatch's is the step's
+                fn = jax.jit(lambda x: (x,), out_shardings=(self.meshes.replicated[s],))
+                (self.reduced[k],) = b.emit(fn, parts[:1], 1, f"aux {k - 1} stage {s}")
+                continue
             if k in concatenated:  # per-example values: the whole batch's, in order
                 fn = jax.jit(lambda *xs: (jnp.concatenate(xs),), out_shardings=(self.meshes.replicated[s],))
             else:

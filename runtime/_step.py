@@ -15,8 +15,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
-from autopp.core import (RECOMPUTE_POLICIES, Schedule, check_gradient_not_split, constant_outputs, eval_jaxpr_with,
-                         layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program)
+from autopp.core import (RECOMPUTE_POLICIES, Schedule, batch_dependent_vars, check_gradient_not_split, constant_outputs,
+                         eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -124,7 +124,7 @@ class Step:
 
     def aux_name(self, k) -> str:
         """Forward output ``k`` (1 + aux leaf index) as the user wrote it, e.g. ``aux['pred']``."""
-        return aux_names(self.spec)[k - 1]
+        return self.spec.aux_names[k - 1]
 
     def concatenated_outputs(self) -> frozenset[int]:
         """Forward outputs (aux leaves) whose whole-batch value has the microbatches' values stacked along its
@@ -163,14 +163,6 @@ def _per_example(small, whole, num_microbatches: int) -> bool:
     return small != whole and len(small) > 0 and whole[1:] == small[1:] and whole[0] == num_microbatches * small[0]
 
 
-def aux_names(spec) -> list[str]:
-    """Each aux leaf of the loss as the user wrote it (``aux['pred']``, ``aux[0]``); ``aux`` for a single array."""
-    if not spec.has_aux:
-        return []
-    numbered = jax.tree_util.tree_unflatten(spec.aux_tree, list(range(spec.num_aux)))
-    return ["aux" + jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
-
-
 def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig) -> Step:
     spec, S, fwd = traced.spec, split.num_stages, forward.jaxpr
     diff_mask = list(spec.diff_mask)
@@ -189,9 +181,11 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
         else:
             raise ValueError(
                 "autopp.parallelize: the loss function returns one of its inputs unchanged as "
-                f"{'the loss' if k == 0 else aux_names(spec)[k - 1]}; compute it inside the loss function "
-                "(e.g. `x + 0`) or return it from the step directly.")
-    names, constants = aux_names(spec), (constant_outputs(forward), constant_outputs(spec.forward))
+                f"{'the loss' if k == 0 else spec.aux_names[k - 1]}; compute it inside the loss function "
+                "(e.g. `x + 0`) or return it from the step directly (a PRNG key, e.g. Flax NNX's Rngs state: "
+                "split it in the step, or pass the rngs to the model at call time and return only the rest).")
+    names, constants = spec.aux_names, (constant_outputs(forward), constant_outputs(spec.forward))
+    batch_dependent = batch_dependent_vars(fwd, traced.microbatched_grad_inputs)
     for k in range(1, len(fwd.outvars)):
         dt, small, whole = fwd.outvars[k].aval.dtype, fwd.outvars[k].aval.shape, spec.forward.out_avals[k].shape
         per_example = _per_example(small, whole, config.num_microbatches)
@@ -201,12 +195,14 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 f"microbatch; aux values are either the same shape for any batch (averaged or summed over the "
                 "microbatches) or per example (leading dimension the batch's, concatenated). Return it from the "
                 "step outside the gradient instead.")
-        if (config.loss_reduction == "mean" and not per_example and not jnp.issubdtype(dt, jnp.inexact)
-                and k not in constants[0] and not isinstance(fwd.outvars[k], Literal)):
+        key, a = jax.dtypes.issubdtype(dt, jax.dtypes.extended), fwd.outvars[k]  # (a key cannot be summed either)
+        if ((config.loss_reduction == "mean" or key) and not per_example and not jnp.issubdtype(dt, jnp.inexact)
+                and not isinstance(a, Literal) and a in batch_dependent and k not in constants[0]):
             raise TypeError(
-                f"autopp.parallelize: {names[k - 1]} has dtype {dt}; with loss_reduction='mean' aux values are "
-                "averaged over microbatches, which needs a floating dtype. Return it as a float (e.g. "
-                ".astype(jnp.float32)) or use loss_reduction='sum'.")
+                f"autopp.parallelize: {names[k - 1]} has dtype {dt} and depends on the batch; aux values are "
+                f"{'averaged' if config.loss_reduction == 'mean' else 'summed'} over microbatches, which needs a "
+                + ("number. Return the key from the step outside the gradient." if key else "floating dtype. "
+                   "Return it as a float (e.g. .astype(jnp.float32)) or use loss_reduction='sum'."))
     graphs = stage_graphs(forward, split.stage_eqns, diff_mask, out_stage)
     invar_pos = {v: k for k, v in enumerate(fwd.invars)}
     users: dict[int, list[int]] = collections.defaultdict(list)
@@ -290,8 +286,7 @@ class _Unpack:
 def _evaluate(values, xs) -> list:
     """The values a program computes from its arguments ``xs`` (see :meth:`StepBuilder._arguments`): each
     accumulator group unpacked once, parts summed."""
-    unpacked = {}
-    out = []
+    unpacked, out = {}, []
     for kind, spec in values:
         if kind == "slot":
             out.append(xs[spec])
@@ -306,8 +301,8 @@ def _evaluate(values, xs) -> list:
 
 
 class StepBuilder:
-    """Lays out the step's tasks (one :class:`TaskList`) and returns them as a :class:`Program` for the passes.
-    ``avail`` maps (outer variable, stage) to the slot holding it there."""
+    """Lays out the step's tasks (one :class:`TaskList`) as a :class:`Program` for the passes; ``avail``: (outer
+    variable, stage) -> the slot holding it there."""
 
     def __init__(self, step: Step, tasks: TaskList):
         self.step = step
@@ -388,7 +383,7 @@ class StepBuilder:
                       last_reader=lambda v, ids: False) -> None:
         outside = consumers_outside(set(eqn_ids))
         closed, ins, outs = slice_jaxpr(self.step.traced.jaxpr, eqn_ids, lambda v: v in outside, label)
-        if not outs:
+        if not outs and not any(e.effects for e in closed.jaxpr.eqns):  # (a jax.debug.print runs for its effect)
             return
         sub, consts = closed.jaxpr, closed.consts
         # Gradients still in their packed accumulators are unpacked (and shared ones summed) inside this program.
@@ -548,8 +543,7 @@ class StepBuilder:
         return self.tl.program(self.input_slots, output_slots, outputs, pipe.accumulators)
 
     def publish(self, reduced: dict[int, int], acc: dict[int, list[int]], programs) -> None:
-        """Publish the pipeline's loss, aux and gradients (summing shared parameters' contributions on their
-        owner)."""
+        """Publish the pipeline's loss, aux and gradients (shared parameters' contributions summed on the owner)."""
         st = self.step
         spec, grad, fwd = st.spec, st.grad, st.fwd
         for k, slot in reduced.items():
@@ -631,11 +625,9 @@ class StepBuilder:
         fwd, _, _ = reroll_scans(st.forward, name="forward")  # a scan over layers compiles as a scan, as under jit
         mean = st.config.loss_reduction == "mean"
         concatenated = st.concatenated_outputs()
-
-        def scale(o):
-            return o / M if mean else o
-
+        scale = (lambda o: o / M) if mean else (lambda o: o)  # noqa: E731
         mb_mask, diff_idx = list(st.mb_invar), spec.diff_indices
+        batch_dependent = batch_dependent_vars(fwd.jaxpr, mb_mask)
         recompute = st.config.recompute[0]
         by_layer = layer_checkpointed(fwd, layer_starts_of(st)) if recompute == "full" else None
 
@@ -672,6 +664,9 @@ class StepBuilder:
                 elif st.is_constant_output(k):
                     next(summed)
                     aux.append(jnp.asarray(st.constant_output(k), fwd.out_avals[k].dtype))
+                elif fwd.jaxpr.outvars[k] not in batch_dependent:  # from the parameters alone: M equal values
+                    total = next(summed)
+                    aux.append(total / M if jnp.issubdtype(total.dtype, jnp.inexact) else total // M)
                 else:
                     aux.append(scale(next(summed)))
             return [scale(loss), *aux, *map(scale, grads)]

@@ -430,3 +430,25 @@ def test_mlp_flops_match_xla_cost_analysis():
     sizes = model.config.sizes
     assert _dot_flops(jax.make_jaxpr(loss)(params, batch).jaxpr) == 2 * 32 * sum(
         a * b for a, b in zip(sizes[:-1], sizes[1:]))
+
+
+def test_labels_and_host_callbacks_are_priced_without_a_warning():
+    """``checkpoint_name`` labels a value (XLA emits nothing: no FLOPs, no bytes moved) and host callbacks
+    (``jax.debug.print``, ``pure_callback``) do no device arithmetic; each used to warn "no rule for primitive" and
+    be priced at one FLOP per element (trial K)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x):
+        y = checkpoint_name(jnp.sin(x), "a")
+        jax.debug.print("{}", y.sum())
+        jax.debug.callback(lambda v: None, y)
+        return jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct(x.shape, x.dtype), y)
+
+    eqns = {e.primitive.name: e for e in jax.make_jaxpr(f)(jnp.ones((4, 4))).jaxpr.eqns}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        costs = {name: eqn_cost(e) for name, e in eqns.items()}
+    assert costs["name"].flops == 0 and costs["name"].bytes_accessed == 0 and costs["name"].output_bytes == 64
+    for name in set(costs) & {"debug_print", "debug_callback", "pure_callback"}:
+        assert costs[name].flops == 0 and costs[name].transcendentals == 0
+    assert {"debug_callback", "pure_callback"} <= set(costs) and has_cost_rule("io_callback")

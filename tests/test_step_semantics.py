@@ -206,3 +206,102 @@ def test_a_non_array_argument_of_the_loss_is_static_as_under_jax_grad():
     with pytest.raises(TypeError, match="str"):
         autopp.parallelize(bad, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
             params, TX.init(params), _batch(jax.random.key(1)))
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_an_aux_read_off_the_parameters_is_the_step_s_value(num_stages, reduction):
+    """An aux that reads no batch input (a weight norm, a normalised vector kept for power iteration) is the same in
+    every microbatch; the step returns it as jit does. Before (trial K): under ``"sum"`` it came back
+    ``num_microbatches`` times jit's value (a unit vector of norm 4 at 4 microbatches)."""
+    def loss(params, batch):
+        nll = _nll(params, batch["x"], batch["y"])
+        w = params["w"][:, 0]
+        aux = {"norm": jnp.sum(params["w"] ** 2), "u": w / jnp.linalg.norm(w), "count": jnp.int32(params["w"].ndim)}
+        return (nll.mean() if reduction == "mean" else nll.sum()), aux
+
+    (p_jit, (l_jit, aux_jit)), (p_pp, (l_pp, aux_pp)) = _run(
+        _sgd_step(loss, n_out=1), num_stages=num_stages, num_microbatches=4, loss_reduction=reduction)
+    _assert_equal((l_jit, aux_jit), (l_pp, aux_pp))
+    assert aux_pp["count"].dtype == jnp.int32 and int(aux_pp["count"]) == 2
+    _assert_equal(p_jit, p_pp)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_typed_key_kept_for_the_backward(recompute):
+    """A typed PRNG key (``jax.random.key``) that a stage keeps for its backward (a ``jax.checkpoint``-ed layer with
+    feature-wise dropout redraws its mask there): the residuals are packed by dtype, and a key has no bytes to pack.
+    Before (trial K): ``TypeError: Cannot interpret 'key<fry>' as a data type`` with 2 stages. The mask is the same
+    for every example, so the step equals jit's."""
+    def layer(w, h, key):
+        return jnp.tanh(h @ w) * jax.random.bernoulli(key, 0.9, h.shape[1:]) / 0.9
+
+    def loss(params, batch, key):
+        h = params["embed"][batch["x"]] + params["pos"]
+        for i, name in enumerate(("w", "w", "head")):
+            h = jax.checkpoint(layer)(params[name], h, jax.random.fold_in(key, i)) if name == "w" else h @ params[name]
+        logp = jax.nn.log_softmax(h)
+        return -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1).mean()
+
+    def step(params, opt_state, batch):
+        out, grads = autopp.value_and_grad(loss)(params, batch, jax.random.key(3))
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4, recompute=recompute)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+
+def test_debug_callbacks_fire_in_every_stage_and_in_the_update():
+    """``jax.debug.callback`` (what ``jax.debug.print`` is) computes nothing a stage needs, so the stage split and
+    the update's placement used to drop it with 2 stages (trial K: nothing printed, no warning). In the loss it now
+    fires once per microbatch with that microbatch's value, as a 1-stage run does; in the step, once, with jit's."""
+    seen = {"loss": [], "step": []}
+
+    def loss(params, batch):
+        h = params["embed"][batch["x"]] + params["pos"]
+        jax.debug.callback(lambda v: seen["loss"].append(float(v)), h.mean())
+        return _nll(params, batch["x"], batch["y"]).mean()
+
+    def step(params, opt_state, batch):
+        out, grads = autopp.value_and_grad(loss)(params, batch)
+        jax.debug.callback(lambda v: seen["step"].append(float(v)), optax.tree.norm(grads))
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    params, batch = _params(jax.random.key(0)), _batch(jax.random.key(1))
+    jax.block_until_ready(jax.jit(step)(params, TX.init(params), batch))
+    jax.effects_barrier()
+    want_step = seen["step"][:]
+    seen["loss"].clear(), seen["step"].clear()
+    jax.block_until_ready(autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+        params, TX.init(params), batch))
+    jax.effects_barrier()
+    h = np.asarray(params["embed"])[np.asarray(batch["x"])] + np.asarray(params["pos"])
+    np.testing.assert_allclose(sorted(seen["loss"]), sorted(h.reshape(4, -1).mean(axis=1)), rtol=1e-5)
+    np.testing.assert_allclose(seen["step"], want_step, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_next_key_handed_back_as_aux(reduction):
+    """A loss that splits its PRNG key and hands the next key back as aux: the key reads no batch input, so every
+    microbatch makes the same one and the step returns it, as jit does. Before (trial K): refused under "mean" as not
+    a float, a raw ``add does not accept dtype key<fry>`` under "sum"."""
+    def loss(params, batch, key):
+        key, sub = jax.random.split(key)
+        keep = jax.random.bernoulli(sub, 0.9, (H,)) / 0.9
+        nll = _nll(params, batch["x"], batch["y"], keep=keep)
+        return (nll.mean() if reduction == "mean" else nll.sum()), key
+
+    def step(params, opt_state, key, batch):
+        (out, key), grads = autopp.value_and_grad(loss, has_aux=True)(params, batch, key)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, key, out
+
+    params, batch = _params(jax.random.key(0)), _batch(jax.random.key(1))
+    want = jax.jit(step)(params, TX.init(params), jax.random.key(5), batch)
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2],
+                             loss_reduction=reduction)(params, TX.init(params), jax.random.key(5), batch)
+    assert (jax.random.key_data(got[2]) == jax.random.key_data(want[2])).all()
+    _assert_equal((autopp.gather(got[0]), got[3]), (want[0], want[3]))
