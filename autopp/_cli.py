@@ -484,8 +484,8 @@ def cmd_simulate(args) -> int:
 
 def _add_cluster_flags(p, *, required: bool = True) -> None:
     p.add_argument("--cluster", required=required, default=None,
-                   help="target cluster NODESxDEVICESxKIND, e.g. 128x8xH100" + ("" if required else
-                                                                                 " (default: local devices)"))
+                   help="target cluster NODESxDEVICESxKIND (or DEVICESxKIND: one node), e.g. 128x8xH100"
+                   + ("" if required else " (default: local devices)"))
     p.add_argument("--override", action="append", metavar="FIELD=VALUE",
                    help="override a device field, e.g. --override matmul_efficiency=0.6 (repeatable)")
 
@@ -531,7 +531,7 @@ def main(argv=None) -> int:
     sim = sub.add_parser("simulate", help="predict step time, TFLOP/s and memory of a layout on a cluster "
                                           "(zoo model or --step)")
     _add_model_flags(sim)
-    sim.add_argument("--global-batch", type=_positive, required=True)
+    sim.add_argument("--global-batch", type=_positive, required=True, help="examples (sequences) per step")
     _add_cluster_flags(sim)
     sim.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree (default 1)")
     sim.add_argument("--pp", type=_positive, default=1, help="pipeline stages (default 1)")
@@ -551,7 +551,7 @@ def main(argv=None) -> int:
     plan = sub.add_parser("plan", help="find the fastest layout on a cluster (zoo model or --step; sharding ILP, "
                                        "CP-SAT stage split, schedule simulation)")
     _add_model_flags(plan)
-    plan.add_argument("--global-batch", type=_positive, required=True)
+    plan.add_argument("--global-batch", type=_positive, required=True, help="examples (sequences) per step")
     _add_cluster_flags(plan)
     plan.add_argument("--schedules", nargs="+", default=None, help="restrict the schedules searched")
     plan.add_argument("--recompute", nargs="+", default=None, help="restrict the recomputation modes searched")

@@ -326,7 +326,8 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     JAX.
 
     ``schedule`` is a name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with ``virtual_stages=v`` model
-    chunks per device group (default 2), ``"zb-h1"``), a :class:`autopp.runtime.Schedule`, or its text (one row of
+    chunks per device group (default 2), ``"zb-h1"``, ``"dualpipev"``: two chunks per group), a
+    :class:`autopp.runtime.Schedule`, or its text (one row of
     actions such as ``0F0 1F0 1B0 0B0`` per device group; ``I``/``W`` split a backward into input and weight
     gradients). ``num_stages`` counts device groups; with several model chunks per group the model is split into
     ``num_stages * virtual_stages`` stages (chunk ``c`` on the group whose schedule row runs it). ``recompute``

@@ -228,6 +228,7 @@ class Plan:
         return len(self.stages)
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (what :meth:`to_json` writes); ``Plan.from_dict(p.to_dict()) == p``."""
         return {
             "schema_version": self.schema_version,
             "model_fingerprint": self.model_fingerprint,
@@ -257,6 +258,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan :meth:`to_dict` made (checked: schema version, fields, stages); ValueError naming what is wrong."""
         if not isinstance(data, dict):
             raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}.")
         version = data.get("schema_version")

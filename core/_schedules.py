@@ -220,9 +220,10 @@ def get_schedule(
 ) -> Schedule:
     """Build a schedule by name (one of :data:`SCHEDULE_NAMES`).
 
-    For ``"interleaved-1f1b"`` ``num_stages`` counts virtual stages:
-    ``num_ranks = num_stages // virtual_stages``.  The other schedules put one
-    stage on each rank and accept only ``virtual_stages == 1``.
+    ``num_stages`` counts model chunks (stages). For ``"interleaved-1f1b"``
+    ``num_ranks = num_stages // virtual_stages``; ``"dualpipev"`` puts two chunks on each
+    rank (``num_ranks = num_stages // 2``; ``virtual_stages`` is 1 or 2). The other
+    schedules put one stage on each rank and accept only ``virtual_stages == 1``.
     """
     key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
     if key not in SCHEDULE_NAMES:

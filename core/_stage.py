@@ -149,8 +149,12 @@ class StagePrograms:
     ``twins``: a dict shared by the stages of one step (key -> the stages that made their own programs). A stage
     whose programs equal an earlier stage's up to their devices (:mod:`autopp.core._twins`) takes that stage's
     programs as :class:`~autopp.core.DeviceMapped` ones instead of tracing and differentiating its own. Its
-    ``residual_sharding`` must then give, for each shape, the layout the earlier stage's gives on the mapped
-    devices (checked for the shapes the programs use; a stage that fails the check makes its own programs).
+    ``residual_sharding(shape, dim=None)`` must then give, for each shape, the layout the earlier stage's gives on
+    the mapped devices (checked for the shapes the programs use; a stage that fails the check makes its own programs).
+
+    ``split_dims(jaxpr, params)``: ``{var: dim}`` of the values the forward (``jaxpr``, parameters ``params`` among its
+    inputs) computes split over a model-parallel axis along ``dim``; a residual among them is kept so
+    (``residual_sharding(shape, dim)``) instead of gathered whole. None: every residual laid out by its shape alone.
 
     ``layer_starts``: ``id`` of each forward equation that begins a layer: where ``recompute="full"`` checkpoints
     (:mod:`autopp.core._remat`).
@@ -159,12 +163,12 @@ class StagePrograms:
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
                  in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
                  flag_sharding, recompute: str = "none", constraints: dict | None = None,
-                 twins: dict | None = None, layer_starts: frozenset = frozenset()):
+                 twins: dict | None = None, layer_starts: frozenset = frozenset(), split_dims=None):
         own_kwargs = dict(is_param=is_param, seed_of_output=seed_of_output, in_shardings=in_shardings,
                           out_shardings_fwd=out_shardings_fwd, grad_shardings=grad_shardings,
                           act_ct_shardings=act_ct_shardings, residual_sharding=residual_sharding,
                           flag_sharding=flag_sharding, recompute=recompute, constraints=constraints,
-                          layer_starts=layer_starts)
+                          layer_starts=layer_starts, split_dims=split_dims)
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -257,7 +261,11 @@ class StagePrograms:
         if remade:
             remake, _, _ = slice_jaxpr(traced, eqns_needed(traced.jaxpr, remade), remade,
                                        f"stage {g.index} constant residuals")
-        packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape) for r in kept],
+        # a residual the forward computes split over a model-parallel axis keeps that split (``split_dims``)
+        dims = split_dims(traced.jaxpr, [v for v, p in zip(traced.jaxpr.invars, is_param) if p]) if split_dims else {}
+        self._residual_dims = [dims.get(r) for r in kept]
+        packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape, d)
+                                                        for r, d in zip(kept, self._residual_dims)],
                                keep_loose=_loop_residuals(traced.jaxpr, kept))
         self.packing = packing
         """How the kept residuals travel from ``fwd`` to ``bwd``: small ones packed (:mod:`autopp.core._packing`)."""
@@ -353,7 +361,7 @@ class StagePrograms:
                      act_ct_shardings) -> bool:
         """Take ``source``'s programs on the devices ``devmap`` maps them to; False (nothing taken) when this
         stage lays out a residual unlike ``source``."""
-        res_sh = tuple(residual_sharding(a.shape) for a in source.packing.avals)
+        res_sh = tuple(residual_sharding(a.shape, d) for a, d in zip(source.packing.avals, source._residual_dims))
         if any(_compat.map_sharding(a, devmap) != b for a, b in zip(source.packing.shardings, res_sh)):
             return False
         not_shared = ("_bwd_input", "_bwd_weight", "_stash_shardings", "_twin_devices", "num_stash", "weight_args")

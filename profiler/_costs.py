@@ -111,6 +111,7 @@ _warned: set[str] = set()
 
 
 def aval_bytes(aval) -> int:
+    """Bytes of an array of ``aval``'s shape and dtype (0 for a value without both, a token say)."""
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:

@@ -57,6 +57,16 @@ class StageMeshes:
             self.batch_undivided[loc] = (shape[0], n)
         return self.batch_sharding(loc, shape)
 
+    def residual_sharding(self, loc: int, shape, dim: int | None = None) -> NamedSharding:
+        """A value stage ``loc`` keeps from its forward for its backward: laid out as the batch, and over the tensor
+        axis along ``dim`` where the forward computes it split so (it is not gathered to be kept)."""
+        base, t = self.batch_sharding(loc, shape), self.layouts[loc]["tensor"]
+        spec = list(base.spec) + [None] * (len(shape) - len(base.spec))
+        if dim is None or t == 1 or shape[dim] % t or spec[dim] is not None:
+            return base
+        spec[dim] = "tensor"
+        return NamedSharding(self.meshes[loc], P(*spec))
+
     def sequence_sharding(self, loc: int, shape) -> NamedSharding | None:
         """Sequence parallelism: the batch dimension as :meth:`batch_sharding` lays it out, the second (sequence)
         dimension over the tensor axis; None when the stage has no tensor axis or it does not divide the sequence."""

@@ -18,6 +18,7 @@ from autopp.profiler import group_layers
 
 from autopp.runtime._passes import sum_program
 from autopp.runtime._tasks import Accumulators, reused_buffers
+from autopp.runtime._tensor import activation_splits
 
 Literal = jex_core.Literal
 
@@ -55,10 +56,16 @@ def stage_programs(step) -> list[StagePrograms]:
                         constraints[v] = sh
         progs.append(StagePrograms(g, is_param=is_param, seed_of_output=seeds, in_shardings=in_sh,
                                    out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
-                                   residual_sharding=functools.partial(meshes.batch_sharding, s),
+                                   residual_sharding=functools.partial(meshes.residual_sharding, s),
                                    flag_sharding=rep, recompute=config.recompute[s], constraints=constraints,
-                                   twins=twins, layer_starts=layer_starts))
+                                   twins=twins, layer_starts=layer_starts, split_dims=_split_dims(meshes, s)))
     return progs
+
+
+def _split_dims(meshes, s):
+    """What a stage of a tensor axis computes split over it (:func:`autopp.runtime._tensor.activation_splits`)."""
+    t = meshes.layouts[s]["tensor"]
+    return None if t == 1 else (lambda jaxpr, params: activation_splits(jaxpr, params, t))
 
 
 def layer_starts_of(step) -> frozenset[int]:

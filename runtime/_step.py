@@ -115,11 +115,11 @@ class Step:
         """Where a value of ``shape`` serving forward input ``k`` (a parameter: itself, its gradient, its optimizer
         state; None for anything else) lives on stage ``loc``; ``var`` (an outer variable) is sharded over the data
         axis too when it is optimizer state under ZeRO-1."""
-        spec = None
-        if k is not None and tuple(self.fwd.invars[k].aval.shape) == tuple(shape):
+        spec, same = None, k is not None and tuple(self.fwd.invars[k].aval.shape) == tuple(shape)
+        if same:
             spec = self.tensor_spec.get((loc, k))
         zero = self.config.zero1 and var is not None and var in self.opt_state
-        name = self.invar_name(k) if k is not None and spec is None else None  # (FSDP may leave it whole)
+        name = self.invar_name(k) if same and spec is None else None  # (FSDP may leave it whole: said by name)
         return self.meshes.state_sharding(loc, shape, spec, zero=zero, name=name)
 
     def aux_name(self, k) -> str:

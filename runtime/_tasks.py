@@ -220,6 +220,8 @@ def assemble(in_avals, sharding, shape) -> Transfer:
         for p in parts:  # parts on stages that share devices hold the same value there
             if p is None:  # multi-process: a part on another process
                 continue
+            if not p.sharding.is_fully_replicated:  # split on its stage (a value laid out as a parameter, FSDP)
+                p = jax.device_put(p, jax.sharding.NamedSharding(p.sharding.mesh, jax.sharding.PartitionSpec()))
             for s in p.addressable_shards:
                 by_device.setdefault(s.device, s.data)
         bufs = [by_device[d] for d in sharding.mesh.devices.flat if d.process_index == me]

@@ -45,6 +45,17 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
     parameters (a set of the jaxpr's invars) the rule splits over ``tp`` devices. A layer of stacked parameters
     (a ``lax.scan`` over layers, unrolled in a stage) reads its row, ``w[i]``: the row's split is the stack's, one
     dimension further in."""
+    return _walk(jaxpr, params, tp)[0]
+
+
+def activation_splits(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
+    """``{var: dim}``: the activations the rule computes split over ``tp`` devices along ``dim`` (attention's heads,
+    the MLP's hidden units), under the parameter layouts :func:`tensor_specs` gives the same jaxpr; the layout the
+    values a stage keeps for its backward take (whole, they would be gathered first)."""
+    return {v: d for v, d in _walk(jaxpr, params, tp)[1].items() if v.aval.shape[d] % tp == 0}
+
+
+def _walk(jaxpr: jex_core.Jaxpr, params, tp: int) -> tuple[dict, dict]:
     params = set(params)
     split: dict = {}  # activation var -> dim split over tensor
     rows: dict = {}  # a row of a stacked parameter (or of a row) -> (the parameter, dimensions dropped in front)
@@ -220,7 +231,7 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
             # attention over heads kept whole stays whole up to the output projection, which stays whole too
             # (else it would go column-parallel and split the residual stream, turning the MLP the other way round)
             held.update(outs)
-    return specs
+    return specs, split
 
 
 def _reshape_dim(old: tuple, new: tuple, d: int, tp: int) -> int | None:
