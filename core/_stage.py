@@ -263,7 +263,7 @@ class StagePrograms:
                                        f"stage {g.index} constant residuals")
         # a residual the forward computes split over a model-parallel axis keeps that split (``split_dims``)
         dims = split_dims(traced.jaxpr, [v for v, p in zip(traced.jaxpr.invars, is_param) if p]) if split_dims else {}
-        self._residual_dims = [dims.get(r) for r in kept]
+        self._residual_dims = [dims.get(r) if _is_var(r) else None for r in kept]
         packing = plan_packing([r.aval for r in kept], [residual_sharding(r.aval.shape, d)
                                                         for r, d in zip(kept, self._residual_dims)],
                                keep_loose=_loop_residuals(traced.jaxpr, kept))

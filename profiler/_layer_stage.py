@@ -47,5 +47,5 @@ def layer_stage_programs(graph: StageGraph, is_param: Sequence[bool], device=Non
     n_act_cts = sum(1 for p, d in zip(is_param, graph.diff_inputs) if d and not p)
     return StagePrograms(graph, is_param=is_param, seed_of_output={}, in_shardings=[sharding] * len(graph.inputs),
                          out_shardings_fwd=[sharding] * len(graph.outputs), grad_shardings=[sharding] * n_grads,
-                         act_ct_shardings=[sharding] * n_act_cts, residual_sharding=lambda shape: sharding,
+                         act_ct_shardings=[sharding] * n_act_cts, residual_sharding=lambda shape, dim=None: sharding,
                          flag_sharding=sharding, recompute=recompute)

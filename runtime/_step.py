@@ -260,15 +260,14 @@ def _label_outer(traced) -> tuple[dict, set]:
             src = [label[a] for a in _vars(e.invars) if a in label and a.aval.shape == v.aval.shape]
             if src and v not in label:
                 label[v] = src[0]
-    # Optimizer state: labelled step inputs and results that do not depend on a parameter itself (Adam's
-    # moments; the updated parameter reads the parameter).
+    # Optimizer state: labelled values that do not depend on a parameter itself (Adam's moments, and what an update
+    # split into phases hands between them, ``b1 * mu`` before a global norm is known; the new parameter reads the
+    # parameter). Under ZeRO-1 they are all sharded over data, so that a moment's buffer serves its next value.
     on_param = {grad.invars[k] for k in spec.diff_indices if not isinstance(grad.invars[k], Literal)}
     for i, e in enumerate(jaxpr.eqns):
         if i != traced.grad_index and any(a in on_param for a in _vars(e.invars)):
             on_param.update(e.outvars)
-    io = set(jaxpr.invars) | set(_vars(jaxpr.outvars))
-    grads = set(grad.outvars)
-    return label, {v for v in label if v in io and v not in on_param and v not in grads}
+    return label, {v for v in label if v not in on_param and v not in set(grad.outvars)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
