@@ -269,12 +269,18 @@ class ParallelizeConfig:
         if self.plan is not None:
             planned = {i for st in self.plan.stages for i in st.devices}
             missing = sorted(planned - {d.id for d in devices})
+            if missing and given is not None and len(planned) == len(devices):  # as many devices, named: run there
+                new_id = dict(zip(sorted(planned), (d.id for d in devices)))  # (the plan's order kept)
+                _set(self, "plan", dataclasses.replace(self.plan, stages=tuple(
+                    dataclasses.replace(st, devices=tuple(new_id[i] for i in st.devices)) for st in self.plan.stages)))
+                missing = []
             if missing:
                 raise ValueError(
                     f"{_WHO}: the plan places stages on {len(planned)} devices, id(s) {_id_ranges(sorted(planned))}; "
                     f"{_id_ranges(missing)} are not among the {len(devices)} devices given "
-                    f"({_id_ranges(sorted(d.id for d in devices))}). Pass devices that include them, or make a plan "
-                    "for these (autopp.parallelize(step) without a plan plans for the devices it is given).")
+                    f"({_id_ranges(sorted(d.id for d in devices))}). Pass devices that include them, or exactly "
+                    f"{len(planned)} devices (the plan then runs on them in its order), or make a plan for these "
+                    "(autopp.parallelize(step) without a plan plans for the devices it is given).")
 
     def _check_counts(self) -> None:
         devices, schedule = self.devices, self.schedule

@@ -96,6 +96,14 @@ def test_plan_on_missing_devices_is_refused(mlp_case):
                                          r"given \(0-7\)\.") as refused:
         autopp.parallelize(step, plan=big, devices=jax.devices())
     assert len(str(refused.value)) < 400
+    # exactly as many devices, named: the plan runs on them in its order (a plan made offline for 1x2 devices, or
+    # on devices 6-7, on devices 2-3), the same computation
+    moved = autopp.parallelize(step, plan=plan, devices=jax.devices()[2:4])
+    replayed = moved.plan_for(*state, batch)
+    assert [st.devices for st in replayed.stages] == [(2,), (3,)]
+    got, _ = run_steps(moved, state, batch)
+    assert {d.id for x in jax.tree.leaves(got[0]) for d in x.devices()} <= {2, 3}
+    assert_trees_close(got, run_steps(autopp.parallelize(step, plan=plan), state, batch)[0])
 
 
 def test_plan_with_conflicting_keywords_is_refused(mlp_case):
