@@ -75,3 +75,20 @@ def test_scanned_model_memory_by_rows(benchmark, monkeypatch):
     print(f"\n[memory] 32-layer lax.scan GPT, 4 stages, AdamW, peak MB per device: by rows {fmt(rows)}, stack whole "
           f"{fmt(whole)} (largest {ratio:.2f}x); as a Python loop {fmt(loop)}")
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def test_tensor_parallel_stage_memory(benchmark):
+    """Peak bytes per device (``memory_report``) of the zoo GPT (hidden 64, seq 128, batch 8, 2 microbatches) on
+    2 stages, tensor 2 against no tensor parallelism: what a stage keeps for its backward is split over the tensor
+    axis as its forward computes it."""
+    config = GPTConfig(layers=2, hidden=64, heads=4, seq=128, vocab=128)
+    model, tx = GPT(config), optax.sgd(0.1)
+    params = model.init(jax.random.key(0))
+    args = (params, tx.init(params), model.batch(jax.random.key(1), 8))
+    peak = {tp: autopp.parallelize(train_step_fn(model, tx), num_stages=2, num_microbatches=2, layout={"tensor": tp},
+                                   devices=jax.devices()[:2 * tp]).memory_report(*args)[0] for tp in (1, 2)}
+    ratio = peak[2] / peak[1]
+    benchmark.extra_info.update(peak=peak, ratio=ratio)
+    print(f"\n[memory] zoo GPT hidden 64, seq 128, 2 stages: peak per device tensor 2 {peak[2] / 2**20:.2f} MiB vs "
+          f"none {peak[1] / 2**20:.2f} MiB: {ratio:.2f}x")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -243,10 +243,11 @@ def _split_at(problem: _CutProblem, cuts: Sequence[int]) -> StageSplit:
             stage_of[seq[k]] = s
     # an equation run for its effect (jax.debug.print, a callback) computes nothing a stage needs: it runs where it
     # stands in the program, on the stage of the batch-dependent equation before it (the first stage if none is)
-    used = {a for e in eqns for a in e.invars if not isinstance(a, jex_core.Literal)}
-    used |= {a for a in jaxpr.outvars if not isinstance(a, jex_core.Literal)}
-    for i in range(len(eqns)):
-        if eqns[i].effects and i not in stage_of and not any(o in used for o in eqns[i].outvars):
+    effectful = [i for i, e in enumerate(eqns) if e.effects and i not in stage_of]
+    used = {a for e in eqns for a in e.invars if not isinstance(a, jex_core.Literal)} if effectful else set()
+    used |= {a for a in jaxpr.outvars if not isinstance(a, jex_core.Literal)} if effectful else set()
+    for i in effectful:
+        if not any(o in used for o in eqns[i].outvars):
             at = bisect.bisect_left(seq, i)
             stage_of[i] = stage_of[seq[at - 1]] if at else 0
     needed_at: dict = collections.defaultdict(set)

@@ -267,7 +267,8 @@ def _label_outer(traced) -> tuple[dict, set]:
     for i, e in enumerate(jaxpr.eqns):
         if i != traced.grad_index and any(a in on_param for a in _vars(e.invars)):
             on_param.update(e.outvars)
-    return label, {v for v in label if v not in on_param and v not in set(grad.outvars)}
+    grads = set(grad.outvars)
+    return label, {v for v in label if v not in on_param and v not in grads}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
