@@ -172,6 +172,10 @@ class Parallelized(Generic[_P, _R]):
             if folder is not None and not os.path.isdir(folder):
                 raise ValueError(f"Parallelized.trace: {name}={path!r} is in a folder that does not exist ({folder}); "
                                  "create it or write elsewhere. Nothing was run.")
+            if path is not None and os.path.isdir(path):
+                raise ValueError(f"Parallelized.trace: {name}={path!r} is a folder; give the file to write, e.g. "
+                                 f"{os.path.join(os.fspath(path), 'step.png' if name == 'gantt_png' else 'step.json')!r}. "
+                                 "Nothing was run.")
         built, flat = self._lookup(args)
         plan, exe = built.plan, built.executable
         self._start(built, flat)

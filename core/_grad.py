@@ -40,6 +40,18 @@ def _marking() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
+@contextlib.contextmanager
+def _not_marking():
+    """Inside the marked loss: a gradient taken there (a gradient penalty, a MAML inner step) is part of the loss,
+    so ``autopp.grad`` is ``jax.grad`` again."""
+    depth = getattr(_state, "depth", 0)
+    _state.depth = 0
+    try:
+        yield
+    finally:
+        _state.depth = depth
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GradSpec:
     """What one ``autopp.value_and_grad`` call differentiates (the static part of the equation).
@@ -160,7 +172,8 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     def flat_fun(*leaves):
         full = dict(static)
         full.update(zip(dynamic, leaves))
-        out = fun(*jax.tree_util.tree_unflatten(in_tree, [full[i] for i in range(num_leaves)]))
+        with _not_marking():
+            out = fun(*jax.tree_util.tree_unflatten(in_tree, [full[i] for i in range(num_leaves)]))
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
@@ -217,8 +230,9 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     )
     outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)
     loss, aux_leaves, diff_grads = outs[0], outs[1 : 1 + spec.num_aux], iter(outs[1 + spec.num_aux :])
-    grads = [np.zeros(np.shape(leaf), jax.dtypes.float0) if is_int else next(diff_grads)
-             for leaf, d, is_int in zip(all_args, in_argnums, integer) if d]
+    by_leaf = {i: np.zeros(np.shape(leaf), jax.dtypes.float0) if is_int else next(diff_grads)
+               for i, (leaf, d, is_int) in enumerate(zip(all_args, in_argnums, integer)) if d}
+    grads = [by_leaf[i] for a in nums for i in range(starts[a], starts[a + 1])]  # in argnums' order, as jax.grad
     aux = jax.tree_util.tree_unflatten(aux_tree, aux_leaves)
     return loss, aux, jax.tree_util.tree_unflatten(grad_tree, grads)
 

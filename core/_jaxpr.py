@@ -311,9 +311,25 @@ def _atom_sig(a) -> str:
     return _aval_sig(a.aval)
 
 
+_eqn_sig_cache: dict = {}
+
+
 def eqn_signature(eqn, literal_values: bool = True) -> str:
     """What makes two equations the same computation: the primitive, its parameters (nested jaxprs as text), the
-    types of its inputs (literal values included, unless ``literal_values`` is False) and outputs."""
+    types of its inputs (literal values included, unless ``literal_values`` is False) and outputs. Remembered per
+    equation object (equations are immutable; the sliced and rerolled jaxprs of one build share them)."""
+    key = (id(eqn), literal_values)
+    hit = _eqn_sig_cache.get(key)
+    if hit is not None and hit[0] is eqn:
+        return hit[1]
+    sig = _eqn_signature(eqn, literal_values)
+    if len(_eqn_sig_cache) > 65536:
+        _eqn_sig_cache.clear()
+    _eqn_sig_cache[key] = (eqn, sig)
+    return sig
+
+
+def _eqn_signature(eqn, literal_values: bool) -> str:
     params = ",".join(f"{k}={_param_str(v)}" for k, v in sorted(eqn.params.items()))
     ins = ",".join(_atom_sig(a) if literal_values else _aval_sig(a.aval) for a in eqn.invars)
     outs = ",".join(_aval_sig(v.aval) for v in eqn.outvars)

@@ -251,8 +251,9 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         raise TypeError(
             f"{who}: every leaf of the batch argument(s) "
             f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "
-            "array); these are not:\n" + "\n".join(bad) + "\nConvert them with jnp.asarray(...), or move "
-            "non-batch values to another argument and set batch_argnums accordingly."
+            "array); these are not:\n" + "\n".join(bad) + "\nMove values that are not per example (a scalar, a "
+            "setting) to another argument, or set batch_argnums to the argument(s) holding only the batch; a list of "
+            "per-example values becomes an array with jnp.asarray(...)."
         )
     abstract = [abstract_leaf(x) for _, x in flat_with_paths]
 
@@ -286,10 +287,13 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         )
     if len(grads) > 1:
         raise ValueError(
-            f"{who}: the step takes {len(grads)} gradients with autopp.grad; exactly one is "
-            "supported. A call inside a loop (lax.scan, fori_loop, a Python for loop) counts once per iteration: call "
-            "autopp.grad once, at the top level of the step. Combine the losses into one function, or use jax.grad "
-            "for the others."
+            f"{who}: the step takes {len(grads)} gradients with autopp.grad / autopp.value_and_grad "
+            f"({', '.join(closed.jaxpr.eqns[i].params['spec'].name for i in grads)}); exactly one is supported. A call "
+            "inside a loop (lax.scan, fori_loop, a Python for loop) counts once per iteration: call it once, at the top "
+            "level of the step. Combine the losses into one function, or take the others with jax.grad on the whole "
+            "batch; the pipelined loss may read their results only if they do not depend on the batch (a "
+            "discriminator updated before the generator's loss reads it does: let it read the one from before the "
+            "update)."
         )
     traced = TracedStep(
         jaxpr=closed,
@@ -383,8 +387,12 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
         if traced is not None:
             invars = traced.jaxpr.jaxpr.invars
             sizes = {v.aval.shape[0] for v, b in zip(invars, traced.batch_mask) if b and v.aval.shape}
+            # not the parameters, nor state shaped like them (an optimizer's moments): those are no batch
+            params = {a for a, d in zip(traced.grad_eqn.invars, traced.spec.diff_mask) if d}
+            like_params = {(a.aval.shape, a.aval.dtype) for a in params}
             names = [n for v, b, n in zip(invars, traced.batch_mask, traced.leaf_paths)
-                     if not b and v.aval.shape and v.aval.shape[0] in sizes]
+                     if not b and v.aval.shape and v.aval.shape[0] in sizes and v not in params
+                     and (v.aval.shape, v.aval.dtype) not in like_params]
             if names:
                 left_out = (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading dimension, "
                             f"kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if they belong "
@@ -453,19 +461,26 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
         mb_forward = mb.spec.forward
         mb_in = [a.aval for a in mb.grad_eqn.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]
+    outer = traced.jaxpr.jaxpr.invars
     problems = []
     for k, (f, m, is_mb) in enumerate(zip(full_in, mb_in, traced.microbatched_grad_inputs)):
+        a = traced.grad_eqn.invars[k]
+        name = f"loss input #{k}" + (f" ({traced.leaf_paths[outer.index(a)]})" if a in outer else
+                                     " (computed in the step from the batch)" if is_mb else "")
         expect = (f.shape[0] // num_microbatches,) + f.shape[1:] if is_mb and f.shape else f.shape
         if is_mb and (not f.shape or f.shape[0] % num_microbatches):
-            problems.append(f"  loss input #{k}: shape {f.shape} derives from the batch but has no leading "
+            problems.append(f"  {name}: shape {f.shape} derives from the batch but has no leading "
                             f"dimension divisible by {num_microbatches}")
         elif m.shape != expect or m.dtype != f.dtype:
-            problems.append(f"  loss input #{k}: {f.str_short()} at full batch, {m.str_short()} per microbatch "
+            problems.append(f"  {name}: {f.str_short()} at full batch, {m.str_short()} per microbatch "
                             f"(expected {expect})")
     if len(full_in) != len(mb_in) or problems:
         raise ValueError(
             f"{who}: the loss inputs do not scale with the batch, so the batch cannot be split "
             "into microbatches along axis 0:\n" + "\n".join(problems) + "\nKeep the batch dimension first in "
-            "everything the step passes from the batch to the loss, and do not reduce over it before the loss."
+            "everything the step passes from the batch to the loss, and do not reduce over it before the loss: a "
+            "value the step computes from the whole batch and the loss reads (a batch statistic, parameters updated "
+            "by another gradient over the batch) is not supported; compute it inside the loss, or from the previous "
+            "step's values."
         )
     return mb_forward

@@ -46,7 +46,7 @@ ZERO_FLOP = frozenset(
      "optimization_barrier", "pvary", "mesh_cast", "reshard", "empty", "full", "broadcast", "zeros_like",
      "real", "imag", "conj", "complex",
      "shift_right_logical", "shift_right_arithmetic", "shift_left", "and", "or", "not", "xor", "eq", "ne",
-     "lt", "le", "gt", "ge", "is_finite", "population_count", "clz",
+     "lt", "le", "gt", "ge", "lt_to", "le_to", "is_finite", "population_count", "clz",
      "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in",
      "random_clone", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32", "iota_2x32_shape",
      "rng_bit_generator", "rng_uniform",

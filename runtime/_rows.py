@@ -33,7 +33,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.core import TracedStep, bind_eqn, read_rows, row_slice, value_and_grad_p
-from autopp.runtime._tasks import Program, Transfer, sds
+from autopp.runtime._tasks import Program, Transfer, on_host, sds
 
 Literal = jex_core.Literal
 
@@ -388,27 +388,24 @@ def row_sharding(block_shardings: Sequence[NamedSharding]) -> NamedSharding | No
     return NamedSharding(mesh, P("rows"))
 
 
-def _to_rows(x, sharding: NamedSharding):
-    """``x`` moved to ``sharding``. An array on host memory (the CPU backend's) is split on the host: JAX's on-device
-    split compiles a slicing program per distinct leaf shape (~0.25 s each on 2 cores, measured), where the host
-    split is a copy per block."""
-    host = (not isinstance(x, jax.Array)
-            or (all(d.platform == "cpu" for d in x.devices()) and x.is_fully_addressable
-                and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)))
-    return jax.device_put(np.asarray(x) if host else x, sharding)
-
-
 def block_reader(sharding: NamedSharding, block_shardings: Sequence[NamedSharding]):
     """``read(x)``: the blocks of stacked array ``x`` on their stages, its shards taken in place when ``x`` is held by
-    rows as ``sharding`` (the previous step's result), else after one transfer to that layout."""
+    rows as ``sharding`` (the previous step's result), else after one transfer to that layout. An ``x`` in host memory
+    (the first step's, from ``init``, on the CPU backend) is split on the host and each block put on its stage: JAX's
+    on-device split compiles a slicing program per distinct leaf shape (~0.25 s each on 2 cores, measured), and the
+    host's blocks need no array assembled from shards."""
     n, seen = len(block_shardings), []
     devices = [list(bs.mesh.devices.flat) for bs in block_shardings]
+    local = all(bs.is_fully_addressable for bs in block_shardings)
 
     def read(x):
         got = getattr(x, "sharding", None)
         if not (seen and got is seen[0]):
             if got != sharding:
-                x = _to_rows(x, sharding)
+                if local and on_host(x):
+                    arr, rows = np.asarray(x), x.shape[0] // n
+                    return jax.device_put([arr[k * rows:(k + 1) * rows] for k in range(n)], list(block_shardings))
+                x = jax.device_put(x, sharding)
             else:
                 seen[:] = [got]  # outputs of this step carry one sharding object: then one identity test
         by_device = {s.device: s.data for s in x.addressable_shards}

@@ -202,7 +202,8 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 f"autopp.parallelize: {names[k - 1]} has dtype {dt} and depends on the batch; aux values are "
                 f"{'averaged' if config.loss_reduction == 'mean' else 'summed'} over microbatches, which needs a "
                 + ("number. Return the key from the step outside the gradient." if key else "floating dtype. "
-                   "Return it as a float (e.g. .astype(jnp.float32)) or use loss_reduction='sum'."))
+                   "Return it as a float (e.g. .astype(jnp.float32)): a count comes back as its mean over the "
+                   "microbatches."))
     graphs = stage_graphs(forward, split.stage_eqns, diff_mask, out_stage)
     invar_pos = {v: k for k, v in enumerate(fwd.invars)}
     users: dict[int, list[int]] = collections.defaultdict(list)
@@ -480,8 +481,8 @@ class StepBuilder:
         step_outs = set(_vars(jaxpr.outvars))
 
         def consumers_outside(ids):
-            def needed(v):
-                return v in step_outs or bool(users_of[v] - ids)
+            def needed(v):  # a reader elsewhere, or one that also runs at another location (another program)
+                return v in step_outs or any(i not in ids or len(pl.eqn_locs.get(i, ())) > 1 for i in users_of[v])
             return {v for i in ids for v in jaxpr.eqns[i].outvars if needed(v)}
 
         # Pre-processing (ancestors of the gradient), one program per location.

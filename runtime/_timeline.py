@@ -84,12 +84,15 @@ class Timeline:
 
     def bubble_fraction(self, kinds: Sequence[str] = ("F", "B", "I", "W", "FB")) -> float:
         """Idle share of the pipeline: 1 - (busy time of the schedule's actions) / (lanes x span of those
-        actions), over the lanes that run actions."""
+        actions), over the lanes that run actions; 0.0 when they span no measurable time (a step so short that
+        every action had finished when the watchers looked)."""
         acts = [e for e in self.events if e.kind in kinds]
         if not acts:
             return 0.0
         lanes = {e.lane for e in acts}
         span = max(e.end_s for e in acts) - min(e.start_s for e in acts)
+        if span <= 0:
+            return 0.0
         busy = sum(e.end_s - e.start_s for e in acts)
         return 1.0 - busy / (len(lanes) * span)
 
@@ -125,7 +128,7 @@ class Timeline:
         panels = [("measured", self.events)] + ([("predicted", predicted)] if predicted else [])
         fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.45 * sum(len({e.lane for e in ev})
                                                                                for _, ev in panels)),
-                                 squeeze=False)
+                                 squeeze=False, sharex=True)  # one time axis: a 9x slower step shows as such
         for ax, (title, events) in zip(axes[:, 0], panels):
             lanes = _in_device_order(e.lane for e in events)
             for e in events:
@@ -179,14 +182,67 @@ def _lane(task) -> str:
     return "devices " + id_ranges(sorted(task.devices))
 
 
-def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], Timeline]:
-    """Run one step of a built executable, recording its timeline; returns (outputs, timeline)."""
+def _donated_inputs(fn) -> list[bool]:
+    """Per argument of a task's program, whether it donates the buffer (none for a transfer)."""
+    source = getattr(fn, "lowered", None) or fn  # a program still compiling: its lowering says
+    info = getattr(source, "args_info", None)
+    if info is None:
+        return []
+    return [bool(a.donated) for a in jax.tree.leaves(info, is_leaf=lambda a: hasattr(a, "donated"))]
+
+
+def _probe_of(aval):
+    """``probe(x) -> arrays``: for an output a later task donates (a gradient accumulator handed on), one element of
+    each of its shards read by a tiny program compiled now, issued right after the task: once the next task takes
+    the buffer, the array can no longer be waited on, and the probe's result can."""
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or not hasattr(sharding, "shard_shape"):
+        return None
+    shape = sharding.shard_shape(aval.shape)
+    programs = {d: _first_element.lower(jax.ShapeDtypeStruct(shape, aval.dtype,
+                                                             sharding=jax.sharding.SingleDeviceSharding(d))).compile()
+                for d in sharding.addressable_devices}
+
+    def probe(x):
+        return [programs[s.device](s.data) for s in x.addressable_shards if s.device in programs]
+
+    return probe
+
+
+@jax.jit
+def _first_element(x):
+    return x.reshape(-1)[:1]
+
+
+def _watch_plan(executable) -> list[tuple[int | None, Any]]:
+    """Per task, what its watcher waits on: (index of an output no later task donates, None), else (None, a probe
+    of its first output), else (None, None) (a task with no outputs, or whose donated output a probe cannot read:
+    it is stamped when the watcher reaches it)."""
     tasks = executable.tasks
+    donated = set()
+    for t in tasks:
+        donated.update(t.donated)
+        donated.update(i for i, d in zip(t.ins, _donated_inputs(t.fn)) if d)
+    plan = []
+    for t in tasks:
+        kept = [j for j, o in enumerate(t.outs) if o not in donated]
+        if kept or not t.outs:
+            plan.append((kept[0] if kept else None, None))
+        else:
+            plan.append((None, _probe_of(executable.slot_avals.get(t.outs[0]))))
+    return plan
+
+
+def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], Timeline]:
+    """Run one step of a built executable, recording its timeline; returns (outputs, timeline). Its programs are
+    compiled first (a step waiting for its compilation would time that instead)."""
+    tasks = executable.resolve().tasks
     lane_of = [_lane(t) for t in tasks]
     lanes = list(dict.fromkeys(lane_of))
     queues = {lane: queue.SimpleQueue() for lane in lanes}
     issued = [0.0] * len(tasks)
     ready = [0.0] * len(tasks)
+    watched = _watch_plan(executable)  # the probes compile here, before the step
 
     def watch(q):
         while True:
@@ -194,10 +250,7 @@ def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], 
             if item is None:
                 return
             k, outs = item
-            try:
-                jax.block_until_ready(outs)
-            except RuntimeError:  # donated to a later task already: it was ready by then
-                pass
+            jax.block_until_ready(outs)
             ready[k] = time.perf_counter()
 
     threads = [threading.Thread(target=watch, args=(queues[lane],), daemon=True) for lane in lanes]
@@ -206,7 +259,8 @@ def run_with_timeline(executable, flat_args: Sequence[Any]) -> tuple[list[Any], 
 
     def on_dispatch(k, outs):
         issued[k] = time.perf_counter()
-        queues[lane_of[k]].put((k, outs))
+        index, probe = watched[k]
+        queues[lane_of[k]].put((k, outs[index] if index is not None else probe(outs[0]) if probe else ()))
 
     t0 = time.perf_counter()
     outputs = executable.run(flat_args, on_dispatch=on_dispatch)

@@ -452,3 +452,23 @@ def test_labels_and_host_callbacks_are_priced_without_a_warning():
     for name in set(costs) & {"debug_print", "debug_callback", "pure_callback"}:
         assert costs[name].flops == 0 and costs[name].transcendentals == 0
     assert {"debug_callback", "pure_callback"} <= set(costs) and has_cost_rule("io_callback")
+
+
+def test_a_histogram_is_priced_without_a_warning():
+    """``jnp.histogram`` (a metric in a user's aux, trial S) compares with ``lt_to``, which had no rule: priced as the
+    comparison it is, by the same rule as ``lt`` (no floating-point arithmetic, as XLA counts it)."""
+    eqns = [e for e in jax.make_jaxpr(lambda x: jnp.histogram(x, bins=4)[0])(jnp.ones(8)).jaxpr.eqns]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        costs = [eqn_cost(e) for e in _all_eqns(eqns)]
+    assert costs
+    lt_to = [e for e in _all_eqns(eqns) if e.primitive.name == "lt_to"]
+    lt = jax.make_jaxpr(jnp.less)(*(jnp.ones(a.aval.shape, a.aval.dtype) for a in lt_to[0].invars)).jaxpr.eqns[0]
+    assert eqn_cost(lt_to[0]) == eqn_cost(lt)
+
+
+def _all_eqns(eqns):
+    for e in eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _all_eqns((sub.jaxpr if hasattr(sub, "jaxpr") else sub).eqns)
