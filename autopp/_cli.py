@@ -447,6 +447,7 @@ def cmd_plan(args) -> int:
 def cmd_simulate(args) -> int:
     import json
 
+    from autopp.core import unit
     from autopp.planner import simulate
 
     cluster = _cluster(args)
@@ -476,8 +477,11 @@ def cmd_simulate(args) -> int:
     print(f"step time      {est.step_time_s:10.4g} s   (compute {est.compute_s:.4g}, bubble {est.bubble_s:.4g}, "
           f"tp {est.tp_comm_s:.4g}, fsdp {est.fsdp_comm_s:.4g}, pp {est.pp_comm_s:.4g}, dp {est.dp_comm_s:.4g}, "
           f"optimizer {est.optimizer_s:.4g})")
-    print(f"TFLOP/s/GPU    {est.tflops_per_gpu:10.1f}     MFU {'-' if est.mfu is None else f'{est.mfu * 100:.1f}%'}")
-    print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / 2**30:10.2f} GiB ({'fits' if est.fits else 'DOES NOT FIT'} "
+    fdiv, fname = unit(est.tflops_per_gpu * 1e12, "flop")
+    mdiv, mname = unit(est.peak_memory_bytes_per_gpu, "bytes")
+    print(f"{fname + '/s/GPU':<14} {est.tflops_per_gpu * 1e12 / fdiv:10.4g}     MFU "
+          f"{'-' if est.mfu is None else f'{est.mfu * 100:.3g}%'}")
+    print(f"memory/GPU     {est.peak_memory_bytes_per_gpu / mdiv:10.2f} {mname} ({'fits' if est.fits else 'DOES NOT FIT'} "
           f"in {cluster.memory_per_device / 2**30:.1f} GiB)")
     return 0
 

@@ -113,6 +113,9 @@ def _parse_schedule(schedule):
         validate(parsed)
         return parsed
     name = schedule.strip().lower().replace("_", "-")
+    if name not in SCHEDULE_NAMES and _ACTION_TOKEN.search(schedule.upper()):
+        raise ValueError(f"{_WHO}: the schedule text's actions are written in upper case ('0F0', '1B2', '0I1', "
+                         f"'0W1'), got {schedule[:40]!r}; write them so.")
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"{_WHO}: unknown schedule {schedule!r}; valid names are {', '.join(SCHEDULE_NAMES)} (or "
                          "pass a Schedule object, or its text: one row of actions such as '0F0 0B0' per device group).")
@@ -259,6 +262,11 @@ class ParallelizeConfig:
         if len(set(devices)) != len(devices):
             raise ValueError(f"{_WHO}: devices lists a device twice: {devices}.")
         _set(self, "devices", tuple(devices))
+        if (isinstance(self.schedule, Schedule) and self.num_stages is not None
+                and self.schedule.num_ranks != self.num_stages):  # the schedule's rows first: they decide
+            raise ValueError(
+                f"{_WHO}: the schedule has {self.schedule.num_ranks} row(s) (device groups) but "
+                f"num_stages={self.num_stages}; drop num_stages= or give a schedule with {self.num_stages} rows.")
         if self.num_stages is not None and self.num_stages > len(devices):
             raise ValueError(
                 f"{_WHO}: num_stages={self.num_stages} needs at least {self.num_stages} devices, but {len(devices)} "
@@ -297,9 +305,13 @@ class ParallelizeConfig:
             _set(self, "num_stages", len(devices))
         n = self.num_stages
         if self.device_groups is None and len(devices) % n:
-            groups = "the schedule's " if isinstance(schedule, Schedule) else ""
+            if isinstance(schedule, Schedule):
+                raise ValueError(
+                    f"{_WHO}: {len(devices)} devices cannot be split evenly into the schedule's {n} rows (device "
+                    f"groups); pass a multiple of {n} devices, e.g. devices=jax.devices()[:{n * (len(devices) // n)}], "
+                    f"or a schedule with a number of rows that divides {len(devices)}.")
             raise ValueError(
-                f"{_WHO}: {len(devices)} devices cannot be split evenly into {groups}{n} stages; pass "
+                f"{_WHO}: {len(devices)} devices cannot be split evenly into {n} stages; pass "
                 f"devices=jax.devices()[:{n * (len(devices) // n)}] or a num_stages that divides {len(devices)}.")
         v = self.virtual_stages
         if v is not None:

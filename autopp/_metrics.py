@@ -123,7 +123,8 @@ class MetricsLogger:
       computed on the first call; for a ``jax.jit`` step that takes its gradient with ``jax.value_and_grad``, XLA's
       count (``step.lower(*args).cost_analysis()``); for anything else TFLOP/s and MFU show ``-`` (one warning)
       unless ``flops_per_step=`` is given;
-    * ``devices``: the devices the step runs on (default ``step.devices``, else ``jax.devices()``): the divisor
+    * ``devices``: the devices the step runs on (default ``step.devices``, else those holding the step's outputs,
+      e.g. one for a ``jax.jit`` step on one device; ``jax.devices()`` when no output is an array): the divisor
       of TFLOP/s per device, and the kind whose peak gives MFU (``peak_flops``, default
       :func:`known_peak_flops`; CPUs have none, so ``mfu -``);
     * peak memory: ``max(step.memory_report(*args).values())`` for autopp steps, ``step.peak_memory_bytes(*args)``
@@ -151,6 +152,7 @@ class MetricsLogger:
         self._loss_at: dict = {}  # output structure -> the loss's flat position (loss_index=None)
         self.batch_argnums = batch_argnums
         given = devices if devices is not None else getattr(step, "devices", None)
+        self._devices_from_outputs = given is None  # read off the first outputs
         self.devices = list(given) if given is not None else jax.devices()
         if self.peak_flops is None:
             self.peak_flops = known_peak_flops(self.devices)
@@ -215,6 +217,11 @@ class MetricsLogger:
         dt = (end - self._last_end) / self._since
         self._since = 0
         leaves, treedef = jax.tree_util.tree_flatten(out)
+        if self._devices_from_outputs:
+            self._devices_from_outputs = False
+            held = {d for x in leaves if isinstance(x, jax.Array) for d in x.devices()}
+            if held:
+                self.devices = sorted(held, key=lambda d: d.id)
         try:
             loss = float(leaves[self._loss_position(out, treedef)])
         except (IndexError, TypeError) as e:

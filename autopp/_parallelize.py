@@ -108,6 +108,7 @@ class Parallelized(Generic[_P, _R]):
             raise
         hit = self._cache.get(key)
         if hit is None:
+            _check_arity(self._step_fn, args)
             with _young_collections_only():
                 hit = self._cache[key] = self._build(args)
         return hit, flat
@@ -136,6 +137,7 @@ class Parallelized(Generic[_P, _R]):
             )
         built, flat = self._lookup(args)
         if id(built) not in self._checked:  # a signature's first step: the same inputs on every process
+            _check_runnable(flat, "step")
             if jax.process_count() > 1:
                 from autopp._distributed import check_same_inputs
 
@@ -143,6 +145,13 @@ class Parallelized(Generic[_P, _R]):
             self._checked.add(id(built))
         self._start(built, flat)
         exe = built.executable
+        pending = exe.compiling()
+        if pending:  # the first step waits for compilation as it reaches each program: said, with the time
+            with phase(f"first step: issuing its tasks as their programs compile ({pending} of {exe.num_compiled} "
+                       "still compiling)") as ph:
+                outputs = exe.run(flat)
+                ph.done(f"first step issued ({exe.num_compiled} program(s) compiled)")
+            return jax.tree_util.tree_unflatten(exe.out_tree, outputs)
         return jax.tree_util.tree_unflatten(exe.out_tree, exe.run(flat))
 
     def _start(self, built: Built, flat: list) -> None:
@@ -177,6 +186,7 @@ class Parallelized(Generic[_P, _R]):
                                  f"{os.path.join(os.fspath(path), 'step.png' if name == 'gantt_png' else 'step.json')!r}. "
                                  "Nothing was run.")
         built, flat = self._lookup(args)
+        _check_runnable(flat, "Parallelized.trace")
         plan, exe = built.plan, built.executable
         self._start(built, flat)
         outputs, timeline = run_with_timeline(exe, flat)
@@ -189,9 +199,10 @@ class Parallelized(Generic[_P, _R]):
     def memory_report(self, *args, between_steps: bool = False) -> dict[int, int]:
         """Peak bytes per device id during a step with arguments like ``args``, by the runtime's accounting of
         the buffers it holds plus each program's XLA temporaries (``memory_analysis()``); compare with
-        ``plan_for(*args).predicted.peak_memory_bytes_per_gpu``. ``between_steps=True``: the bytes per device
-        the step holds now, between steps, instead: its constants and, once a step has run, the gradient
-        accumulators it keeps for the next (none before the first step or after :meth:`release`)."""
+        ``plan_for(*args).predicted.peak_memory_bytes_per_gpu`` (a plan the planner made: one from explicit counts
+        carries no prediction, its ``predicted`` is None). ``between_steps=True``: the bytes per device the step
+        holds now, between steps, instead: its constants and, once a step has run, the gradient accumulators it
+        keeps for the next (none before the first step or after :meth:`release`)."""
         return self._lookup(args)[0].executable.memory_report(between_steps=between_steps)
 
     def release(self) -> dict[int, int]:
@@ -247,6 +258,31 @@ def _check_donated_distinct(built: Built, flat: list) -> None:
                 f"autopp.parallelize: {names[first[id(flat[i])]]} and {names[i]} are the same array, in arguments "
                 "the step donates (donate_argnums): its buffer would be consumed twice. Give each leaf an array of "
                 "its own (e.g. jnp.array(x, copy=True)), or do not donate that argument. Nothing was run.")
+
+
+def _check_runnable(flat, who: str) -> None:
+    abstract = sum(isinstance(x, jax.ShapeDtypeStruct) for x in flat)
+    if abstract:
+        raise TypeError(f"autopp.parallelize: {who}(...) runs the step, but {abstract} argument leaf(s) are "
+                        "jax.ShapeDtypeStruct (shapes without values). Pass arrays; to plan or size a step without "
+                        "running it, use step.plan_for(...) or step.memory_report(...), which take either.")
+
+
+def _check_arity(step_fn, args) -> None:
+    """The step called with arguments its signature does not take: said as such (tracing it would fail later, on
+    whichever leaf the missing argument shifted into the batch's place)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(step_fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C function): tracing will tell
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        raise TypeError(f"autopp.parallelize: the step {getattr(step_fn, '__name__', step_fn)}{signature} was given "
+                        f"{len(args)} positional argument(s): {e}. Pass the step's arguments, as it takes them, to "
+                        "the call (and to plan_for, memory_report, trace).") from None
 
 
 def _donated_leaves(args: tuple, donate_argnums: tuple[int, ...]) -> frozenset[int]:

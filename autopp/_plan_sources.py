@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 from autopp._config import ParallelizeConfig
 from autopp._progress import phase
 from autopp.core import (
+    SCHEDULE_NAMES,
     Plan,
     Schedule,
     StagePlan,
@@ -241,13 +242,16 @@ def _per_chunk(error: ValueError, sched: Schedule, name: str) -> ValueError:
     if limit is None or chunks == 1:
         return error
     most = int(limit.group(1))
+    groups = f"{sched.num_ranks} device group{'s' if sched.num_ranks > 1 else ''}"
     fix = (f"use num_stages <= {max(1, most // 2)} (dualpipev runs 2 model chunks per device group)" if
            name == "dualpipev" else
+           f"give a schedule of at most {most} stages (the numbers its actions name), e.g. {sched.num_ranks} row(s) "
+           f"of {most // sched.num_ranks} model chunks each" if name not in SCHEDULE_NAMES else
            f"use num_stages x virtual_stages <= {most} (here {sched.num_ranks} x {chunks})"
            + (f", e.g. virtual_stages={most // sched.num_ranks}" if most >= 2 * sched.num_ranks else
               ", e.g. schedule='1f1b' (one chunk per group)" if most >= sched.num_ranks else ""))
     return ValueError(str(error).replace(f"{sched.num_stages} pipeline stages; use num_stages <= {most}.",
-                                         f"{sched.num_stages} pipeline stages ({sched.num_ranks} device groups x "
+                                         f"{sched.num_stages} pipeline stages ({groups} x "
                                          f"{chunks} model chunks each); {fix}."))
 
 
@@ -290,10 +294,26 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     stage_devices = [[by_id[i] for i in st.devices] for st in plan.stages]
     layouts = [{"data": 1, **st.mesh_shape} for st in plan.stages]
     fresh = _stage_plans(traced, forward, split, stage_devices, layouts, [st.recompute for st in plan.stages])
+    if not by_layers:
+        _check_stage_equations(plan, fresh)
+        if all(st.layers is not None for st in plan.stages):
+            _check_stage_layers(plan)
     stages = tuple(dataclasses.replace(new, mesh_shape=old.mesh_shape, layers=old.layers, param_specs=old.param_specs,
                                        forward_time_s=old.forward_time_s, backward_time_s=old.backward_time_s)
                    for new, old in zip(fresh, plan.stages))
     return Sourced(dataclasses.replace(plan, stages=stages, layer_equations=layer_equations), forward)
+
+
+def _check_stage_equations(plan: Plan, fresh) -> None:
+    """A plan's stages by equations: each ends where the next begins and the last at the forward's last equation
+    (what its stages' starts make), as a plan made by autopp always is."""
+    for old, new in zip(plan.stages, fresh):
+        if tuple(old.equations) != tuple(new.equations):
+            raise ValueError(
+                f"{_WHO}: the plan's stage {old.index} has equations {list(old.equations)}, but the stages' starts "
+                f"make it {list(new.equations)} (each stage ends where the next begins, the last at this step's last "
+                "equation). Was the plan edited by hand? Make it again with step.plan_for(...), or edit only where "
+                "stages begin, keeping the ranges consecutive.")
 
 
 def _check_stage_layers(plan: Plan, num_layers: int | None = None) -> None:

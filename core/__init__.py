@@ -69,6 +69,7 @@ from autopp.core._estimate import (
     Estimate,
     divisors,
     positive_int,
+    unit,
 )
 from autopp.core._plan import (
     MESH_AXES,

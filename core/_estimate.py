@@ -34,6 +34,18 @@ def positive_int(who: str, name: str, value: Any, example: int = 1) -> int:
     return int(value)
 
 
+def unit(value: float, kind: str) -> tuple[float, str]:
+    """(divisor, name) of the largest unit ``value`` is at least 1 of: binary for ``"bytes"`` (``B``, ``KiB`` ..
+    ``TiB``), decimal for ``"flop"`` (``FLOP``, ``kFLOP`` .. ``PFLOP``), so a small model's figures do not print as
+    ``0.00 GiB``. A breakdown prints every part in the unit of its total."""
+    base, names = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if kind == "bytes" else (
+        1000, ("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"))
+    k = 0
+    while k + 1 < len(names) and abs(value) >= base ** (k + 1):
+        k += 1
+    return float(base ** k), names[k]
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from autopp.core._estimate import RECOMPUTE_MODES, SCHEDULES, Estimate
+from autopp.core._estimate import RECOMPUTE_MODES, SCHEDULES, Estimate, unit
 
 SCHEMA_VERSION = 4
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
@@ -366,15 +366,17 @@ class Plan:
             e = self.predicted
             rest = e.peak_memory_bytes_per_gpu - e.param_bytes - e.optimizer_bytes - e.activation_bytes
             fsdp = any(s.mesh_shape.get("fsdp", 1) > 1 for s in self.stages)
-            rest_text = (f", {'gathered FSDP layers' if fsdp else 'other buffers'} {rest / 2**30:.2f}"
-                         if rest > 0.005 * 2**30 else "")
+            div, name = unit(e.peak_memory_bytes_per_gpu, "bytes")
+            rest_text = (f", {'gathered FSDP layers' if fsdp else 'other buffers'} {rest / div:.2f}"
+                         if rest > 0.005 * div else "")
+            fdiv, fname = unit(e.tflops_per_gpu * 1e12, "flop")
             lines.append(
-                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu:.4g} TFLOP/s per device, MFU "
-                f"{'-' if e.mfu is None else f'{100 * e.mfu:.1f}%'}, "
-                f"peak memory {e.peak_memory_bytes_per_gpu / 2**30:.2f} GiB per device "
-                f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / 2**30:.2f}, "
-                f"optimizer state {e.optimizer_bytes / 2**30:.2f}, activations {e.activation_bytes / 2**30:.2f}"
-                f"{rest_text} GiB)")
+                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu * 1e12 / fdiv:.4g} {fname}/s per device, "
+                f"MFU {'-' if e.mfu is None else f'{100 * e.mfu:.1f}%'}, "
+                f"peak memory {e.peak_memory_bytes_per_gpu / div:.2f} {name} per device "
+                f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / div:.2f}, "
+                f"optimizer state {e.optimizer_bytes / div:.2f}, activations {e.activation_bytes / div:.2f}"
+                f"{rest_text} {name})")
             lines.append(
                 f"  time: compute {e.compute_s:.4g} s, bubble {e.bubble_s:.4g}, tensor-parallel {e.tp_comm_s:.4g}, "
                 f"FSDP {e.fsdp_comm_s:.4g}, pipeline sends {e.pp_comm_s:.4g}, data-parallel {e.dp_comm_s:.4g}, "

@@ -380,6 +380,12 @@ def _check_structure(schedule: Schedule) -> None:
     if problems:
         raise ScheduleError(schedule, problems, marks)
 
+    # an empty row: a device group that would hold no stage and sit idle
+    empty = [r for r, row in enumerate(schedule.rows) if not any(a is not None for a in row)]
+    if empty:
+        raise ScheduleError(schedule, [f"rank {r} runs no action: every row (device group) must run at least one "
+                                       "stage; drop the row or move stages onto it" for r in empty], set())
+
     # 2. duplicates
     where: dict[Action, list[tuple[int, int]]] = {}
     for r, i, a in schedule.actions():

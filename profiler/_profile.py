@@ -19,6 +19,7 @@ from autopp.core import (
     forward_with_vjp,
     normalize_batch_argnums,
     trace_step,
+    unit,
 )
 from autopp.profiler._cluster import Cluster
 from autopp.profiler._costs import aval_bytes, eqn_cost, kernel_costs
@@ -490,6 +491,7 @@ def format_profile_table(p: Profile) -> str:
                  f"{sum(l.time_s for l in p.layers) * 1e3:>9.3f} {p.param_bytes / 1e6:>10.2f} "
                  f"{sum(l.optimizer_bytes for l in p.layers) / 1e6:>9.2f} "
                  f"{sum(l.activation_bytes for l in p.layers) / 1e6:>9.2f}")
-    lines.append(f"whole step: {p.total_flops / 1e12:.4f} TFLOP (forward {p.forward_flops / 1e12:.4f}, backward "
-                 f"{p.backward_flops / 1e12:.4f}, update {p.update_flops / 1e12:.6f})")
+    div, name = unit(p.total_flops, "flop")
+    lines.append(f"whole step: {p.total_flops / div:.4g} {name} (forward {p.forward_flops / div:.4g}, backward "
+                 f"{p.backward_flops / div:.4g}, update {p.update_flops / div:.4g})")
     return "\n".join(lines)

@@ -73,6 +73,12 @@ class Executable:
                                                       if s not in inputs}
         """Bytes per device id of each slot's buffer (the step inputs' slots excluded)."""
 
+    def compiling(self) -> int:
+        """How many distinct programs are still compiling (the first step waits for each as it reaches it)."""
+        if not self._deferred:
+            return 0
+        return len({id(t.fn.future) for t in self.tasks if isinstance(t.fn, _Deferred) and not t.fn.future.done()})
+
     def resolve(self) -> Executable:
         """Wait until every program is compiled and point the tasks at the compiled programs (a compilation
         error is raised here). Returns ``self``."""

@@ -525,7 +525,7 @@ class StepBuilder:
 
         # Outputs.
         outputs, output_slots = [], set()
-        for a, locs in zip(jaxpr.outvars, pl.out_locs):
+        for j, (a, locs) in enumerate(zip(jaxpr.outvars, pl.out_locs)):
             if isinstance(a, Literal):
                 val = jnp.asarray(a.val, dtype=a.aval.dtype)
                 outputs.append(lambda env, val=val: val)
@@ -538,7 +538,7 @@ class StepBuilder:
             else:
                 parts = [self.need(a, loc) for loc in sorted(locs)]
                 (slot,) = self.emit(assemble(self.tl.avals(parts), st.meshes.multi(frozenset(locs)), a.aval.shape),
-                                    parts, 1, f"assemble output {a}")
+                                    parts, 1, f"assemble step output {j}")
             outputs.append(lambda env, slot=slot: env[slot])
             output_slots.add(slot)
         return self.tl.program(self.input_slots, output_slots, outputs, pipe.accumulators)

@@ -50,6 +50,8 @@ class TaskEvent:
         m = _ACTION.match(self.label)
         if m:
             return "FB" if m.group(4) else m.group(2)
+        if self.label.startswith("0F+0B all"):  # one stage: every microbatch's forward and backward in one program
+            return "FB"
         return "send" if self.label.startswith(("send", "put")) else "other"
 
 

@@ -259,3 +259,32 @@ def test_too_many_model_chunks_are_refused_in_the_keywords_that_set_them(mlp_set
                                          r"runs 2 model chunks per device group\)"):
         autopp.parallelize(make_step(small, tx), num_stages=8, schedule="dualpipev", num_microbatches=16).plan_for(
             params, tx.init(params), small.batch(jax.random.key(1), 16))
+
+
+V_SCHEDULE = "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1"  # 2 rows, 4 stages (a user trial's)
+
+
+@pytest.mark.parametrize("kw, message", [
+    # the schedule's rows decide the stage count: said before counting devices
+    (dict(num_stages=3, devices=2), r"schedule has 2 row\(s\) \(device groups\) but num_stages=3"),
+    # its rows are device groups, and the advice must not be a num_stages the schedule refuses
+    (dict(devices=3), r"cannot be split evenly into the schedule's 2 rows \(device groups\); pass a multiple of 2 "
+                      r"devices, e\.g\. devices=jax\.devices\(\)\[:2\], or a schedule with a number of rows"),
+    (dict(schedule=V_SCHEDULE.lower(), devices=2), r"actions are written in upper case \('0F0'"),
+    (dict(schedule="0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1\nrank 1 |", devices=2), r"rank 1 runs no action"),
+], ids=["rows-vs-num_stages", "rows-vs-devices", "lower-case", "empty-row"])
+def test_a_text_schedule_s_refusals_name_its_rows(mlp_setup, kw, message):
+    _, step, _, _ = mlp_setup
+    kw = {"schedule": V_SCHEDULE, **kw}
+    kw["devices"] = jax.devices()[:kw["devices"]]
+    with pytest.raises(ValueError, match=r"(?s)" + message):
+        autopp.parallelize(step, **kw)
+
+
+def test_a_text_schedule_of_more_stages_than_the_loss_has_says_how_many(mlp_setup):
+    """The advice for a text schedule is a schedule with fewer stages (virtual_stages= is refused for one)."""
+    model, step, state, batch = mlp_setup
+    many = " ".join([f"{s}F0" for s in range(200)] + [f"{s}B0" for s in reversed(range(200))])
+    with pytest.raises(ValueError, match=r"(?s)cannot be split into 200 pipeline stages \(1 device group x 200 model "
+                                         r"chunks each\); give a schedule of at most \d+ stages"):
+        autopp.parallelize(step, schedule=many, devices=jax.devices()[:1]).plan_for(*state, batch)

@@ -185,3 +185,24 @@ def test_a_planned_plan_and_its_replay_report_the_same_per_microbatch_figures():
     for planned, completed in zip(plan.stages, replayed.stages):
         assert completed.flops == pytest.approx(planned.flops, rel=0.05)
         assert completed.cut_bytes_after == pytest.approx(planned.cut_bytes_after, rel=0.05)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("equations", [0, 5], r"stage 0 has equations \[0, 5\], but the stages' starts make it \[0, \d+\]"),
+    ("layers", [0, 0], r"stage 1 has layers \[\d+, \d+\], but the stages' layers must be consecutive"),
+])
+def test_an_edited_stage_range_is_refused_on_replay(mlp_case, field, value, message):
+    """A stage's equations or layers edited so that the stages leave a gap (a user trial: stage 0 set to equations
+    0-5 ran 0-99 as before, silently; layers 0-0 left a layer unassigned in the printout) is refused, naming it;
+    the unedited plan replays."""
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2]).plan_for(*state, batch)
+    data = json.loads(plan.to_json())
+    for st, layers in zip(data["stages"], ([0, 3], [4, 7])):  # as a planned plan names them too
+        st["layers"] = layers
+    replayed = autopp.parallelize(step, plan=Plan.from_json(json.dumps(data)), devices=jax.devices()[:2])
+    assert [st.equations for st in replayed.plan_for(*state, batch).stages] == [st.equations for st in plan.stages]
+    data["stages"][0][field] = value
+    with pytest.raises(ValueError, match=r"(?s)" + message + r".*edited by hand"):
+        autopp.parallelize(step, plan=Plan.from_json(json.dumps(data)),
+                           devices=jax.devices()[:2]).plan_for(*state, batch)

@@ -38,6 +38,10 @@ def test_first_call_shows_phases_on_a_terminal_and_nothing_otherwise(capsys, mon
     quiet(params, batch)  # stderr is pytest's capture, not a terminal
     assert capsys.readouterr().err == ""
 
+    from autopp.runtime._executable import Executable
+
+    pending, real = [], Executable.compiling
+    monkeypatch.setattr(Executable, "compiling", lambda self: pending.append(real(self)) or pending[-1])
     out = io.StringIO()
     with _progress.use_console(Console(file=out, force_terminal=True, width=120)):
         shown = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
@@ -45,6 +49,8 @@ def test_first_call_shows_phases_on_a_terminal_and_nothing_otherwise(capsys, mon
         text = out.getvalue()
         assert "traced the step" in text and "compiling the 2-stage pipeline" in text
         assert "built" in text and "program(s) for 2 stage(s)" in text
+        # the first step's wait for compilation has a line of its own when there is one (a user trial saw none)
+        assert ("first step issued" in text) == (pending[0] > 0), (pending, text)
         shown(params, batch)  # built already: nothing more to show
         assert out.getvalue() == text
         monkeypatch.setenv(_progress.ENV, "0")
