@@ -58,7 +58,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
         rows = hold_by_rows(traced, forward, split.stage_eqns, _why_not_by_rows(meshes), report=whole,
                             refuse=_refuse_rows(zero1, sequence_vars))
         _warn_whole_stacks(whole)
-    user_traced = traced
+    user_traced, user_donated = traced, frozenset(donated)
     if rows is not None:  # the step over blocks of rows: parameter positions after a stacked one move
         traced, forward, donated = rows.traced, rows.forward, rows.donated(donated)
         if param_specs is not None:
@@ -81,7 +81,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     def shardings_of(stages):
         return [meshes.replicated[s] for s in stages]
 
-    user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, shardings_of)
+    user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, shardings_of, user_donated)
     program = builder.build()
     _warn_fsdp_whole(meshes)
     _warn_batch_undivided(meshes, num_microbatches)

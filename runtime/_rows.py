@@ -33,7 +33,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from autopp.core import TracedStep, bind_eqn, read_rows, row_slice, value_and_grad_p
-from autopp.runtime._tasks import Program, Transfer, on_host, sds
+from autopp.runtime._tasks import Program, Transfer, delete_unless_shared, on_host, sds
 
 Literal = jex_core.Literal
 
@@ -388,12 +388,13 @@ def row_sharding(block_shardings: Sequence[NamedSharding]) -> NamedSharding | No
     return NamedSharding(mesh, P("rows"))
 
 
-def block_reader(sharding: NamedSharding, block_shardings: Sequence[NamedSharding]):
+def block_reader(sharding: NamedSharding, block_shardings: Sequence[NamedSharding], donated: bool = False):
     """``read(x)``: the blocks of stacked array ``x`` on their stages, its shards taken in place when ``x`` is held by
     rows as ``sharding`` (the previous step's result), else after one transfer to that layout. An ``x`` in host memory
     (the first step's, from ``init``, on the CPU backend) is split on the host and each block put on its stage: JAX's
     on-device split compiles a slicing program per distinct leaf shape (~0.25 s each on 2 cores, measured), and the
-    host's blocks need no array assembled from shards."""
+    host's blocks need no array assembled from shards. ``donated``: an ``x`` moved to the row layout on its devices is
+    then deleted (one in host memory is left to the caller: the blocks may alias it)."""
     n, seen = len(block_shardings), []
     devices = [list(bs.mesh.devices.flat) for bs in block_shardings]
     local = all(bs.is_fully_addressable for bs in block_shardings)
@@ -404,8 +405,12 @@ def block_reader(sharding: NamedSharding, block_shardings: Sequence[NamedShardin
             if got != sharding:
                 if local and on_host(x):
                     arr, rows = np.asarray(x), x.shape[0] // n
+                    # (blocks put from a view of x's host buffer may alias it: a donated x is left to the caller)
                     return jax.device_put([arr[k * rows:(k + 1) * rows] for k in range(n)], list(block_shardings))
-                x = jax.device_put(x, sharding)
+                moved = jax.device_put(x, sharding)
+                if donated:
+                    delete_unless_shared(x, [moved])
+                x = moved
             else:
                 seen[:] = [got]  # outputs of this step carry one sharding object: then one identity test
         by_device = {s.device: s.data for s in x.addressable_shards}
@@ -439,10 +444,11 @@ def block_joiner(sharding: NamedSharding, block_shardings: Sequence[NamedShardin
 
 
 def lay_out_row_inputs(tasks, input_slots: list, rows: RowsLayout, user_traced: TracedStep,
-                       shardings_of) -> list[int]:
+                       shardings_of, donated=frozenset()) -> list[int]:
     """The slots of the user's flat inputs, and the first tasks of the step: each stacked input into its blocks
     (``input_slots``, the rewritten step's input slots, are pointed at them). ``shardings_of(stages)``: each block's
-    sharding. Returns the user's input slots."""
+    sharding; ``donated``: the user's donated flat inputs (a stacked one copied into blocks is deleted, as
+    ``jax.jit`` deletes a donated argument). Returns the user's input slots."""
     positions: dict[int, list[int]] = {}
     for pos, (k, _) in enumerate(rows.inputs):
         positions.setdefault(k, []).append(pos)
@@ -456,7 +462,7 @@ def lay_out_row_inputs(tasks, input_slots: list, rows: RowsLayout, user_traced: 
         block_shardings = shardings_of(stages)
         slot = tasks.new_slot(sds(v.aval, None))
         block = (blocks[0][1] - blocks[0][0],) + tuple(v.aval.shape[1:])
-        fn = Transfer("rows", block_reader(row_sharding(block_shardings), block_shardings),
+        fn = Transfer("rows", block_reader(row_sharding(block_shardings), block_shardings, donated=k in donated),
                       tuple(sds(jax.ShapeDtypeStruct(block, v.aval.dtype), sh) for sh in block_shardings))
         for p, out in zip(pos, tasks.emit(fn, [slot], len(pos), f"rows of {user_traced.leaf_paths[k]}")):
             input_slots[p] = out

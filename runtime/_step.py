@@ -466,8 +466,9 @@ class StepBuilder:
                      if len(pl.input_homes[k]) == 1 else st.meshes.multi(pl.input_homes[k]) for k in homed]
         if homed:
             ins = [self.input_slots[k] for k in homed]
-            placed = self.emit(place(self.tl.avals(ins), shardings), ins, len(homed),
-                               f"place {len(homed)} inputs at home")
+            placed = self.emit(place(self.tl.avals(ins), shardings, [j for j, k in enumerate(homed)
+                                                                     if k in st.config.donated]),
+                               ins, len(homed), f"place {len(homed)} inputs at home")
             for k, s in zip(homed, placed):
                 if len(pl.input_homes[k]) == 1:
                     self.avail[(jaxpr.invars[k], next(iter(pl.input_homes[k])))] = s
@@ -689,7 +690,7 @@ class StepBuilder:
                      out_shardings=tuple(st.layout_of(0, st.label.get(v), v.aval.shape, v)
                                          if not isinstance(v, Literal) else st.meshes.replicated[0]
                                          for v in jaxpr.outvars), donate_argnums=donate)
-        placed = self.emit(place(self.tl.avals(self.input_slots), in_sh), self.input_slots, len(in_sh),
+        placed = self.emit(place(self.tl.avals(self.input_slots), in_sh, donate), self.input_slots, len(in_sh),
                            f"place {len(in_sh)} inputs on stage 0")
         outs = self.tl.emit(fn, placed, len(jaxpr.outvars), f"0F+0B all {M} microbatches (scan) and update",
                             donated=[placed[k] for k in donate])

@@ -182,10 +182,28 @@ def sharding_matcher(expected) -> Callable[[int, Any], bool]:
     return matches
 
 
-def place(in_avals, shardings) -> Transfer:
+def delete_unless_shared(x, copies) -> None:
+    """Delete donated array ``x`` once ``copies`` of it are made, unless one of them holds one of its buffers
+    (``jax.device_put`` onto a device that already has the array may reuse its buffer instead of copying). A deleted
+    or unreadable ``x`` is left alone."""
+    try:
+        if x.is_deleted():
+            return
+        mine = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        if any(s.data.unsafe_buffer_pointer() in mine for y in copies for s in y.addressable_shards):
+            return
+    except Exception:  # noqa: BLE001 - a backend without raw pointers: keep it
+        return
+    x.delete()
+
+
+def place(in_avals, shardings, donated=()) -> Transfer:
     """Many step inputs placed by one task: only those not already where they belong move, in one transfer call
-    (after the first step, parameters and optimizer state are the previous step's outputs, already at home)."""
-    shardings = list(shardings)
+    (after the first step, parameters and optimizer state are the previous step's outputs, already at home). An
+    input at a position in ``donated`` (the caller gave its buffer up, ``donate_argnums``) that moved is deleted
+    once its copy is made, as ``jax.jit`` deletes a donated argument: the first step's fresh parameters no longer
+    stay alive beside their placed copies."""
+    shardings, donated = list(shardings), frozenset(donated)
     at_home = sharding_matcher(shardings)
 
     def call(*xs):
@@ -195,6 +213,9 @@ def place(in_avals, shardings) -> Transfer:
         out = list(xs)
         for i, y in zip(move, jax.device_put([xs[i] for i in move], [shardings[i] for i in move])):
             out[i] = y
+        for i in move:
+            if i in donated and isinstance(xs[i], jax.Array) and out[i] is not xs[i]:
+                delete_unless_shared(xs[i], [out[i]])
         return out
 
     return Transfer("place", call, tuple(sds(a, sh) for a, sh in zip(in_avals, shardings)), tuple(shardings))

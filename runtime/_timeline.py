@@ -175,11 +175,12 @@ def _in_device_order(lanes) -> list[str]:
 
 
 def _lane(task) -> str:
-    """Where a task runs: its devices' group; a transfer between processes on the link into its devices (it
-    moves data while the group computes), the host for a task on no device."""
+    """Where a task runs: its devices' group; a send between stages (a transfer between processes too) on the link
+    into its devices: it moves data while the group computes, and on the group's own lane it would wait for the
+    group's earlier tasks and look as long as they; the host for a task on no device."""
     if not task.devices:
         return "host"
-    if getattr(task.fn, "kind", None) == "cross":
+    if getattr(task.fn, "kind", None) == "cross" or task.label.startswith("send "):
         return "link to devices " + id_ranges(sorted(task.devices))
     return "devices " + id_ranges(sorted(task.devices))
 
