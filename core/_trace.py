@@ -43,6 +43,11 @@ class TracedStep:
     them, but their leading dimension grows with it (found by tracing the step again at twice the batch). They are
     microbatched like the batch itself: computed for the whole batch, each microbatch reads its rows, as under
     ``jax.jit``."""
+    whole_batch_arrays: tuple[int, ...] = ()
+    """Positions of the gradient equation's inputs that the step computes from the batch's data but that do not grow
+    with it (a batch statistic; a discriminator updated by a gradient over the batch before the generator's loss
+    reads it), found by the same second trace: they are not microbatched; every microbatch reads the step's value,
+    as under ``jax.jit``."""
 
     @property
     def grad_eqn(self) -> jex_core.JaxprEqn:
@@ -67,8 +72,8 @@ class TracedStep:
         """Per input of the gradient equation: whether it derives from a batch argument and is split with it (is
         microbatched). A scalar the step derives from the whole batch (a token count that normalises the loss) is
         not: every microbatch reads it whole (see :attr:`whole_batch_grad_inputs`)."""
-        return tuple(d and bool(getattr(a.aval, "shape", ())) for a, d in
-                     zip(self.grad_eqn.invars, self._batch_derived_grad_inputs))
+        return tuple(d and bool(getattr(a.aval, "shape", ())) and k not in self.whole_batch_arrays
+                     for k, (a, d) in enumerate(zip(self.grad_eqn.invars, self._batch_derived_grad_inputs)))
 
     @functools.cached_property
     def whole_batch_grad_inputs(self) -> tuple[int, ...]:
@@ -305,7 +310,8 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         batch_argnums=batch_argnums,
     )
     if probe_shapes:
-        traced = dataclasses.replace(traced, shape_batched=_shape_batched(step_fn, in_tree, abstract, traced))
+        grows, stays = _shape_batched(step_fn, in_tree, abstract, traced)
+        traced = dataclasses.replace(traced, shape_batched=grows, whole_batch_arrays=stays)
     if not any(traced.microbatched_grad_inputs):
         last = len(args) - 1
         raise ValueError(
@@ -317,34 +323,46 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
 
 
 def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtypeStruct],
-                   traced: TracedStep) -> tuple[int, ...]:
-    """Positions of the loss inputs that grow with the batch although no data flows into them from it: the step traced
-    again with every batch leaf's leading dimension doubled, a loss input whose leading dimension doubles too. Only
-    inputs that could be one are looked at (not differentiated, not derived from the batch's data, a leading dimension
-    that the batch size divides); with none, or when the step does not trace at twice the batch, none."""
+                   traced: TracedStep) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(loss inputs that grow with the batch although no data flows into them from it, loss inputs computed from the
+    batch's data that do not grow with it): the step traced again with every batch leaf's leading dimension doubled,
+    a loss input whose leading dimension doubles too, or stays. Only inputs that could be one are looked at: not
+    differentiated; for the first, not derived from the batch's data, a leading dimension that the batch size
+    divides; for the second, arrays the step derives from its data (not batch leaves themselves), when one of them
+    has a leading dimension that is no batch leaf's (a step whose loss inputs all look per example traces once; one
+    whose whole-batch value happens to have the batch's leading dimension is refused at the microbatch trace). With
+    none, or when the step does not trace at twice the batch, none."""
     invars = traced.grad_eqn.invars
     sizes = [a.shape[0] for a, b in zip(abstract, traced.batch_mask) if b and a.shape]
     if not sizes:
-        return ()
+        return (), ()
     batch = int(np.gcd.reduce(sizes))
     candidates = [k for k, (a, d, diff) in enumerate(zip(invars, traced._batch_derived_grad_inputs,
                                                           traced.spec.diff_mask))
                   if not d and not diff and not isinstance(a, jex_core.Literal)
                   and getattr(a.aval, "shape", ()) and a.aval.shape[0] % batch == 0]
-    if not candidates:
-        return ()
+    outer = set(traced.jaxpr.jaxpr.invars)
+    derived = [k for k, (a, d, diff) in enumerate(zip(invars, traced._batch_derived_grad_inputs,
+                                                       traced.spec.diff_mask))
+               if d and not diff and not isinstance(a, jex_core.Literal) and a not in outer
+               and getattr(a.aval, "shape", ())]
+    if not any(invars[k].aval.shape[0] not in sizes for k in derived):  # all look per example: no second trace
+        derived = []
+    if not candidates and not derived:
+        return (), ()
     doubled = [abstract_leaf(a, shape=(2 * a.shape[0],) + tuple(a.shape[1:])) if b and a.shape else a
                for a, b in zip(abstract, traced.batch_mask)]
     try:
         probe = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
                            probe_shapes=False)
     except Exception:  # noqa: BLE001 - a step that only traces at its own batch size keeps the data-flow view
-        return ()
+        return (), ()
     grown = probe.grad_eqn.invars
     if len(grown) != len(invars):
-        return ()
-    return tuple(k for k in candidates
-                 if getattr(grown[k].aval, "shape", ()) and grown[k].aval.shape[0] == 2 * invars[k].aval.shape[0])
+        return (), ()
+    return (tuple(k for k in candidates
+                  if getattr(grown[k].aval, "shape", ()) and grown[k].aval.shape[0] == 2 * invars[k].aval.shape[0]),
+            tuple(k for k in derived if getattr(grown[k].aval, "shape", None) == invars[k].aval.shape))
 
 
 def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
@@ -478,9 +496,10 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
         raise ValueError(
             f"{who}: the loss inputs do not scale with the batch, so the batch cannot be split "
             "into microbatches along axis 0:\n" + "\n".join(problems) + "\nKeep the batch dimension first in "
-            "everything the step passes from the batch to the loss, and do not reduce over it before the loss: a "
-            "value the step computes from the whole batch and the loss reads (a batch statistic, parameters updated "
-            "by another gradient over the batch) is not supported; compute it inside the loss, or from the previous "
-            "step's values."
+            "everything the step passes from the batch to the loss. A value the step computes from the whole batch "
+            "and the loss reads (a batch statistic, parameters updated by another gradient over the batch) is read "
+            "whole by every microbatch when the step's loss inputs show it (one of them has a leading dimension that "
+            "is no batch leaf's); where every such value's leading dimension is the batch size, each is taken for a "
+            "per-example one: compute it inside the loss, or from the previous step's values."
         )
     return mb_forward

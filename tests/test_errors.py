@@ -97,15 +97,16 @@ def test_grad_of_integer_input_is_type_error(mlp_setup):
         autopp.parallelize(step, num_stages=1, devices=jax.devices()[:1])(jnp.int32(2), jnp.ones((4, 2)))
 
 
-def test_batch_reduced_before_loss_is_rejected(mlp_setup):
+def test_a_loss_input_that_does_not_split_by_example_is_rejected(mlp_setup):
+    """One more row than the batch (it grows with the batch, so it is no whole-batch value, but not by examples)."""
     model, _, state, batch = mlp_setup
 
     def step(params, batch):
-        mean_x = jnp.mean(batch["x"], axis=0)  # reduces over the batch: cannot be microbatched
-        return autopp.grad(lambda p, m, b: model.loss(p, b) + jnp.sum(m) * 0)(params, mean_x, batch)
+        padded = jnp.concatenate([batch["x"], batch["x"][:1]])
+        return autopp.grad(lambda p, x, b: model.loss(p, b) + jnp.sum(x) * 0)(params, padded, batch)
 
     with pytest.raises(ValueError, match=r"(?s)do not scale with the batch.*loss input #\d+ \(computed in the step "
-                                         r"from the batch\).*a batch statistic"):
+                                         r"from the batch\).*no leading dimension divisible by 2"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
 
 
