@@ -184,3 +184,20 @@ def test_a_first_call_deletes_the_donated_arrays_it_copied_home(num_stages):
     for _ in range(2):
         *want, _ = reference(*want, batch)
     assert_trees_close(tuple(state), tuple(want), rtol=1e-6, atol=1e-6)
+
+
+def test_calling_again_with_donated_arrays_is_refused_before_anything_runs():
+    """The arrays a step took (donate_argnums) passed again: XLA used to be handed the deleted buffers and the
+    process crashed (a user trial: "Buffer has been deleted or donated", then a segmentation fault). Now the call is
+    refused naming the leaves, as jax.jit refuses a deleted array, and the step goes on with its outputs."""
+    model = tiny_gpt()
+    tx, step, params, opt_state, batch = _sgd_case(model, 8)
+    donated = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2],
+                                 donate_argnums=(0, 1))
+    first = jax.tree.map(jnp.copy, (params, opt_state))
+    *state, _ = donated(*first, batch)
+    *later, _ = donated(*state, batch)
+    with pytest.raises(RuntimeError, match=r"argument leaf\(s\) have been deleted \(args\[0\].*nothing was run"):
+        donated(*state, batch)
+    *later, _ = donated(*later, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(later))
