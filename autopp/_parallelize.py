@@ -8,6 +8,7 @@ import contextlib
 import functools
 import gc
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar, overload
 
@@ -77,6 +78,7 @@ class Parallelized(Generic[_P, _R]):
         self._cache: dict[Any, Built] = {}
         self._checked: set[int] = set()  # builds whose first step ran (multi-process: inputs checked alike)
         self._last: Built | None = None  # the build the last step ran
+        self._building = threading.Lock()  # threads whose first calls race make one build, not one each
         functools.update_wrapper(self, step_fn)
 
     def __copy__(self) -> Parallelized:
@@ -109,8 +111,11 @@ class Parallelized(Generic[_P, _R]):
         hit = self._cache.get(key)
         if hit is None:
             _check_arity(self._step_fn, args)
-            with _young_collections_only():
-                hit = self._cache[key] = self._build(args)
+            with self._building:
+                hit = self._cache.get(key)  # (another thread's, made while this one waited)
+                if hit is None:
+                    with _young_collections_only():
+                        hit = self._cache[key] = self._build(args)
         return hit, flat
 
     def _build(self, args: tuple) -> Built:

@@ -311,17 +311,31 @@ def split_microbatches(in_avals, num_microbatches: int, shardings, on_device: Ca
 
 def reused_buffers(avals, shardings) -> Transfer:
     """Buffers for ``avals`` at ``shardings``: the ones a :func:`give_back` task returned last, else (the first
-    step) zeros put from the host, which costs no compilation."""
+    step, or after a step that failed) zeros put from the host, which costs no compilation."""
     pool: list[list] = []
     shardings = list(shardings)
 
     def call():
         if pool:
-            return pool.pop()
+            kept = pool.pop()
+            if not any(map(_failed, kept)):
+                return kept
         return jax.device_put([np.zeros(a.shape, a.dtype) for a in avals], shardings)
 
     return Transfer("buffers", call, tuple(sds(a, sh) for a, sh in zip(avals, shardings)), tuple(shardings),
                     pool=pool)
+
+
+def _failed(x) -> bool:
+    """Whether ``x`` is a buffer whose computation failed (a host callback raised in the step that made it): reusing it
+    would fail every later step. Checked without waiting: one still being computed counts as sound."""
+    if not x.is_ready():
+        return False
+    try:
+        x.block_until_ready()
+    except Exception:  # noqa: BLE001 - the error of the step that made it, already raised to the caller
+        return True
+    return False
 
 
 def give_back(buffers: Transfer) -> Transfer:

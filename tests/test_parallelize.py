@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import autopp
-from tests._helpers import assert_trees_close, make_optimizer, make_step, run_steps, tiny_gpt, tiny_mlp
+from tests._helpers import assert_trees_close, make_optimizer, make_step, model_case, run_steps, tiny_gpt, tiny_mlp
 
 MODELS = {"mlp": (tiny_mlp, 16), "gpt": (tiny_gpt, 8)}
 
@@ -378,3 +378,37 @@ def test_preprocessing_rng_and_metrics_outside_the_loss():
         if t.label.startswith("place"):
             x = leaf_of_slot[t.ins[0]]
             assert t.fn(x)[0] is x, t.label
+
+
+def test_threads_racing_to_a_first_call_make_one_build(monkeypatch):
+    """Three threads calling a new step at once used to build it three times (a user trial: 36 compilations
+    against 27); now the others wait for the first build and take it. Every thread's result equals jit's."""
+    import threading
+
+    from autopp._parallelize import Parallelized
+
+    step, state, batch = model_case(tiny_mlp, 8)
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
+    builds, real = [], Parallelized._build
+
+    def counted(self, args):
+        builds.append(1)
+        return real(self, args)
+
+    monkeypatch.setattr(Parallelized, "_build", counted)
+    results = [None] * 3
+    start = threading.Barrier(3)
+
+    def run(i):
+        start.wait()
+        results[i] = jax.block_until_ready(pipelined(*state, batch))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    want = jax.jit(step)(*state, batch)
+    for got in results:
+        assert_trees_close(got, want, rtol=1e-5)

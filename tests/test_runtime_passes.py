@@ -327,3 +327,35 @@ def test_a_batch_that_numpy_cannot_hold_is_split_on_its_devices():
     want, want_losses = run_steps(jax.jit(plain), state, batch)
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_buffers_of_a_failed_step_are_not_reused():
+    """A step whose host callback raised leaves its gradient buffers in an error state; handed to the next step they
+    failed every later step ("Error dispatching computation ... CpuCallback error", a user trial: 2-4 runs in 8)
+    until ``release()``. The pool now gives fresh zeros instead of a failed buffer."""
+    from autopp.runtime._tasks import give_back, reused_buffers
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    aval = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)
+    buffers = reused_buffers([aval], [sharding])
+    (first,) = buffers()
+
+    def fail(x):
+        raise ValueError("a host callback failed")
+
+    @jax.jit
+    def slow(x):  # still running when the callback's program is dispatched: its failure lands in the result
+        m = jnp.ones((600, 600)) * 1e-3
+        for _ in range(40):
+            m = jnp.tanh(m @ m)
+        return x + m[0, :4]
+
+    broken = jax.jit(lambda x: jax.pure_callback(fail, jax.ShapeDtypeStruct((4,), jnp.float32), x))(slow(first))
+    with pytest.raises(Exception, match="a host callback failed"):
+        broken.block_until_ready()
+    give_back(buffers)(broken)
+    (again,) = buffers()
+    assert again is not broken
+    np.testing.assert_array_equal(again, np.zeros(4, np.float32))
+    give_back(buffers)(again)
+    assert buffers()[0] is again  # a sound buffer is reused
