@@ -317,6 +317,10 @@ class Pipeline:
         for k in range(1 + st.spec.num_aux):
             a = st.fwd.outvars[k]
             s = st.out_stage[k]
+            first = self.outvar_idx.get(a) if not isinstance(a, Literal) else None
+            if first is not None and first < k:  # the same value returned again (the loss in the aux): reduced once
+                self.reduced[k] = self.reduced[first]
+                continue
             if st.is_constant_output(k):
                 self.reduced[k] = b.tl.const(jax.device_put(jnp.asarray(st.constant_output(k), a.aval.dtype),
                                                             self.meshes.replicated[s]))

@@ -193,8 +193,9 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
             raise ValueError(
                 f"autopp.parallelize: {names[k - 1]} has shape {whole} for the whole batch but {small} for a "
                 f"microbatch; aux values are either the same shape for any batch (averaged or summed over the "
-                "microbatches) or per example (leading dimension the batch's, concatenated). Return it from the "
-                "step outside the gradient instead.")
+                "microbatches) or per example (leading dimension the batch's, concatenated). Put its batch axis "
+                "first inside the loss (a value stacked per layer by a scan: jnp.moveaxis(v, 1, 0)), or compute it in "
+                "the step outside the gradient.")
         key, a = jax.dtypes.issubdtype(dt, jax.dtypes.extended), fwd.outvars[k]  # (a key cannot be summed either)
         if ((config.loss_reduction == "mean" or key) and not per_example and not jnp.issubdtype(dt, jnp.inexact)
                 and not isinstance(a, Literal) and a in batch_dependent and k not in constants[0]):

@@ -452,3 +452,44 @@ def test_a_loss_input_computed_from_the_whole_batch_is_read_whole(case):
         *want, want_loss = plain(*want, {"x": x})
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), tuple(got), tuple(want))
+
+
+def test_one_value_returned_twice_in_the_aux():
+    """``return loss, {"loss": loss, ...}`` (t5x's and Flax's metrics habit) and one array under two names: each
+    output of the same value took the first one's microbatch parts, and the second was left with none
+    (``AssertionError: (1, 0)`` at 2 stages, a user trial). SGD, 2 steps, against plain jit's accumulation."""
+    M, tx = 4, optax.sgd(0.1)
+    params = {"w1": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3,
+              "w2": jax.random.normal(jax.random.key(1), (16, 1)) * 0.3}
+    batch = {"x": jax.random.normal(jax.random.key(2), (16, 8))}
+
+    def loss(p, batch):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        value = jnp.mean((h @ p["w2"]) ** 2)
+        return value, {"loss": value, "h": h, "h_again": h, "scale": jnp.abs(h).mean()}
+
+    def make(value_and_grad):
+        def step(params, opt_state, batch):
+            (value, aux), grads = value_and_grad(loss, has_aux=True)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value, aux
+        return step
+
+    def plain_vag(f, has_aux):
+        def vag(params, batch):
+            mbs = jax.tree.map(lambda v: v.reshape((M, -1) + v.shape[1:]), batch)
+            (values, aux), grads = jax.vmap(jax.value_and_grad(f, has_aux=True), in_axes=(None, 0))(params, mbs)
+            aux = {k: v.reshape((-1,) + v.shape[2:]) if k.startswith("h") else v.mean(0) for k, v in aux.items()}
+            return (values.mean(), aux), jax.tree.map(lambda g: g.mean(0), grads)
+        return vag
+
+    pipelined = autopp.parallelize(make(autopp.value_and_grad), num_stages=2, num_microbatches=M,
+                                   devices=jax.devices()[:2])
+    plain = jax.jit(make(plain_vag))
+    got = want = (params, tx.init(params))
+    for _ in range(2):
+        *got, got_loss, got_aux = pipelined(*got, batch)
+        *want, want_loss, want_aux = plain(*want, batch)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got_aux, want_aux)
+    np.testing.assert_allclose(got_aux["loss"], got_loss, rtol=0)
