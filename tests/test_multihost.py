@@ -42,8 +42,20 @@ def _reference() -> tuple[list[float], dict[str, np.ndarray]]:
 def _run(num_processes: int, devices_per_process: int, plans: list[str], tmp_path) -> str:
     out = io.StringIO()
     code = launch([sys.executable, WORKER, str(tmp_path), *plans], num_processes, devices_per_process, out=out)
-    assert code == 0, out.getvalue()[-5000:]
+    assert code == 0, _tails(out.getvalue(), num_processes)
     return out.getvalue()
+
+
+def _tails(text: str, num_processes: int, chars: int = 2500) -> str:
+    """The end of each process's own lines (``[k] ...``): a failure shows every process's last words, not only those
+    of the processes that wrote last (a run once failed with process 0's output cut off)."""
+    lines = text.splitlines()
+    parts = []
+    for k in range(num_processes):
+        mine = "\n".join(line for line in lines if line.startswith(f"[{k}]"))
+        parts.append(f"--- process {k} ---\n{mine[-chars:]}")
+    rest = "\n".join(line for line in lines if not line.startswith("["))
+    return "\n".join(parts) + (f"\n--- launcher ---\n{rest[-chars:]}" if rest else "")
 
 
 def _check(name: str, num_processes: int, tmp_path) -> None:
