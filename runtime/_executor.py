@@ -56,7 +56,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     rows, whole = None, []
     if split.num_stages > 1:
         rows = hold_by_rows(traced, forward, split.stage_eqns, _why_not_by_rows(meshes), report=whole,
-                            refuse=_refuse_rows(zero1, sequence_vars))
+                            refuse=_refuse_rows(zero1, sequence_vars), plan_stage=stage_of)
         _warn_whole_stacks(whole)
     user_traced, user_donated = traced, frozenset(donated)
     if rows is not None:  # the step over blocks of rows: parameter positions after a stacked one move

@@ -115,13 +115,17 @@ def _row_reads(forward: jex_core.Jaxpr, k: int, stage_of: dict[int, int] | None,
     return "cut" if cut else reads
 
 
-def _unequal(reads, length: int, row_stages: dict) -> str:
+def _unequal(reads, length: int, row_stages: dict, plan_stage: Sequence[int] | None = None) -> str:
     """Why a stack read by several stages in unequal blocks stays whole (``row_stages``: (length, row) -> the stages
-    reading that row of any stack of the scan)."""
-    counts = [sum(1 for _, _, s in reads if s == st) for st in sorted({s for _, _, s in reads})]
-    split = [row for row in range(length) if len(row_stages.get((length, row), ())) > 1]
+    reading that row of any stack of the scan), counted by the plan's stages (``plan_stage``: each segment's)."""
+    named = (lambda s: s) if plan_stage is None else (lambda s: plan_stage[s])
+    counts = [sum(1 for _, _, s in reads if named(s) == st) for st in sorted({named(s) for _, _, s in reads})]
+    pieces = [sum(1 for _, _, s in reads if s == seg) for seg in sorted({s for _, _, s in reads})]
+    if len(pieces) > len(counts):  # a stage cut into segments around its scanned iterations reads them in pieces
+        counts = f"{counts} by stage, {pieces} by the segments the stages are cut into around their scanned iterations"
+    split = [row for row in range(length) if len({named(s) for s in row_stages.get((length, row), ())}) > 1]
     inside = (f"; the stage split puts a boundary inside iteration {split[0]}, whose parameters are read on stages "
-              f"{sorted(row_stages[(length, split[0])])}") if split else ""
+              f"{sorted({named(s) for s in row_stages[(length, split[0])]})}") if split else ""
     return (f"the stages read unequal numbers of the stack's {length} rows ({counts}{inside}); stages given equally "
             "many of its iterations hold it by rows")
 
@@ -293,12 +297,13 @@ def _sources(traced: TracedStep, sliced: dict) -> dict[int, tuple]:
 # -- the rewrite -------------------------------------------------------------------------------------------
 def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[int]],
                  can_hold=lambda stages: None, refuse: str | None = None,
-                 report: list | None = None) -> RowsLayout | None:
+                 report: list | None = None, plan_stage: Sequence[int] | None = None) -> RowsLayout | None:
     """The step rewritten to hold its stacked parameters by rows (see the module docstring), for the stage split
     ``stage_eqns`` (each stage's equations of ``forward``, the loss's forward at microbatch size); None when no
     parameter qualifies. ``can_hold(stages)``: None when one array can be sharded by rows over those stages' devices,
     else why not. ``refuse``: hold none, for this reason. ``report``: gets ``(leaf path, reason)`` for each stacked
-    parameter read by several stages that stays whole."""
+    parameter read by several stages that stays whole; ``plan_stage``: the plan's stage of each of ``stage_eqns``'
+    (segments of a stage cut around its scanned iterations), which reasons name."""
     spec, grad = traced.spec, traced.grad_eqn
     outer = traced.jaxpr.jaxpr
     if not any(row_slice(e) is not None for e in forward.jaxpr.eqns):  # no scan over stacked inputs
@@ -330,7 +335,7 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
         length = forward.jaxpr.invars[k].aval.shape[0]
         layout = None if reads == "cut" else _blocks_of(reads, length)
         why = refuse or ("a stage boundary falls inside one of the scan's iterations" if reads == "cut" else
-                         _unequal(reads, length, row_stages) if layout is None else can_hold(layout[0]))
+                         _unequal(reads, length, row_stages, plan_stage) if layout is None else can_hold(layout[0]))
         if why is not None:
             if report is not None:
                 report.append((traced.leaf_paths[outer_index[a]], why))

@@ -335,3 +335,14 @@ def test_a_stage_boundary_inside_an_iteration_is_named_as_the_reason():
     assert set(reasons) == {"args[0]['w2']"}, reasons
     assert "8 rows ([3, 5]; the stage split puts a boundary inside iteration 3, whose parameters are read on stages " \
            "[0, 1])" in reasons["args[0]['w2']"]
+
+
+def test_unequal_row_counts_are_named_by_the_plan_s_stages():
+    """A 2-stage plan whose stages are cut into 3 segments used to say "the stages read unequal numbers ... ([2, 1,
+    3])", three counts for two stages (a user trial); the counts are now the stages', with the segments' beside."""
+    from autopp.runtime._rows import _unequal
+
+    reads = [(i, row, seg) for i, (row, seg) in enumerate([(0, 0), (1, 0), (2, 1), (3, 2), (4, 2), (5, 2)])]
+    message = _unequal(reads, 6, {(6, r): {s} for _, r, s in reads}, plan_stage=(0, 0, 1))
+    assert "([3, 3] by stage, [2, 1, 3] by the segments" in message
+    assert "([2, 1, 3])" in _unequal(reads, 6, {(6, r): {s} for _, r, s in reads})  # no plan: the stages given
