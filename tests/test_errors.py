@@ -289,3 +289,25 @@ def test_a_text_schedule_of_more_stages_than_the_loss_has_says_how_many(mlp_setu
     with pytest.raises(ValueError, match=r"(?s)cannot be split into 200 pipeline stages \(1 device group x 200 model "
                                          r"chunks each\); give a schedule of at most \d+ stages"):
         autopp.parallelize(step, schedule=many, devices=jax.devices()[:1]).plan_for(*state, batch)
+
+
+def test_a_call_with_an_argument_missing_names_the_signature(mlp_setup):
+    """``step.memory_report(params, opt_state)`` (the batch forgotten) used to fail on "args[1][0].count: a scalar has
+    no batch dimension" (a user trial): the missing argument shifted the optimizer state into the batch's place."""
+    _, step, state, batch = mlp_setup
+    pipelined = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match=r"the step train_step\(params, opt_state, batch\) was given 2 positional "
+                                        r"argument\(s\): missing a required argument: 'batch'"):
+        pipelined.memory_report(*state)
+
+
+def test_shapes_without_values_are_refused_by_a_running_call_and_taken_by_plan_for(mlp_setup):
+    """``ShapeDtypeStruct``s plan (``plan_for``) but cannot run: a call or a trace with them says so (it failed with a
+    raw JAX error, a user trial)."""
+    _, step, state, batch = mlp_setup
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (*state, batch))
+    pipelined = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])
+    assert pipelined.plan_for(*abstract).num_stages == 2
+    for run in (pipelined, pipelined.trace):
+        with pytest.raises(TypeError, match=r"runs the step, but \d+ argument leaf\(s\) are jax.ShapeDtypeStruct"):
+            run(*abstract)
