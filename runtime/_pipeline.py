@@ -17,7 +17,7 @@ from autopp.core import StagePrograms, batch_dependent_vars, dispatch_order
 from autopp.profiler import group_layers
 
 from autopp.runtime._passes import sum_program
-from autopp.runtime._tasks import Accumulators, reused_buffers, split_microbatches
+from autopp.runtime._tasks import Accumulators, reused_buffers
 from autopp.runtime._tensor import activation_splits
 
 Literal = jex_core.Literal
@@ -153,26 +153,19 @@ class Pipeline:
                         (slot,) = b.put([want], [slot], f"lay out {st.invar_name(k)} on stage {s}")
                     self.static_in[(s, pos)] = slot
             if mb_positions:
-                mb_inputs[s] = mb_positions
+                full = [b.need(grad.invars[st.invar_pos[g.inputs[p]]], s) for p in mb_positions]
+                mb_inputs[s] = (mb_positions, full)
 
-        for s, mb_positions in mb_inputs.items():
+        for s, (mb_positions, full) in mb_inputs.items():
             g = st.graphs[s]
-            outer = [grad.invars[st.invar_pos[g.inputs[p]]] for p in mb_positions]
-            out_sh = [meshes.microbatch_sharding(s, g.inputs[p].aval.shape) for p in mb_positions for _ in range(M)]
+            shapes = [g.inputs[p].aval.shape for p in mb_positions]
+            out_sh = [meshes.microbatch_sharding(s, sh) for sh in shapes for _ in range(M)]
 
             def split(*xs, M=M):
                 return tuple(x.reshape((M, x.shape[0] // M) + x.shape[1:])[m] for x in xs for m in range(M))
 
             fn = jax.jit(split, out_shardings=tuple(out_sh))
-            label = f"split microbatches stage {s}"
-            sources = [b.input_slots[b.invar_index[v]] if v in b.invar_index else None for v in outer]
-            if jax.process_count() == 1 and None not in sources:  # the step's own inputs: split where they are
-                full_sh = [meshes.batch_sharding(s, v.aval.shape) for v in outer]
-                outs = b.emit(split_microbatches(b.tl.avals(sources), M, out_sh,
-                                                 lambda *xs, fn=fn, sh=full_sh: fn(*jax.device_put(list(xs), sh))),
-                              sources, len(mb_positions) * M, label)
-            else:
-                outs = b.emit(fn, [b.need(v, s) for v in outer], len(mb_positions) * M, label)
+            outs = b.emit(fn, full, len(mb_positions) * M, f"split microbatches stage {s}")
             for j, p in enumerate(mb_positions):
                 for m in range(M):
                     self.mb_slots[(s, p, m)] = outs[j * M + m]

@@ -46,8 +46,7 @@ class Transfer:
     shardings) of what it returns, known when it is made."""
 
     kind: str
-    """``put``, ``place``, ``place local``, ``view``, ``assemble``, ``split``, ``buffers``, ``give back`` or
-    ``cross``."""
+    """``put``, ``place``, ``place local``, ``view``, ``assemble``, ``buffers``, ``give back`` or ``cross``."""
     call: Callable[..., Sequence[Any]]
     out_avals: tuple = ()
     shardings: tuple = ()
@@ -286,27 +285,6 @@ def on_host(x) -> bool:
         return True
     return (x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
-
-
-def split_microbatches(in_avals, num_microbatches: int, shardings, on_device: Callable) -> Transfer:
-    """Each input's leading dimension in ``num_microbatches`` equal blocks, at ``shardings`` (input 0's blocks in
-    order, then input 1's, ...). Inputs in host memory (a data loader's numpy batch, or any array on the CPU
-    backend) are split on the host and each block is put once: no program is compiled (a jitted split costs
-    ~0.15 s of compilation per stage on 2 cores, measured, and moves the whole batch first). Otherwise
-    ``on_device(*xs)`` splits them."""
-    M, shardings = num_microbatches, list(shardings)
-    blocks = [(a.shape[0] // M,) + tuple(a.shape[1:]) for a in in_avals]
-
-    def call(*xs):
-        if not all(map(on_host, xs)):
-            return on_device(*xs)
-        parts = [np.asarray(x).reshape((M,) + shape)[m] for x, shape in zip(xs, blocks) for m in range(M)]
-        return jax.device_put(parts, shardings)
-
-    out_avals = tuple(jax.ShapeDtypeStruct(blocks[j], a.dtype, sharding=shardings[j * M + m],
-                                           weak_type=getattr(a, "weak_type", False))
-                      for j, a in enumerate(in_avals) for m in range(M))
-    return Transfer("split", call, out_avals)
 
 
 def reused_buffers(avals, shardings) -> Transfer:

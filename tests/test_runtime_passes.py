@@ -17,7 +17,7 @@ from autopp.core import device_free_key
 from autopp.runtime import _executor, _multiprocess, _passes
 from autopp.runtime._tasks import Program, Transfer
 
-from _helpers import assert_trees_close, make_step, model_case, run_steps, tiny_mlp
+from _helpers import assert_trees_close, model_case, run_steps, tiny_mlp
 
 NUM_STAGES = 4
 
@@ -263,42 +263,9 @@ def test_builds_share_the_compilations_still_running(monkeypatch):
     first.close(), second.close(), third.close()
 
 
-def _sgd_mlp_case():
-    import optax
-
-    model, tx = tiny_mlp(), optax.sgd(0.1)
-    params = model.init(jax.random.key(0))
-    return make_step(model, tx), (params, tx.init(params)), model.batch(jax.random.key(1), 8)
-
-
-def test_a_batch_in_host_memory_is_split_into_microbatches_without_compiling():
-    """A per-step input in host memory (a data loader's numpy batch; on the CPU backend any array) is split into
-    microbatches on the host, each block put onto its stage once: no slicing program is compiled (a jitted split cost
-    ~0.15 s of compilation per stage on 2 cores). The independent truth: the compilations JAX reports, and plain
-    jit's result for the same batch, given as numpy and as a JAX array."""
-    step, state, batch = _sgd_mlp_case()
-    want = run_steps(jax.jit(step), state, batch)[0]
-    compiled = []
-
-    def listener(event, duration, fun_name=None, **kw):
-        if event.endswith("backend_compile_duration"):
-            compiled.append(fun_name)
-
-    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, schedule="1f1b",
-                                   devices=jax.devices()[:2])
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        got = run_steps(pipelined, state, jax.tree.map(np.asarray, batch))[0]
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiled and "jit(split)" not in compiled, compiled
-    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
-    assert_trees_close(run_steps(pipelined, state, batch)[0], want, rtol=1e-6, atol=1e-6)
-
-
-def test_a_batch_that_numpy_cannot_hold_is_split_on_its_devices():
-    """Typed PRNG keys per example (numpy cannot hold them) are split by a program on the stage's devices; the
-    noise they draw equals plain jit's gradient accumulation over the same microbatches (SGD, <= 1e-6)."""
+def test_per_example_typed_keys_in_the_batch_are_split_into_microbatches():
+    """Typed PRNG keys per example in the batch are split into microbatches like any batch leaf; the noise they draw
+    equals plain jit's gradient accumulation over the same microbatches (SGD, <= 1e-6)."""
     import optax
 
     from autopp.models import make_train_step

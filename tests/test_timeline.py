@@ -12,14 +12,19 @@ from autopp.runtime import run_with_timeline
 from tests._helpers import gpt_case
 
 
-@pytest.fixture(scope="module")
-def traced_step():
+def _built(num_stages, schedule):
+    """(step, state, batch, executable, flat inputs, the outputs of one normal step) of the tiny GPT."""
     train_step, state, batch = gpt_case()
-    step = autopp.parallelize(train_step, num_stages=4, num_microbatches=4, schedule="gpipe",
-                              devices=jax.devices()[:4])
+    step = autopp.parallelize(train_step, num_stages=num_stages, num_microbatches=4, schedule=schedule,
+                              devices=jax.devices()[:num_stages])
     exe = step.executable_for(*state, batch)
     flat = jax.tree.leaves((*state, batch))
-    expected = jax.block_until_ready(exe.run(flat))
+    return step, state, batch, exe, flat, jax.block_until_ready(exe.run(flat))
+
+
+@pytest.fixture(scope="module")
+def traced_step():
+    step, state, batch, exe, flat, expected = _built(4, "gpipe")
     outputs, timeline = run_with_timeline(exe, flat)
     return step, state, batch, exe, expected, outputs, timeline
 
@@ -102,12 +107,7 @@ def test_a_task_whose_outputs_a_later_task_donates_is_waited_for(monkeypatch):
     is issued): every wait succeeds, the step's results are unchanged."""
     from autopp.runtime import _timeline
 
-    train_step, state, batch = gpt_case()
-    step = autopp.parallelize(train_step, num_stages=2, num_microbatches=4, schedule="1f1b",
-                              devices=jax.devices()[:2])
-    exe = step.executable_for(*state, batch)
-    flat = jax.tree.leaves((*state, batch))
-    expected = jax.block_until_ready(exe.run(flat))
+    *_, exe, flat, expected = _built(2, "1f1b")
     failed, real = [], jax.block_until_ready
 
     def recording(x):
