@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ import numpy as np
 FORMAT = "autopp-checkpoint"
 VERSION = 1
 _STATE, _META = "state", "autopp"
+_SAVES = itertools.count()  # calls of save in this process: every process makes the same calls, in the same order
 
 
 class CheckpointCorruptedError(ValueError):
@@ -156,6 +158,10 @@ class Checkpointer:
             raise ValueError(f"autopp.checkpoint.save: step must be >= 0 (the training step number), got {step}.")
         step = int(step)
         latest = self.latest_step()
+        if jax.process_count() > 1:  # every process reads the directory before process 0 writes this step into it
+            from autopp._distributed import barrier
+
+            barrier(f"autopp-checkpoint-read-{self.directory}-{step}-{next(_SAVES)}")
         if latest is not None and step <= latest:
             raise ValueError(
                 f"autopp.checkpoint.save: {self.directory} already holds step {latest}, and step numbers must "
