@@ -141,7 +141,10 @@ class ParallelizeConfig:
     batch_argnums: int | Sequence[int] | None = None
     """Positional arguments that hold the batch (default: the last one)."""
     loss_reduction: str | None = None
-    """``mean`` or ``sum`` (default ``mean``, or the replayed plan's)."""
+    """``mean`` or ``sum``: how microbatch losses combine into the step's. None (the default): read off the loss's
+    program for each argument signature (a loss that divides by its own batch size, as ``jnp.mean`` does, is a mean;
+    one that adds its examples up, a sum; ``"mean"`` where it cannot be told), or the replayed plan's. Given, it
+    must agree with what the loss's program shows."""
     plan: Plan | str | None = None
     """A plan to replay (a JSON path or text is read into a :class:`Plan`)."""
     virtual_stages: int | None = None
@@ -173,9 +176,9 @@ class ParallelizeConfig:
             _set(self, name, _check_count(name, getattr(self, name)))
         if plan is not None:
             self._check_replay(plan)
-        if self.loss_reduction is None:
-            _set(self, "loss_reduction", plan.loss_reduction if plan is not None else "mean")
-        if self.loss_reduction not in LOSS_REDUCTIONS:
+        if self.loss_reduction is None and plan is not None:
+            _set(self, "loss_reduction", plan.loss_reduction)
+        if self.loss_reduction is not None and self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"{_WHO}: loss_reduction={self.loss_reduction!r} is not one of {LOSS_REDUCTIONS}; use "
                              "'mean' when the loss is an average over examples, 'sum' when it is a sum.")
         self._normalize_devices()

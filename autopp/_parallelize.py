@@ -125,10 +125,11 @@ class Parallelized(Generic[_P, _R]):
         with phase("tracing the step") as ph:
             traced = trace_step(self._step_fn, args, normalize_batch_argnums(self.config.batch_argnums, len(args)))
             ph.done("traced the step")
-        plan, forward = source_plan(self.config, self._step_fn, args, traced)
+        plan, forward, reductions = source_plan(self.config, self._step_fn, args, traced)
         with phase(f"compiling the {plan.num_stages}-stage pipeline") as ph:
             donated = _donated_leaves(args, self.config.donate_argnums)
-            exe = build_executable(traced, plan, forward, self.config.devices, donated=donated)
+            exe = build_executable(traced, plan, forward, self.config.devices, donated=donated,
+                                   output_reductions=reductions)
             ph.done(f"built {exe.num_programs} program(s) for {plan.num_stages} stage(s); they compile in the "
                     "background and the first step runs each as soon as it is ready")
         return Built(traced, plan, forward, exe, tuple(sorted(donated)))
@@ -352,7 +353,9 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     the fewest activation bytes cross; by measured layer times when planned, see below); each stage runs on
     ``len(devices) // num_stages`` devices; the batch (argument ``batch_argnums``, default the last
     positional one) is split into ``num_microbatches`` along axis 0 of every leaf, and microbatch losses and
-    gradients are combined with ``loss_reduction`` (default ``"mean"``). Everything after the gradient runs
+    gradients are combined with ``loss_reduction``: ``"mean"`` or ``"sum"``, by default read off the loss's program
+    (a loss divided by its own number of examples is averaged, one that adds them up summed; ``"mean"`` where it
+    cannot be told), so that the step returns what ``jax.jit`` of it does. Everything after the gradient runs
     on the stages that own the parameters. ``plan`` (a :class:`Plan` or a JSON path from ``plan.to_json``)
     replays a saved plan exactly: its stages, devices, microbatches and schedule; it is refused for another
     step or devices.

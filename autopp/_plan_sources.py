@@ -19,6 +19,7 @@ import itertools
 import math
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -35,6 +36,7 @@ from autopp.core import (
     batch_dependent_vars,
     check_batch_divisible,
     get_schedule,
+    output_reductions,
     row_slice,
     scale_batch_independent_terms,
     trace_microbatch_forward,
@@ -54,6 +56,8 @@ class Sourced(NamedTuple):
     """The complete plan."""
     forward: jex_core.ClosedJaxpr
     """The loss's forward traced at microbatch size: the program the plan's equations index."""
+    output_reductions: tuple = ()
+    """Per output of the loss: ``"mean"``, ``"sum"`` or None, as its program shows (:func:`_reductions`)."""
 
 
 def batch_size(traced: TracedStep) -> int:
@@ -65,6 +69,54 @@ def batch_size(traced: TracedStep) -> int:
 def _forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
     check_batch_divisible(traced, num_microbatches)
     return trace_microbatch_forward(step_fn, args, traced, num_microbatches)
+
+
+def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.ClosedJaxpr,
+                num_microbatches: int) -> tuple[str, tuple]:
+    """(how the microbatches' losses combine, per output of the loss how its values combine or None). Read off the
+    loss's program (:func:`autopp.core.output_reductions`: a mean over its examples, or a sum) where it shows it;
+    else the reduction given (or the replayed plan's); else ``"mean"``. A reduction given that the program
+    contradicts would return ``num_microbatches`` times (or a ``num_microbatches``-th of) plain jit's loss, and
+    is refused."""
+    n_out = len(forward.jaxpr.outvars)
+    kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, num_microbatches)
+             if num_microbatches > 1 else (None,) * n_out)
+    given, kind = config.loss_reduction, kinds[0]
+    if kind == "ratio":
+        if given is None:
+            warnings.warn(
+                f"{_WHO}: the loss divides a sum over its examples by another sum over them (a masked token mean, "
+                "sum(nll * mask) / mask.sum()); each microbatch's ratio is averaged, which is not plain jax.jit's "
+                "whole-batch ratio when microbatches hold different numbers of counted tokens. For jit's value, compute "
+                "the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
+                "mask.sum())); to keep the average of microbatch ratios (gradient accumulation's), pass "
+                "loss_reduction='mean'.", stacklevel=5)
+        kind = None
+    kinds = tuple(None if k == "ratio" else k for k in kinds)
+    if kind is not None and given is not None and kind != given:
+        how = ("it divides by its own number of examples, as jnp.mean does" if kind == "mean" else
+               "it adds its examples up and divides by nothing that depends on its own batch size")
+        wrong = (f"{num_microbatches}x" if given == "sum" else f"1/{num_microbatches} of")
+        raise ValueError(
+            f"{_WHO}: loss_reduction={given!r}, but the loss is a {kind} over its examples ({how}): "
+            f"{'adding' if given == 'sum' else 'averaging'} the {num_microbatches} microbatches' losses would give "
+            f"{wrong} plain jax.jit's loss and gradients. "
+            + (f"The plan says loss_reduction {given!r}: make it again with plan_model(..., loss_reduction={kind!r}) "
+               f"(autopp plan --loss-reduction {kind})." if config.source == "replay" else
+               f"Drop loss_reduction= (it is read off the loss) or pass loss_reduction={kind!r}."))
+    reduction = given or kind or "mean"
+    whole = traced.whole_batch_grad_inputs
+    if whole and reduction == "mean" and kind is None:
+        raise ValueError(
+            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch (loss input(s) "
+            f"#{', #'.join(map(str, whole))}, e.g. a token count that normalises the loss), and its program does not "
+            "show whether it is a mean or a sum over its examples. Every microbatch's loss reads the step's value: "
+            "when that value normalises the loss (sum(nll * mask) / mask.sum() over the whole batch), the step's loss "
+            "is the sum of the microbatch losses, so pass loss_reduction=\"sum\"; when the loss averages its "
+            "examples anyway (a temperature, a key), pass loss_reduction=\"mean\"."
+            + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
+               "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
+    return reduction, kinds
 
 
 def _counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
@@ -217,7 +269,9 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     given), the model split into ``num_stages * virtual_stages`` stages balanced by FLOPs."""
     num_mb = _microbatches_for(config, traced)
     name, sched = _schedule_for(config, num_mb)
-    forward = _counted_once(_forward(step_fn, args, traced, num_mb), traced, num_mb, config.loss_reduction)
+    forward = _forward(step_fn, args, traced, num_mb)
+    reduction, kinds = _reductions(config, traced, forward, num_mb)
+    forward = _counted_once(forward, traced, num_mb, reduction)
     groups = config.group_devices(sched.num_ranks)
     rank_of = sched.stage_to_rank()
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
@@ -229,9 +283,9 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     stages = _stage_plans(traced, forward, split, stage_devices, _stage_layouts(config, sched, stage_devices),
                           _stage_recompute(config, sched.num_stages))
     plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=num_mb, schedule=name,
-                schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
+                schedule_text=sched.to_text(), loss_reduction=reduction,
                 virtual_stages=sched.num_stages // sched.num_ranks, zero1=bool(config.zero1))
-    return Sourced(plan, forward)
+    return Sourced(plan, forward, kinds)
 
 
 def _per_chunk(error: ValueError, sched: Schedule, name: str) -> ValueError:
@@ -272,6 +326,7 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
             "optimizer; constants such as the learning rate may differ). Make a new plan with step.plan_for(...) for "
             "these arguments.")
     forward = _forward(step_fn, args, traced, plan.num_microbatches)
+    _, kinds = _reductions(config, traced, forward, plan.num_microbatches)
     by_layers = not all(st.equations is not None for st in plan.stages)
     layer_equations = plan.layer_equations
     if by_layers or (plan.sequence_parallel and not layer_equations):
@@ -301,7 +356,7 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     stages = tuple(dataclasses.replace(new, mesh_shape=old.mesh_shape, layers=old.layers, param_specs=old.param_specs,
                                        forward_time_s=old.forward_time_s, backward_time_s=old.backward_time_s)
                    for new, old in zip(fresh, plan.stages))
-    return Sourced(dataclasses.replace(plan, stages=stages, layer_equations=layer_equations), forward)
+    return Sourced(dataclasses.replace(plan, stages=stages, layer_equations=layer_equations), forward, kinds)
 
 
 def _check_stage_equations(plan: Plan, fresh) -> None:
@@ -384,7 +439,8 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     forward = _forward(step_fn, args, traced, local.num_microbatches)
     ranges = _layer_ranges(prof, traced, forward)
     starts = _stage_starts(ranges, traced, forward, [first for first, _ in local.stage_layers], prof)
-    forward = _counted_once(forward, traced, local.num_microbatches, config.loss_reduction)
+    reduction, kinds = _reductions(config, traced, forward, local.num_microbatches)
+    forward = _counted_once(forward, traced, local.num_microbatches, reduction)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     per = local.devices_per_stage
     stage_devices = [config.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]
@@ -394,10 +450,10 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
                                        backward_time_s=p.backward_time_s)
                    for st, p in zip(stages, local.plan.stages))
     plan = Plan(model_fingerprint=traced.plan_fingerprint, stages=stages, num_microbatches=local.num_microbatches,
-                schedule=local.schedule, schedule_text=sched.to_text(), loss_reduction=config.loss_reduction,
+                schedule=local.schedule, schedule_text=sched.to_text(), loss_reduction=reduction,
                 microbatch_size=local.microbatch_size, predicted=local.predicted, zero1=local.plan.zero1,
                 planner=dataclasses.replace(local.plan.planner, wall_time_s=planning_s))
-    return Sourced(plan, forward)
+    return Sourced(plan, forward, kinds)
 
 
 def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> LocalPlan:
@@ -505,16 +561,6 @@ SOURCES: dict[str, Callable[[ParallelizeConfig, Callable, tuple, TracedStep], So
 
 def source_plan(config: ParallelizeConfig, step_fn: Callable, args: tuple, traced: TracedStep) -> Sourced:
     """The complete plan (and the forward it splits) from the source the config names."""
-    whole = traced.whole_batch_grad_inputs
-    if whole and config.loss_reduction == "mean":
-        raise ValueError(
-            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch (loss input(s) "
-            f"#{', #'.join(map(str, whole))}, e.g. a token count that normalises the loss). Every microbatch's loss "
-            "reads the step's value, so the step's loss is the sum of the microbatch losses, not their mean: pass "
-            "loss_reduction=\"sum\" (a masked token mean, sum(nll * mask) / mask.sum() over the whole batch, is then "
-            "exactly the step's). A scalar meant per microbatch is computed inside the loss instead."
-            + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
-               "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
     return SOURCES[config.source](config, step_fn, args, traced)
 
 

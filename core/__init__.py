@@ -81,6 +81,7 @@ from autopp.core._plan import (
     StagePlan,
     id_ranges,
 )
+from autopp.core._reduction import output_reductions
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import ScanRun, find_scan_runs, read_rows, reroll_scans, row_slice
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs

@@ -36,8 +36,8 @@ __all__ = ["MESH_AXES", "Executable", "PipelineConfig", "Program", "StageMeshes"
 def build_program(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
                   schedule, recompute: Sequence[str] | None = None,
                   layouts: Sequence[dict[str, int]] | None = None, param_specs: Sequence | None = None,
-                  zero1: bool = False, sequence_vars=frozenset(),
-                  donated=frozenset()) -> tuple[Program, Compiler, StageMeshes]:
+                  zero1: bool = False, sequence_vars=frozenset(), donated=frozenset(),
+                  output_reductions: Sequence[str | None] = ()) -> tuple[Program, Compiler, StageMeshes]:
     """The step laid out as tasks, before any pass (arguments as :func:`build_split_executable`'s); with the compiler
     that lowered its programs (and started compiling them) and the stages' meshes."""
     recompute = tuple(recompute) if recompute is not None else ("none",) * split.num_stages
@@ -68,7 +68,8 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
                             recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
                             zero1=bool(zero1), sequence_vars=frozenset(sequence_vars),
-                            donated=frozenset(donated), stage_of=stage_of)
+                            donated=frozenset(donated), stage_of=stage_of,
+                            output_reductions=tuple(output_reductions))
     step = analyse(traced, forward, split, meshes, config)
     compiler = Compiler()
     builder = StepBuilder(step, TaskList(compiler.lower))
@@ -152,18 +153,21 @@ def _warn_whole_stacks(whole) -> None:
 def build_split_executable(traced, forward, split, stage_devices, *, num_microbatches, loss_reduction,
                            schedule, recompute: Sequence[str] | None = None,
                      layouts: Sequence[dict[str, int]] | None = None, param_specs: Sequence | None = None,
-                     zero1: bool = False, sequence_vars=frozenset(), donated=frozenset()) -> Executable:
+                     zero1: bool = False, sequence_vars=frozenset(), donated=frozenset(),
+                     output_reductions: Sequence[str | None] = ()) -> Executable:
     """Build the step's instruction list for a split of the forward (what :func:`build_executable` reads off a plan).
     ``forward`` is the loss's forward jaxpr at microbatch size;
     ``recompute`` gives each stage's recomputation mode (default none); ``layouts`` each stage's mesh axis sizes
     (``data``, ``fsdp``, ``tensor``; default all data); ``param_specs`` each stage's parameter layouts over its
     tensor axis from a plan (default: Megatron's rule); ``zero1`` shards optimizer state over the data axis;
     ``sequence_vars``: forward activations split along their sequence over the tensor axis (sequence parallelism);
-    ``donated``: the step's flat inputs whose buffers the step may reuse for its results (``donate_argnums``)."""
+    ``donated``: the step's flat inputs whose buffers the step may reuse for its results (``donate_argnums``);
+    ``output_reductions``: per output of the loss, how its microbatch values combine where its program shows it
+    (:func:`autopp.core.output_reductions`; the rest follow ``loss_reduction``)."""
     program, compiler, meshes = build_program(
         traced, forward, split, stage_devices, num_microbatches=num_microbatches, loss_reduction=loss_reduction,
         schedule=schedule, recompute=recompute, layouts=layouts, param_specs=param_specs, zero1=zero1,
-        sequence_vars=sequence_vars, donated=donated)
+        sequence_vars=sequence_vars, donated=donated, output_reductions=output_reductions)
     program = _passes.reuse_accumulators(program, compiler)
     program = _passes.localize(program, meshes.devices)
     program = _passes.insert_frees(program)
@@ -190,7 +194,8 @@ def sequence_boundary_activations(forward: jex_core.ClosedJaxpr, traced: TracedS
 
 
 def build_executable(traced: TracedStep, plan: Plan, forward: jex_core.ClosedJaxpr,
-                     devices: Sequence[jax.Device], donated=frozenset()) -> Executable:
+                     devices: Sequence[jax.Device], donated=frozenset(),
+                     output_reductions: Sequence[str | None] = ()) -> Executable:
     """The executable that runs a complete ``plan`` for ``traced`` on ``devices`` (which hold every device the plan
     names); ``forward`` is the loss's forward at microbatch size, the program the plan's equations index. Nothing
     is chosen here: every stage's devices, mesh, equations, recomputation and parameter layouts, the schedule and
@@ -217,4 +222,4 @@ def build_executable(traced: TracedStep, plan: Plan, forward: jex_core.ClosedJax
                                   loss_reduction=plan.loss_reduction, schedule=sched,
                                   recompute=tuple(st.recompute for st in plan.stages), layouts=layouts,
                                   param_specs=param_specs, zero1=plan.zero1, sequence_vars=sequence_vars,
-                                  donated=donated)
+                                  donated=donated, output_reductions=output_reductions)

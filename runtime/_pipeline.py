@@ -304,7 +304,6 @@ class Pipeline:
     def reduce_outputs(self) -> None:
         """Loss and aux: reduce the per-microbatch values on the stage that produced them."""
         b, st = self.b, self.st
-        mean = st.config.loss_reduction == "mean"
         concatenated = st.concatenated_outputs()
         batch_dependent = batch_dependent_vars(st.fwd, st.mb_invar)
         for k in range(1 + st.spec.num_aux):
@@ -327,7 +326,8 @@ class Pipeline:
             if k in concatenated:  # per-example values: the whole batch's, in order
                 fn = jax.jit(lambda *xs: (jnp.concatenate(xs),), out_shardings=(self.meshes.replicated[s],))
             else:
-                fn = jax.jit(lambda *xs, mean=mean: (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
+                fn = jax.jit(lambda *xs, mean=st.config.reduction(k) == "mean":
+                             (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
                              out_shardings=(self.meshes.replicated[s],))
             (self.reduced[k],) = b.emit(fn, parts, 1, f"reduce {'loss' if k == 0 else f'aux {k - 1}'} stage {s}")
 

@@ -53,6 +53,14 @@ class PipelineConfig:
     stage_of: tuple[int, ...] = ()
     """The plan's stage of each of the runtime's stages, where the runtime cut stages into segments
     (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
+    output_reductions: tuple = ()
+    """Per output of the loss: ``"mean"`` or ``"sum"`` where its program shows how its examples combine, else
+    None (it follows :attr:`loss_reduction`)."""
+
+    def reduction(self, k: int) -> str:
+        """How the microbatches' values of the loss's output ``k`` combine (0: the loss)."""
+        kind = self.output_reductions[k] if k < len(self.output_reductions) else None
+        return kind or self.loss_reduction
 
     def plan_stage(self, s: int) -> int:
         return self.stage_of[s] if self.stage_of else s
@@ -197,11 +205,11 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 "first inside the loss (a value stacked per layer by a scan: jnp.moveaxis(v, 1, 0)), or compute it in "
                 "the step outside the gradient.")
         key, a = jax.dtypes.issubdtype(dt, jax.dtypes.extended), fwd.outvars[k]  # (a key cannot be summed either)
-        if ((config.loss_reduction == "mean" or key) and not per_example and not jnp.issubdtype(dt, jnp.inexact)
+        if ((config.reduction(k) == "mean" or key) and not per_example and not jnp.issubdtype(dt, jnp.inexact)
                 and not isinstance(a, Literal) and a in batch_dependent and k not in constants[0]):
             raise TypeError(
                 f"autopp.parallelize: {names[k - 1]} has dtype {dt} and depends on the batch; aux values are "
-                f"{'averaged' if config.loss_reduction == 'mean' else 'summed'} over microbatches, which needs a "
+                f"{'averaged' if config.reduction(k) == 'mean' else 'summed'} over microbatches, which needs a "
                 + ("number. Return the key from the step outside the gradient." if key else "floating dtype. "
                    "Return it as a float (e.g. .astype(jnp.float32)): a count comes back as its mean over the "
                    "microbatches."))
@@ -671,7 +679,8 @@ class StepBuilder:
                     total = next(summed)
                     aux.append(total / M if jnp.issubdtype(total.dtype, jnp.inexact) else total // M)
                 else:
-                    aux.append(scale(next(summed)))
+                    total = next(summed)
+                    aux.append(total / M if st.config.reduction(k) == "mean" else total)
             return [scale(loss), *aux, *map(scale, grads)]
 
         traced = st.traced

@@ -82,8 +82,9 @@ def test_tied_embedding_between_stages_of_other_mesh_shapes():
 
 def test_masked_token_mean_over_the_whole_batch():
     """Padding masks that differ between microbatches: a loss normalised by the step's token count (computed in the
-    step, outside the loss) is exactly plain jit's masked token mean under loss_reduction="sum", and refused under
-    "mean", where each microbatch's losses would be averaged instead (the mistake a per-microbatch count makes)."""
+    step, outside the loss) is exactly plain jit's masked token mean under loss_reduction="sum", which is read off the
+    loss by default (it adds its examples up); "mean" given is refused, as it would average the microbatches' losses
+    (a quarter of jit's). Before, the default was "mean" and such a step was refused."""
     model, tx = tiny_gpt(), optax.sgd(0.5)
     params = model.init(jax.random.key(0))
     batch = model.batch(jax.random.key(1), 8)
@@ -103,11 +104,13 @@ def test_masked_token_mean_over_the_whole_batch():
     state = (params, tx.init(params))
     expected, expected_losses = run_steps(jax.jit(step), state, batch)
     kw = dict(num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
-    got, losses = run_steps(autopp.parallelize(step, loss_reduction="sum", **kw), state, batch)
-    assert_trees_close(losses, expected_losses, rtol=1e-6, atol=1e-6)
-    assert_trees_close(got, expected, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r'(?s)scalar\(s\) the step computes from the whole batch.*loss_reduction="sum"'):
-        autopp.parallelize(step, **kw)(*state, batch)
+    for reduction in ("sum", None):
+        got, losses = run_steps(autopp.parallelize(step, loss_reduction=reduction, **kw), state, batch)
+        assert_trees_close(losses, expected_losses, rtol=1e-6, atol=1e-6)
+        assert_trees_close(got, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"(?s)loss_reduction='mean', but the loss is a sum over its examples.*"
+                                         r"1/4 of plain jax.jit's loss.*pass loss_reduction='sum'"):
+        autopp.parallelize(step, loss_reduction="mean", **kw)(*state, batch)
 
 
 def test_gradients_and_aux_match_jax():

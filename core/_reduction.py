@@ -1,0 +1,272 @@
+"""How a loss combines its examples, read off its program: is it a mean over the batch or a sum?
+
+Microbatching a loss gives one value per microbatch. ``jax.jit`` of the step computes the loss once over the whole
+batch; the microbatch values add up to that only if the loss is a *sum* over examples times factors that do not
+depend on how many examples it sees (``sum(nll * w)`` with weights normalised in the step, ``sum(nll) / n`` with a
+token count ``n`` taken from the whole batch), and average to it only if it is a *mean* (divided by a count of its
+own examples: ``jnp.mean``, ``/ x.shape[0]``). A sum over examples divided by another sum over them (a masked token
+mean inside the loss, ``sum(nll * mask) / mask.sum()``) is neither: :func:`output_reductions` calls it a
+``"ratio"``, which averaged over microbatches differs from jit's whole-batch ratio when microbatches differ.
+
+:func:`output_reductions` tells them apart from two traces of the same loss: at the whole batch and at one
+microbatch. Walking both programs in step, every value gets a pair ``(s, b)``: ``s`` is how many times examples of
+the batch were added up into it (0 for a per-example value, 1 after a sum over the batch axis) and ``b`` the power of
+the batch size it is multiplied by, through literals that differ between the two traces exactly by the number of
+microbatches (``jnp.mean``'s divisor: ``b = -1``). A loss of ``(1, -1)`` is a mean, ``(1, 0)`` a sum. Anything
+else (a ratio of two sums such as a masked mean inside the loss, a maximum over examples, a logarithm of a sum,
+programs that differ in structure between the two sizes) is left undetermined (None), and the caller's
+``loss_reduction`` stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = ["output_reductions"]
+
+_State = tuple  # (s, b, depends on a microbatched input); None: undetermined
+
+# elementwise or layout operations that carry their operand's (s, b) unchanged
+_CARRY = frozenset({
+    "neg", "convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy",
+    "copy_p", "reduce_precision", "slice", "dynamic_slice", "gather", "rev", "real", "imag", "conj", "pjit_sharding",
+    "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min",
+})
+_ADD = frozenset({"add", "sub", "add_any"})
+_SAME = frozenset({"max", "min", "select_n", "concatenate", "clamp", "pad", "dynamic_update_slice"})
+# operations that mix examples along an axis without adding them up into one value
+_MIX_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
+              "sort": "dimension", "argsort": "dimension"}
+_ORDERED_REDUCE = frozenset({"reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod", "reduce_and",
+                             "reduce_or", "reduce_xor"})
+_LIN = frozenset({"dot_general"})
+
+
+class _Mismatch(Exception):
+    """The two traces differ in structure: nothing can be said."""
+
+
+def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
+                      num_microbatches: int) -> tuple[str | None, ...]:
+    """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
+    a sum over them, None when neither can be shown. ``whole`` and ``micro``: the same loss traced at the whole batch
+    and at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split."""
+    try:
+        states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
+                       [(0, 0, bool(m)) for m in microbatched], num_microbatches)
+    except _Mismatch:
+        return (None,) * len(micro.jaxpr.outvars)
+    out = []
+    for st in states:
+        out.append(None if st is None or not st[2] or st[0] != 1 else {-1: "mean", 0: "sum", _RATIO: "ratio"}.get(st[1]))
+    return tuple(out)
+
+
+def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, in_states: list,
+          M: int) -> list:
+    if len(w.eqns) != len(m.eqns) or len(w.invars) != len(m.invars) or len(in_states) != len(m.invars):
+        raise _Mismatch
+    env: dict = {}  # micro var -> (state, batch axes)
+    for wv, mv, st in zip(w.invars, m.invars, in_states):
+        env[mv] = (st, _batch_axes(wv, mv))
+    for wv, mv, wc, mc in zip(w.constvars, m.constvars, w_consts, m_consts):
+        env[mv] = (_const_state(wc, mc, M), _batch_axes(wv, mv))
+
+    def read(wa, ma):
+        if isinstance(ma, jex_core.Literal):
+            if not isinstance(wa, jex_core.Literal):
+                raise _Mismatch
+            return _const_state(wa.val, ma.val, M), ()
+        return env[ma]
+
+    for we, me in zip(w.eqns, m.eqns):
+        if we.primitive is not me.primitive or len(we.invars) != len(me.invars) or len(we.outvars) != len(me.outvars):
+            raise _Mismatch
+        ins = [read(a, b) for a, b in zip(we.invars, me.invars)]
+        outs = _rule(we, me, ins, M)
+        for wv, mv, st in zip(we.outvars, me.outvars, outs):
+            env[mv] = (st, _batch_axes(wv, mv))
+    return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
+
+
+def _batch_axes(wv, mv) -> tuple[int, ...]:
+    ws, ms = getattr(wv.aval, "shape", ()), getattr(mv.aval, "shape", ())
+    if len(ws) != len(ms):
+        raise _Mismatch
+    return tuple(d for d, (a, b) in enumerate(zip(ws, ms)) if a != b)
+
+
+def _const_state(wval, mval, M: int):
+    """A literal or constant: batch-independent when equal in both traces, the batch size to the power +-1 when the
+    whole batch's is M times (or 1/M times) the microbatch's, else undetermined."""
+    try:
+        a, b = np.asarray(wval), np.asarray(mval)
+    except Exception:  # noqa: BLE001 - e.g. a key: no number to compare
+        return (0, 0, False)
+    if a.shape != b.shape:
+        raise _Mismatch
+    if a.dtype == object or not np.issubdtype(a.dtype, np.number):
+        return (0, 0, False) if np.array_equal(a, b) else None
+    if np.array_equal(a, b):
+        return (0, 0, False)
+    if a.size != 1:
+        return None
+    x, y = float(a.reshape(())), float(b.reshape(()))
+    if y != 0 and np.isclose(x / y, M, rtol=1e-6):
+        return (0, 1, False)
+    if x != 0 and np.isclose(y / x, M, rtol=1e-6):
+        return (0, -1, False)
+    return None
+
+
+_RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
+
+
+def _rule(we, me, ins: list, M: int) -> list:
+    name = me.primitive.name
+    n_out = len(me.outvars)
+    states = [st for st, _ in ins]
+    if any(st is None for st in states):
+        return [None] * n_out
+    dep = any(st[2] for st in states)
+    if any(st[1] == _RATIO for st in states):  # a ratio goes on only scaled by, or added to, a constant
+        constant = all(st[1] == _RATIO or st[:3] == (0, 0, False) for st in states)
+        if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == _RATIO or name in _CARRY):
+            return [(1, _RATIO, True)] + [(0, 0, dep)] * (n_out - 1)
+        return [None] * n_out
+    if name in _ADD:
+        live = [st for st in states if st[2] or st[:2] != (0, 0)]
+        keys = {st[:2] for st in live}
+        if len(keys) > 1:
+            # a batch-independent term added to a sum or a mean (a weight penalty): the dependent part decides
+            dependent = {st[:2] for st in live if st[2]}
+            keys = dependent if len(dependent) == 1 and all(st[:2] == (0, 0) for st in live if not st[2]) else keys
+        return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
+    if name in _SAME:
+        data = states[1:] if name == "select_n" else states
+        if name == "select_n" and states[0][:2] != (0, 0):
+            return [None]
+        keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
+        return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
+    if name in ("mul", "div"):
+        (s1, b1, _), (s2, b2, _) = states
+        if name == "div":
+            if s2:  # a ratio of sums (a masked mean inside the loss) is neither
+                return [(1, _RATIO, True)] if s1 == 1 and s2 == 1 else [None]
+            return [(s1, b1 - b2, dep)]
+        return [(s1 + s2, b1 + b2, dep)] if s1 + s2 <= 1 else [None]
+    if name == "integer_pow":
+        s, b, _ = states[0]
+        y = me.params["y"]
+        return [(s, b * y, dep)] if s == 0 or y == 1 else [None]
+    if name == "reduce_sum":
+        (s, b, _), axes = states[0], ins[0][1]
+        if set(me.params["axes"]) & set(axes):
+            return [(1, b, dep)] if s == 0 else [None]
+        return [(s, b, dep)]
+    if name in _ORDERED_REDUCE:
+        axes = ins[0][1]
+        if set(me.params.get("axes", ())) & set(axes):
+            return [None]  # a maximum over examples is no sum
+        return [states[0]] if name in _CARRY else ([(0, 0, dep)] if states[0][:2] == (0, 0) else [None])
+    if name in _CARRY:
+        return [(*states[0][:2], dep)] + [(0, 0, dep)] * (n_out - 1)
+    if name in _MIX_ALONG:
+        along = me.params.get(_MIX_ALONG[name])
+        if any(along in ax for _, ax in ins):
+            return [None] * n_out
+    if name in _LIN:
+        return [_dot(me, ins, dep)]
+    if name in ("scatter-add", "scatter_add"):
+        return [_scatter_add(me, ins, dep)]
+    sub = _sub_jaxprs(we, me)
+    if sub is not None:
+        return sub(ins, M)
+    if all(st[:2] == (0, 0) for st in states):
+        return [(0, 0, dep)] * n_out  # a per-example (or batch-independent) operation
+    return [None] * n_out
+
+
+def _dot(me, ins, dep):
+    (lc, rc), _ = me.params["dimension_numbers"]
+    (s1, b1, _), la = ins[0]
+    (s2, b2, _), ra = ins[1]
+    summed = bool(set(lc) & set(la)) or bool(set(rc) & set(ra))
+    s = s1 + s2 + int(summed)
+    return (s, b1 + b2, dep) if s <= 1 else None
+
+
+def _scatter_add(me, ins, dep):
+    (so, bo, do), _ = ins[0]
+    (su, bu, du), ua = ins[2]
+    # updates with a batch axis added into an array without one (a count per class): their examples are added up
+    s = su + int(bool(du and ua and not do))
+    if s > 1 or (do and (so, bo) != (s, bu)):
+        return None
+    return (s, bu, dep)
+
+
+def _sub_jaxprs(we, me):
+    """The rule of an equation that runs inner programs (a call, a checkpoint, a custom derivative, a scan, a
+    loop, a branch), or None."""
+    name = me.primitive.name
+    if name == "scan":
+        return lambda ins, M: _scan(we, me, ins, M)
+    if name == "cond":
+        return lambda ins, M: _cond(we, me, ins, M)
+    if name == "while":
+        return lambda ins, M: _while(we, me, ins, M)
+    wb, mb = _body(we), _body(me)
+    if mb is None or wb is None:
+        return None
+    if len(mb.jaxpr.invars) != len(me.invars) or len(mb.jaxpr.outvars) != len(me.outvars):
+        return None
+    return lambda ins, M: _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), [st for st, _ in ins], M)
+
+
+def _body(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is None:
+            continue
+        if isinstance(j, jex_core.ClosedJaxpr):
+            return j
+        if isinstance(j, jex_core.Jaxpr):
+            return jex_core.ClosedJaxpr(j, ())
+    return None
+
+
+def _scan(we, me, ins, M):
+    nc, ncar = me.params["num_consts"], me.params["num_carry"]
+    wb, mb = we.params["jaxpr"], me.params["jaxpr"]
+    states = [st for st, _ in ins]
+    carry = states[nc:nc + ncar]
+    outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states, M)
+    if outs[:ncar] != carry:  # a carry that accumulates over iterations: one more pass from the joined states
+        carry = [a if a == b else None for a, b in zip(carry, outs[:ncar])]
+        outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts),
+                     states[:nc] + carry + states[nc + ncar:], M)
+        if outs[:ncar] != carry:
+            return [None] * len(me.outvars)
+    return outs
+
+
+def _cond(we, me, ins, M):
+    if ins[0][0][:2] != (0, 0):
+        return [None] * len(me.outvars)
+    states = [st for st, _ in ins[1:]]
+    results = [_walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states, M)
+               for wb, mb in zip(we.params["branches"], me.params["branches"])]
+    return [r[0] if all(x == r[0] for x in r) else None for r in zip(*results)]
+
+
+def _while(we, me, ins, M):
+    cn, bn = me.params["cond_nconsts"], me.params["body_nconsts"]
+    wb, mb = we.params["body_jaxpr"], me.params["body_jaxpr"]
+    states = [st for st, _ in ins]
+    carry = states[cn + bn:]
+    outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
+    return [a if a == b else None for a, b in zip(carry, outs)]
