@@ -40,27 +40,22 @@ class PipelineConfig:
     recompute: tuple[str, ...]
     """Recomputation mode of each stage."""
     param_specs: tuple | None = None
-    """Per stage: ``{forward input index: spec}`` (a tuple with ``"tensor"`` where the parameter is split over the
-    stage's tensor axis) from a plan, or None for Megatron's rule (:mod:`autopp.runtime._tensor`)."""
+    """Per stage: ``{forward input index: spec}`` (``"tensor"`` where a parameter is split) from a plan, or None."""
     zero1: bool = False
     """Optimizer state sharded over each stage's data axis too (ZeRO-1)."""
     sequence_vars: frozenset = frozenset()
     """Forward activations laid out along their sequence (second) dimension over the stage's tensor axis (sequence
     parallelism: the values between layers); their cotangents follow."""
     donated: frozenset = frozenset()
-    """Indices of the step's flat inputs whose buffers may be reused for its results (``donate_argnums``): the
-    programs that read them last donate them."""
+    """The step's flat inputs whose buffers its results may reuse (``donate_argnums``); their last readers donate."""
     stage_of: tuple[int, ...] = ()
     """The plan's stage of each of the runtime's stages, where the runtime cut stages into segments
     (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
     output_reductions: tuple = ()
-    """Per output of the loss: ``"mean"`` or ``"sum"`` where its program shows how its examples combine, else
-    None (it follows :attr:`loss_reduction`)."""
+    """Per output of the loss: ``"mean"``, ``"sum"`` (as its program shows) or None (as :attr:`loss_reduction`)."""
 
-    def reduction(self, k: int) -> str:
-        """How the microbatches' values of the loss's output ``k`` combine (0: the loss)."""
-        kind = self.output_reductions[k] if k < len(self.output_reductions) else None
-        return kind or self.loss_reduction
+    def reduction(self, k: int) -> str:  # how the microbatches' values of the loss's output k combine (0: the loss)
+        return (self.output_reductions[k] if k < len(self.output_reductions) else None) or self.loss_reduction
 
     def plan_stage(self, s: int) -> int:
         return self.stage_of[s] if self.stage_of else s
@@ -144,18 +139,16 @@ class Step:
                                          self.config.num_microbatches))
 
     def is_constant_output(self, k: int) -> bool:
-        """Whether aux output ``k`` reads no input of the loss (a literal, ``jnp.float32(x.shape[0]) * 2``): the step
-        returns the whole batch's value (:meth:`constant_output`), as ``jax.jit`` does."""
+        """Whether aux ``k`` reads no loss input (``jnp.float32(x.shape[0])``): the whole batch's value is returned."""
         return k > 0 and (isinstance(self.fwd.outvars[k], Literal) or k in self.constants[0])
 
     def constant_output(self, k):
-        """The whole batch's value of forward output ``k``, which reads no input of the loss (a size read off the
-        batch, ``x.shape[0]``, and what is computed from it, is the whole batch's, as under ``jax.jit``)."""
+        """The whole batch's value of forward output ``k``, which reads no input of the loss (``x.shape[0]``)."""
         whole, small = self.spec.forward.jaxpr.outvars[k], self.fwd.outvars[k]
         if isinstance(whole, Literal) or k in self.constants[1]:
             return whole.val if isinstance(whole, Literal) else self.constants[1][k]
-        value = small.val if isinstance(small, Literal) else self.constants[0][k]
-        return value * (1 if self.config.loss_reduction == "mean" else self.config.num_microbatches)
+        return (small.val if isinstance(small, Literal) else self.constants[0][k]) * (
+            1 if self.config.reduction(k) == "mean" else self.config.num_microbatches)
 
     def invar_name(self, k) -> str:
         a = self.grad.invars[k]
