@@ -164,7 +164,9 @@ class Parallelized(Generic[_P, _R]):
         """Before a step runs: donated leaves must be distinct arrays; a step of another signature than the last
         frees the accumulators the last one kept (one signature's at a time: a short last batch per epoch would
         otherwise keep a second set of gradient buffers for good)."""
-        if any(x.is_deleted() for x in flat if isinstance(x, jax.Array)):  # XLA would crash on it (a user trial)
+        if any(x.is_deleted() if isinstance(x, jax.Array) else isinstance(x, jax.ShapeDtypeStruct) for x in flat):
+            _check_runnable(flat, "step")  # (shapes without values after a first step: said as on the first)
+            # a deleted array: XLA would crash on it (a user trial)
             gone = [p for p, x in zip(built.traced.leaf_paths, flat) if isinstance(x, jax.Array) and x.is_deleted()]
             raise RuntimeError(
                 f"autopp.parallelize: {len(gone)} argument leaf(s) have been deleted ({', '.join(gone[:4])}"

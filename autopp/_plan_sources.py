@@ -153,8 +153,11 @@ def _microbatches_for(config: ParallelizeConfig, traced: TracedStep) -> int:
     step = n if config.schedule == "interleaved-1f1b" else 1  # a multiple of the groups
     fits = [d for d in range(step, 2 * n + 1, step) if batch % d == 0]
     if not fits:
+        near = sorted({batch - batch % n, batch - batch % n + n} - {0})
         raise ValueError(f"{_WHO}: interleaved-1f1b needs a microbatch count that is a multiple of the {n} device "
-                         f"groups and divides the batch of {batch}; pass num_microbatches= or another batch size.")
+                         f"groups and divides the batch, and no count does for a batch of {batch}: use a batch size "
+                         f"that is a multiple of {n} (e.g. {' or '.join(map(str, near))}), or schedule='1f1b' for "
+                         "this one.")
     return max(_split_evenly(fits, batch, config) or fits)
 
 
@@ -433,7 +436,7 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     with phase("profiling the step's layers") as ph:
         prof = _profile(step_fn, args, traced, config, measure=True)
         ph.done(f"profiled {len(prof.layers)} layers")
-    local = _plan_local(config, prof, batch_size(traced))
+    local, config = _plan_local(config, prof, batch_size(traced))
     planning_s = time.perf_counter() - t0
     sched = get_schedule(local.schedule, local.num_stages, local.num_microbatches)
     forward = _forward(step_fn, args, traced, local.num_microbatches)
@@ -456,8 +459,10 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     return Sourced(plan, forward, kinds)
 
 
-def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> LocalPlan:
-    from autopp.planner import plan_local
+def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> tuple[LocalPlan, ParallelizeConfig]:
+    """The local plan, and the config it is for: one whose devices are the first of ``config``'s that split the
+    batch evenly when all of them cannot (the last, smaller batch of an epoch), said in a warning."""
+    from autopp.planner import most_devices_with_a_layout, pipeline_units, plan_local
 
     n = len(config.devices)
     layout, num_stages = config.layout, None
@@ -474,9 +479,18 @@ def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> LocalPl
                                zero1=bool(config.zero1), **({} if num_stages is None else {"num_stages": num_stages}))
             ph.done(f"planned {local.num_stages} stage(s), {local.num_microbatches} microbatch(es), {local.schedule}")
     except ValueError as e:
+        import jax
+
+        fewer = most_devices_with_a_layout(n, pipeline_units(prof), batch, num_stages)
+        if ("no pipeline layout for batch size" in str(e) and not config.layout and jax.process_count() == 1
+                and config.device_groups is None and 1 <= fewer < n):
+            warnings.warn(f"{_WHO}: a batch of {batch} does not split evenly over the devices of any pipeline of "
+                          f"{n} device(s); this batch size runs on the first {fewer} (its results are the same; the "
+                          "others idle). A batch size that splits over all of them uses them all.", stacklevel=5)
+            return _plan_local(dataclasses.replace(config, devices=tuple(config.devices[:fewer])), prof, batch)
         raise ValueError(f"{_WHO}: cannot plan this step for {n} device(s): {str(e).removeprefix('plan_local: ')} "
                          "Or fix the layout yourself with num_stages=, num_microbatches= and schedule=.") from None
-    return _process_0_s(local)
+    return _process_0_s(local), config
 
 
 _plans_agreed = itertools.count()

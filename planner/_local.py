@@ -104,7 +104,7 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
     n = num_devices
     lay = dict(layout or {})
     tp, fsdp, data = lay.get("tensor", 1), lay.get("fsdp", 1), lay.get("data")
-    stages = [S for S in divisors(n) if (num_stages is None or S == num_stages) and S <= len(profile.layers)
+    stages = [S for S in divisors(n) if (num_stages is None or S == num_stages) and S <= pipeline_units(profile)
               and S % stage_multiple == 0]
     fitting = [S for S in stages if (n // S) % (tp * fsdp) == 0 and (data is None or n // S == data * fsdp * tp)]
     if layout and not fitting:
@@ -134,9 +134,9 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
 
 
 def _no_layout_message(profile: Profile, n: int, batch: int, num_stages, num_microbatches) -> str:
-    units = len(profile.layers)
+    units = pipeline_units(profile)
     stages = [S for S in divisors(n) if S <= units and (num_stages is None or S == num_stages)]
-    fewer = _most_devices_with_a_layout(n, units, batch, num_stages, num_microbatches)
+    fewer = most_devices_with_a_layout(n, units, batch, num_stages, num_microbatches)
     if not stages:
         return (f"plan_local: no pipeline layout on {n} device(s): the number of stages must divide {n} and be at "
                 f"most the {units} layer(s) of the model" + (f" (num_stages={num_stages})" if num_stages else "")
@@ -149,7 +149,13 @@ def _no_layout_message(profile: Profile, n: int, batch: int, num_stages, num_mic
             f"multiple of {d}, or pass fewer devices, e.g. devices=jax.devices()[:{fewer}].")
 
 
-def _most_devices_with_a_layout(n: int, units: int, batch: int, num_stages, num_microbatches) -> int:
+def pipeline_units(profile: Profile) -> int:
+    """The most stages a profile is cut into: its repeated blocks (all its layers when it has none), as
+    :func:`~autopp.planner.plan_model` counts them."""
+    return sum(1 for lay in profile.layers if lay.name.startswith("block")) or len(profile.layers)
+
+
+def most_devices_with_a_layout(n: int, units: int, batch: int, num_stages=None, num_microbatches=None) -> int:
     """The most devices below ``n`` that a pipeline of at most ``units`` stages (``num_stages`` if given) lays out
     with the batch split evenly over each stage's devices (1 at least)."""
     for m in range(n - 1, 1, -1):

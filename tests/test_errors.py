@@ -311,3 +311,19 @@ def test_shapes_without_values_are_refused_by_a_running_call_and_taken_by_plan_f
     for run in (pipelined, pipelined.trace):
         with pytest.raises(TypeError, match=r"runs the step, but \d+ argument leaf\(s\) are jax.ShapeDtypeStruct"):
             run(*abstract)
+    # after a real step of the same signature too (it raised JAX's InvalidInputException there, a user trial)
+    pipelined(*state, batch)
+    for run in (pipelined, pipelined.trace):
+        with pytest.raises(TypeError, match=r"runs the step, but \d+ argument leaf\(s\) are jax.ShapeDtypeStruct"):
+            run(*abstract)
+
+
+def test_a_batch_no_interleaved_microbatch_count_divides(mlp_setup):
+    """interleaved-1f1b's microbatch count is a multiple of the device groups: for a batch of 7 on 2 groups none
+    divides it, and the message says so and what to change (it said "pass num_microbatches=", which no count
+    satisfies, a user trial)."""
+    model, step, state, _ = mlp_setup
+    pipelined = autopp.parallelize(step, num_stages=2, schedule="interleaved-1f1b", devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"no count does for a batch of 7: use a batch size that is a multiple of 2 "
+                                         r"\(e\.g\. 6 or 8\), or schedule='1f1b'"):
+        pipelined.plan_for(*state, model.batch(jax.random.key(1), 7))
