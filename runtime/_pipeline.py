@@ -326,8 +326,8 @@ class Pipeline:
             if k in concatenated:  # per-example values: the whole batch's, in order
                 fn = jax.jit(lambda *xs: (jnp.concatenate(xs),), out_shardings=(self.meshes.replicated[s],))
             else:
-                fn = jax.jit(lambda *xs, mean=st.config.reduction(k) == "mean":
-                             (sum(xs[1:], xs[0]) / len(xs) if mean else sum(xs[1:], xs[0]),),
+                fn = jax.jit(lambda *xs, mean=st.config.reduction(k) == "mean":  # (one microbatch: its value, any dtype)
+                             (sum(xs[1:], xs[0]) / len(xs) if mean and len(xs) > 1 else sum(xs[1:], xs[0]),),
                              out_shardings=(self.meshes.replicated[s],))
             (self.reduced[k],) = b.emit(fn, parts, 1, f"reduce {'loss' if k == 0 else f'aux {k - 1}'} stage {s}")
 

@@ -198,7 +198,7 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 "first inside the loss (a value stacked per layer by a scan: jnp.moveaxis(v, 1, 0)), or compute it in "
                 "the step outside the gradient.")
         key, a = jax.dtypes.issubdtype(dt, jax.dtypes.extended), fwd.outvars[k]  # (a key cannot be summed either)
-        if ((config.reduction(k) == "mean" or key) and not per_example and not jnp.issubdtype(dt, jnp.inexact)
+        if ((config.reduction(k) == "mean" or key) and not per_example and config.num_microbatches > 1 and not jnp.issubdtype(dt, jnp.inexact)
                 and not isinstance(a, Literal) and a in batch_dependent and k not in constants[0]):
             raise TypeError(
                 f"autopp.parallelize: {names[k - 1]} has dtype {dt} and depends on the batch; aux values are "
@@ -673,7 +673,7 @@ class StepBuilder:
                     aux.append(total / M if jnp.issubdtype(total.dtype, jnp.inexact) else total // M)
                 else:
                     total = next(summed)
-                    aux.append(total / M if st.config.reduction(k) == "mean" else total)
+                    aux.append(total / M if st.config.reduction(k) == "mean" and M > 1 else total)
             return [scale(loss), *aux, *map(scale, grads)]
 
         traced = st.traced

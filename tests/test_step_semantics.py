@@ -493,3 +493,19 @@ def test_one_value_returned_twice_in_the_aux():
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got_aux, want_aux)
     np.testing.assert_allclose(got_aux["loss"], got_loss, rtol=0)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_integer_aux_with_one_microbatch(num_stages):
+    """With one microbatch nothing is combined: an integer aux (each token's chosen class, a count) comes back as jit
+    returns it, dtype included. Before, it was refused as "averaged over microbatches" (a user trial: a planner that
+    picks one microbatch made a step that ran with two fail)."""
+    def loss(params, batch):
+        nll = _nll(params, batch["x"], batch["y"])
+        return nll.mean(), {"choice": jnp.argmax(params["embed"][batch["x"]], -1), "count": (nll > 3.0).sum()}
+
+    (p_jit, (l_jit, aux_jit)), (p_pp, (l_pp, aux_pp)) = _run(_sgd_step(loss, n_out=1), num_stages=num_stages,
+                                                             num_microbatches=1)
+    assert {k: v.dtype for k, v in aux_pp.items()} == {k: v.dtype for k, v in aux_jit.items()}
+    _assert_equal((l_jit, aux_jit), (l_pp, aux_pp))
+    _assert_equal(p_jit, p_pp)
