@@ -38,6 +38,7 @@ _DTYPE_PEAK = {
     "float16": "peak_flops_bf16",
     "tf32": "peak_flops_tf32",
     "float32": "peak_flops_fp32",
+    "float64": "peak_flops_fp64",
     **{t: "peak_flops_fp32" for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                                       "uint64")},
 }
@@ -96,6 +97,9 @@ class DeviceSpec:
     """Fraction of ``inter_node_bandwidth`` NCCL's collectives across nodes achieve, in (0, 1]."""
     source: str = ""
     """Where the numbers come from (datasheets, measurements, overrides)."""
+    peak_flops_fp64: float | None = None
+    """FP64 peak of matrix work (FP64 tensor cores where the device has them, as cuBLAS's DGEMM uses), FLOP/s; None
+    where it is not known (float64 work is then refused)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -119,6 +123,12 @@ class DeviceSpec:
             else:
                 value = float(value)
             object.__setattr__(self, field, value)
+        if self.peak_flops_fp64 is not None:
+            value = self._number("peak_flops_fp64", "a positive number of FLOP/s or None", "peak_flops_fp64=67e12")
+            if not value > 0:
+                raise ValueError(f"DeviceSpec({self.name!r}).peak_flops_fp64 must be a positive number of FLOP/s or "
+                                 f"None, got {value!r}; pass e.g. peak_flops_fp64=67e12.")
+            object.__setattr__(self, "peak_flops_fp64", float(value))
         for field in _EFFICIENCY_FIELDS:
             value = self._number(field, "a fraction in (0, 1]", f"{field}=0.8")
             if not 0 < value <= 1:
@@ -148,10 +158,11 @@ class DeviceSpec:
         float32 -> CUDA cores (pass ``"tf32"`` when float32 matmuls may use TF32), integers/bool -> fp32 rate."""
         name = _dtype_name(dtype)
         field = _DTYPE_PEAK.get(name)
-        if field is None:
+        if field is None or getattr(self, field) is None:
             raise ValueError(
                 f"DeviceSpec({self.name!r}) has no peak rate for dtype {name!r}; use one of "
-                f"{', '.join(sorted(_DTYPE_PEAK))} (e.g. 'float32' for float64 work, as an optimistic bound)."
+                f"{', '.join(sorted(k for k, f in _DTYPE_PEAK.items() if getattr(self, f) is not None))}, or give "
+                f"the device one: get_device({self.name!r}).with_overrides(peak_flops_fp64=...)."
             )
         return getattr(self, field)
 
@@ -198,11 +209,11 @@ class DeviceSpec:
 
 # Datasheets cited below:
 # [A100]  NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100/): BF16 312 TFLOPS dense
-#         (624 sparse), TF32 156 dense, FP32 19.5; 40GB HBM2 at 1,555 GB/s, 80GB HBM2e at 2,039 GB/s (SXM);
+#         (624 sparse), TF32 156 dense, FP32 19.5, FP64 Tensor Core 19.5 (FP64 9.7); 40GB HBM2 at 1,555 GB/s, 80GB HBM2e at 2,039 GB/s (SXM);
 #         NVLink 600 GB/s (bidirectional, i.e. 300 GB/s each way).
 # [DGXA100] NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 VPI, 200 Gb/s HDR InfiniBand, one per GPU.
 # [H100]  NVIDIA H100 Tensor Core GPU datasheet, SXM column: BF16 1,979 TFLOPS *with sparsity* -> 989 dense,
-#         TF32 989 sparse -> 494.5 dense, FP32 67; 80GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (bidirectional).
+#         TF32 989 sparse -> 494.5 dense, FP32 67, FP64 Tensor Core 67 (FP64 34); 80GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (bidirectional).
 # [DGXH100] NVIDIA DGX H100 datasheet: 8x single-port ConnectX-7, 400 Gb/s NDR InfiniBand, one per GPU.
 # [H200]  NVIDIA H200 datasheet, SXM column: same compute as H100 SXM; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
 #         DGX H200 uses the DGX H100 network (8x ConnectX-7, 400 Gb/s per GPU).
@@ -210,7 +221,7 @@ class DeviceSpec:
 #         2.25 PFLOPS BF16 dense per GPU; 1,440 GB HBM3e total (180 GB per GPU) at 64 TB/s (8 TB/s per GPU;
 #         the HGX B200 page lists 7.7 TB/s); NVLink 5 at 14.4 TB/s total (1.8 TB/s bidirectional per GPU);
 #         networking 8x single-port ConnectX-7 VPI at up to 400 Gb/s (ConnectX-8 at 800 Gb/s is DGX B300, not B200).
-#         HGX B200 per-GPU table: TF32 2.2 PFLOPS sparse -> 1.1 dense, FP32 75 TFLOPS.
+#         HGX B200 per-GPU table: TF32 2.2 PFLOPS sparse -> 1.1 dense, FP32 75 TFLOPS, FP64/FP64 Tensor Core 37.
 # [MAMF]  Maximum achievable bf16 matmul FLOPS, best shape, measured with mamf-finder.py (Stas Bekman,
 #         github.com/stas00/ml-engineering, compute/accelerator): A100 SXM 267.9/312 = 85.9%,
 #         H100 SXM 794.5/989 = 80.3%, B200 SXM 1745/2250 = 77.6%. Training shapes are rarely the best shape,
@@ -239,6 +250,7 @@ _A100_COMMON = dict(
     peak_flops_bf16=312e12,  # [A100]
     peak_flops_tf32=156e12,  # [A100]
     peak_flops_fp32=19.5e12,  # [A100]
+    peak_flops_fp64=19.5e12,  # [A100] FP64 Tensor Core
     intra_node_bandwidth=300e9,  # [A100] NVLink3 600 GB/s bidirectional
     inter_node_bandwidth=25e9,  # [DGXA100] HDR 200 Gb/s per GPU
     matmul_efficiency=0.80,  # [MAMF] 85.9%
@@ -252,6 +264,7 @@ _HOPPER_COMPUTE = dict(
     peak_flops_bf16=989e12,  # [H100]
     peak_flops_tf32=494.5e12,  # [H100]
     peak_flops_fp32=67e12,  # [H100]
+    peak_flops_fp64=67e12,  # [H100] FP64 Tensor Core (H200: the same die)
     intra_node_bandwidth=450e9,  # [H100] NVLink4 900 GB/s bidirectional
     inter_node_bandwidth=50e9,  # [DGXH100] NDR 400 Gb/s per GPU
     matmul_efficiency=0.75,  # [MAMF] 80.3%
@@ -300,6 +313,7 @@ _TABLE = (
         peak_flops_bf16=2.25e15,  # [B200] 72 PF FP8 sparse / 8 GPUs / 2 (sparsity) / 2 (FP8 -> BF16)
         peak_flops_tf32=1.1e15,  # [B200] HGX B200: 2.2 PF sparse
         peak_flops_fp32=75e12,  # [B200] HGX B200
+        peak_flops_fp64=37e12,  # [B200] HGX B200 FP64/FP64 Tensor Core
         hbm_bandwidth=8e12,  # [B200] 64 TB/s / 8
         memory_capacity=180 * 10**9,  # [B200] 1,440 GB / 8
         intra_node_bandwidth=900e9,  # [B200] NVLink5 1.8 TB/s bidirectional
@@ -321,6 +335,7 @@ _TABLE = (
         peak_flops_bf16=1e11,
         peak_flops_tf32=1e11,
         peak_flops_fp32=1e11,
+        peak_flops_fp64=5e10,  # 4 fp64 lanes of an AVX2 register against 8 fp32: half
         hbm_bandwidth=2e10,
         memory_capacity=8 * 10**9,
         intra_node_bandwidth=1e10,  # host memcpy between CPU devices of one process

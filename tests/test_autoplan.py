@@ -259,3 +259,20 @@ def test_auto_plan_with_different_layouts_per_group_asks_for_the_counts():
     with pytest.raises(ValueError, match="num_stages="):
         autopp.parallelize(step, devices=jax.devices()[:4], layout=[{"fsdp": 2}, {"tensor": 2}]).plan_for(*state,
                                                                                                         batch)
+
+
+def test_a_float64_step_is_planned_by_itself():
+    """A float64 step planned on CPU devices trains as jit does (it failed: "no peak rate for dtype 'float64'", a
+    user trial)."""
+    with jax.enable_x64(True):
+        model = MLP(MLPConfig(sizes=(4, 8, 4)))
+        tx = optax.sgd(0.1)
+        step = make_step(model, tx)
+        params = jax.tree.map(lambda x: x.astype(np.float64), model.init(jax.random.key(0)))
+        batch = jax.tree.map(lambda x: x.astype(np.float64), model.batch(jax.random.key(1), 8))
+        state = (params, tx.init(params))
+        pstep = autopp.parallelize(step, devices=jax.devices()[:2])
+        *got, loss = pstep(*state, batch)
+        *want, want_loss = jax.jit(step)(*state, batch)
+        assert loss.dtype == np.float64
+        assert_trees_close((autopp.gather(got[0]), loss), (want[0], want_loss), rtol=1e-12, atol=1e-12)

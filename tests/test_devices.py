@@ -151,6 +151,10 @@ def test_table_has_required_kinds():
     ("B200", "memory_capacity", 1440 * GB / 8),
     ("B200", "intra_node_bandwidth", 1.8 * TB / 2),
     ("B200", "inter_node_bandwidth", 400e9 / 8),
+    ("A100-80GB", "peak_flops_fp64", 19.5 * TB),  # FP64 Tensor Core (DGEMM's rate)
+    ("H100", "peak_flops_fp64", 67 * TB),
+    ("H200", "peak_flops_fp64", 67 * TB),
+    ("B200", "peak_flops_fp64", 37 * TB),  # HGX B200: FP64/FP64 Tensor Core
 ])
 def test_datasheet_values(kind, field, value):
     assert getattr(DEVICE_KINDS[kind], field) == pytest.approx(value, rel=1e-3)
@@ -345,3 +349,18 @@ def test_collective_time_validates():
     with pytest.raises(TypeError, match="Cluster"):
         collective_time("all-reduce", 1e6, 8, get_device("H100"), spans_nodes=False)
     assert collective_time("all-reduce", 0, 8, TOY_CLUSTER, spans_nodes=False) == 0.0
+
+
+def test_float64_has_a_rate_where_the_device_states_one():
+    """float64 work is priced at the FP64 rate (a float64 step planned by itself on CPU failed with "no peak rate for
+    dtype 'float64'", a user trial); a device without that figure says how to give it one."""
+    assert get_device("H100").peak_flops("float64") == 67 * TB
+    assert get_device("cpu").peak_flops("float64") == get_device("cpu").peak_flops_fp32 / 2
+    toy = DeviceSpec(name="toy", peak_flops_bf16=1e12, peak_flops_tf32=1e12, peak_flops_fp32=1e12, hbm_bandwidth=1e9,
+                     memory_capacity=10**9, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9,
+                     intra_node_latency=1e-6, inter_node_latency=1e-6, kernel_launch_floor=1e-6)
+    with pytest.raises(ValueError, match=r"no peak rate for dtype 'float64'.*with_overrides\(peak_flops_fp64=\.\.\.\)"):
+        toy.peak_flops("float64")
+    assert toy.with_overrides(peak_flops_fp64=5e11).peak_flops("float64") == 5e11
+    with pytest.raises(ValueError, match="peak_flops_fp64 must be a positive number"):
+        toy.with_overrides(peak_flops_fp64=-1.0)
