@@ -496,7 +496,15 @@ def layer_cost(solution: ShardingSolution) -> LayerCost:
     is_batch = prog.batch_vars.__contains__
     fwd_ids = [i for i in range(len(j.eqns)) if i not in prog.backward_eqns]
     bwd_ids = [i for i in range(len(j.eqns)) if i in prog.backward_eqns]
-    kw = dict(is_batch=is_batch, dependent=prog.dependent_eqns.__contains__, eqn_share=eqn_share,
+    # Forward values computed from the batch whose batch dimension the strategies do not follow (tokens permuted by a
+    # batch-dependent order, a mixture of experts' dispatched tokens [experts, capacity, d]) still grow with it: their
+    # bytes scale, held whole on every device of the group (a user trial: MoE activations priced at 1/200).
+    untracked = {v for i in fwd_ids if i in prog.dependent_eqns for v in j.eqns[i].outvars if not is_batch(v)}
+
+    def scales(v) -> bool:
+        return is_batch(v) or v in untracked
+
+    kw = dict(is_batch=scales, dependent=prog.dependent_eqns.__contains__, eqn_share=eqn_share,
               var_share=var_share, regions=prog.attention_regions, causal=prog.causal_regions,
               backward_eqns=prog.backward_eqns)
     forward = tuple(program_kernels(j, fwd_ids, **kw))
@@ -531,7 +539,7 @@ def layer_cost(solution: ShardingSolution) -> LayerCost:
         for o in outs[:1]:
             shape = o.aval.shape
             extra += (aval_bytes(o.aval) + 4 * math.prod(shape[:-1])) * var_share(o)
-    residual_bytes = extra + sum(aval_bytes(v.aval) * var_share(v) for v in residuals if is_batch(v))
+    residual_bytes = extra + sum(aval_bytes(v.aval) * var_share(v) for v in residuals if scales(v))
     core = _attention_core(j, fwd_ids, prog)
     core_residuals = [v for v in residuals if v in core["vars"] and is_batch(v)]
     core_bytes = sum(aval_bytes(v.aval) * var_share(v) for v in core_residuals)
