@@ -365,6 +365,33 @@ def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtype
             tuple(k for k in derived if getattr(grown[k].aval, "shape", None) == invars[k].aval.shape))
 
 
+def _misaligned(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> str:
+    """Loss inputs kept whole (not split into microbatches) whose size grows with the batch along another axis than
+    the first, found by tracing the step at twice the batch, said as a sentence ("" for none)."""
+    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    doubled = [abstract_leaf(x, shape=(2 * np.shape(x)[0],) + tuple(np.shape(x)[1:])) if b and np.shape(x)
+               else abstract_leaf(x) for x, b in zip(flat, traced.batch_mask)]
+    try:
+        probe = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
+                           probe_shapes=False)
+    except Exception:  # noqa: BLE001 - nothing more to say
+        return ""
+    found = []
+    for k, (a, b, mb) in enumerate(zip(traced.grad_eqn.invars, probe.grad_eqn.invars,
+                                       traced.microbatched_grad_inputs)):
+        small, big = getattr(a.aval, "shape", ()), getattr(b.aval, "shape", ())
+        if mb or len(small) != len(big):
+            continue
+        axes = [d for d, (x, y) in enumerate(zip(small, big)) if x != y]
+        if axes and axes[0] > 0:
+            found.append(f"loss input #{k} of shape {tuple(small)} (the batch along axis {axes[0]})")
+    if not found:
+        return ""
+    return (f" Values the step computes with the batch along another axis than the first are passed to every "
+            f"microbatch whole: {', '.join(found)}. Put the batch axis first (jnp.moveaxis(value, axis, 0), and index "
+            "it so in the loss), or compute the value inside the loss.")
+
+
 def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
     """Every batch leaf's leading dimension must split into ``num_microbatches`` equal parts."""
     bad = []
@@ -394,14 +421,16 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
 
 
 @contextlib.contextmanager
-def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | None = None):
+def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | None = None,
+                        misaligned: Callable[[], str] = lambda: ""):
     """Errors of the step traced at microbatch size, said as such: the step traced at full size, so what failed is
     almost always a batch leaf that has no batch axis, code that assumes the full batch size, or a batch argument
-    ``batch_argnums`` leaves out (the leaves of other arguments with the batch's leading dimension are named)."""
+    ``batch_argnums`` leaves out (the leaves of other arguments with the batch's leading dimension are named), or a
+    value the step makes with the batch along another axis than the first (``misaligned()`` names them)."""
     try:
         yield
     except (TypeError, ValueError) as e:
-        left_out = ""
+        left_out = misaligned()
         if traced is not None:
             invars = traced.jaxpr.jaxpr.invars
             sizes = {v.aval.shape[0] for v, b in zip(invars, traced.batch_mask) if b and v.aval.shape}
@@ -412,7 +441,7 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
                      if not b and v.aval.shape and v.aval.shape[0] in sizes and v not in params
                      and (v.aval.shape, v.aval.dtype) not in like_params]
             if names:
-                left_out = (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading dimension, "
+                left_out += (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading dimension, "
                             f"kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if they belong "
                             "to the batch, add their argument to batch_argnums.")
         raise ValueError(
@@ -462,7 +491,8 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_mb and shape and shape[0] % num_microbatches == 0:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
-        with _tracing(), _at_microbatch_size(who, num_microbatches, traced):
+        with _tracing(), _at_microbatch_size(who, num_microbatches, traced,
+                                             lambda: _misaligned(step_fn, args, traced)):
             mb_forward = sink_parameter_work(jax.make_jaxpr(spec.loss_fn)(*small), spec.diff_mask)  # as spec.forward
         mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     else:
@@ -473,7 +503,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_batch:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(abstract_leaf(x, shape=shape))
-        with _at_microbatch_size(who, num_microbatches, traced):
+        with _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
             mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who,
                             probe_shapes=False)
         mb_forward = mb.spec.forward

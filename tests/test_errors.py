@@ -327,3 +327,23 @@ def test_a_batch_no_interleaved_microbatch_count_divides(mlp_setup):
     with pytest.raises(ValueError, match=r"no count does for a batch of 7: use a batch size that is a multiple of 2 "
                                          r"\(e\.g\. 6 or 8\), or schedule='1f1b'"):
         pipelined.plan_for(*state, model.batch(jax.random.key(1), 7))
+
+
+def test_a_value_made_in_the_step_with_the_batch_on_another_axis_is_named(mlp_setup):
+    """Noise drawn in the step as (layers, batch, features) reaches every microbatch whole; the message says which
+    loss input it is and how to lay it out (it blamed a batch leaf without a batch axis, a user trial)."""
+    model, _, state, batch = mlp_setup
+    tx = make_optimizer()
+
+    def loss(params, batch, noise):
+        return model.loss(params, batch) + (noise[0] * batch["x"][:, :1]).mean()
+
+    def step(params, opt_state, batch):
+        noise = jax.random.normal(jax.random.key(0), (3, batch["x"].shape[0], 1))
+        value, grads = autopp.value_and_grad(loss)(params, batch, noise)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    with pytest.raises(ValueError, match=r"(?s)fails at microbatch size.*passed to every microbatch whole: loss input "
+                                         r"#\d+ of shape \(3, 16, 1\) \(the batch along axis 1\).*jnp.moveaxis"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(*state, batch)
