@@ -213,12 +213,11 @@ class ParallelizeConfig:
 
     @property
     def source(self) -> str:
-        """Which plan source runs: ``replay`` (a plan given), ``planner`` (no counts, schedule, groups or plan
-        given), else ``counts``."""
+        """Which plan source runs: ``replay`` (a plan given), ``planner`` (no stage count, schedule, groups or plan
+        given; a microbatch count given is kept), else ``counts``."""
         if self.plan is not None:
             return "replay"
-        if (self.num_stages is None and self.num_microbatches is None and self.schedule is None
-                and self.device_groups is None):
+        if self.num_stages is None and self.schedule is None and self.device_groups is None:
             return "planner"
         return "counts"
 

@@ -362,7 +362,7 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     replays a saved plan exactly: its stages, devices, microbatches and schedule; it is refused for another
     step or devices.
 
-    With none of ``num_stages``, ``num_microbatches``, ``schedule`` and ``plan`` given, they are planned
+    With none of ``num_stages``, ``schedule`` and ``plan`` given, they are planned (a ``num_microbatches`` given is kept)
     for ``devices`` on the first call (or :meth:`Parallelized.plan_for`) for each argument shape: the step is
     profiled with its layers timed on the local device (:func:`autopp.profiler.profile` with
     ``measure=True``, cached under ``$XDG_CACHE_HOME/autopp``), and
@@ -370,7 +370,7 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     data-parallel over the rest), the microbatch count, the schedule (GPipe or 1F1B) and the stage split with
     the smallest predicted step time; the plan records the split in profile layers, the prediction and the
     planner's statistics. A ValueError says why when no layout is legal or fits the devices' memory.
-    Giving only some of the three skips the planner; the others default to ``num_stages`` = number of devices,
+    Giving ``num_stages`` or ``schedule`` skips the planner; the others default to ``num_stages`` = number of devices,
     ``num_microbatches`` = the largest divisor of the batch size that is at most ``2 * num_stages``,
     ``schedule="1f1b"``. ``devices`` defaults to ``jax.devices()``, split into equal groups, or is one list of
     devices per group. ``layout`` gives each stage's mesh, ``{"data": d, "fsdp": f, "tensor": t}`` with

@@ -476,12 +476,13 @@ def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> tuple[L
         with phase(f"planning for {n} device(s)") as ph:
             processes = sorted({d.process_index for d in config.devices})
             local = plan_local(prof, n, batch, layout=layout, stage_multiple=len(processes),
+                               num_microbatches=config.num_microbatches,
                                zero1=bool(config.zero1), **({} if num_stages is None else {"num_stages": num_stages}))
             ph.done(f"planned {local.num_stages} stage(s), {local.num_microbatches} microbatch(es), {local.schedule}")
     except ValueError as e:
         import jax
 
-        fewer = most_devices_with_a_layout(n, pipeline_units(prof), batch, num_stages)
+        fewer = most_devices_with_a_layout(n, pipeline_units(prof), batch, num_stages, config.num_microbatches)
         if ("no pipeline layout for batch size" in str(e) and not config.layout and jax.process_count() == 1
                 and config.device_groups is None and 1 <= fewer < n):
             warnings.warn(f"{_WHO}: a batch of {batch} does not split evenly over the devices of any pipeline of "

@@ -276,3 +276,15 @@ def test_a_float64_step_is_planned_by_itself():
         *want, want_loss = jax.jit(step)(*state, batch)
         assert loss.dtype == np.float64
         assert_trees_close((autopp.gather(got[0]), loss), (want[0], want_loss), rtol=1e-12, atol=1e-12)
+
+
+def test_a_microbatch_count_alone_is_kept_and_the_rest_planned():
+    """``num_microbatches`` alone: the planner chooses stages and schedule around it (it used to skip the planner
+    and make one stage per device, a user trial)."""
+    step, state, batch, (want_state, want_losses) = _setup("gpt")
+    pstep = autopp.parallelize(step, num_microbatches=2, devices=jax.devices()[:4])
+    plan = pstep.plan_for(*state, batch)
+    assert plan.num_microbatches == 2 and plan.planner is not None and plan.predicted is not None
+    got_state, got_losses = run_steps(pstep, state, batch)
+    assert_trees_close(got_losses, want_losses)
+    assert_trees_close(got_state, want_state)

@@ -157,7 +157,7 @@ def test_a_launched_process_that_never_joined_is_refused(mlp_setup, monkeypatch)
     (dict(num_microbatches=3, schedule="interleaved-1f1b"), r"num_microbatches=3: interleaved 1F1B needs .* e\.g\. "
                                                             r"num_microbatches=2 or 4\."),
     (dict(num_microbatches=3, schedule="dualpipev"), r"dualpipev needs num_microbatches >= 2 \* num_ranks.*at least 4"),
-    (dict(num_microbatches=4, recompute=("full",)), r"recompute has 1 entries for 2 stages"),
+    (dict(num_microbatches=4, num_stages=2, recompute=("full",)), r"recompute has 1 entries for 2 stages"),
     (dict(num_microbatches=4, schedule="interleaved-1f1b", recompute=("full", "none")),
      r"recompute has 2 entries for 4 stages \(model chunks: 2 device groups x 2\)"),
     (dict(schedule="0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1", num_microbatches=4, num_stages=1),
