@@ -177,8 +177,9 @@ class Compiler:
         except (KeyError, TypeError):  # an argument on other devices or of a layout not mapped: lower its own
             return fn.real().lower(*in_avals)
         source = self.lower(fn.source, source_avals)
-        if lowered_devices(source) is None:
-            return fn.real().lower(*in_avals)
+        devices = lowered_devices(source)
+        if devices is None or any(d not in fn.devmap for d in devices):  # (a program without arguments, e.g. an
+            return fn.real().lower(*in_avals)  # empty backward, lowers on the default device, which no map names)
         return MappedLowered(source, fn.devmap, lambda: fn.real().lower(*in_avals))
 
     def future(self, lowered) -> concurrent.futures.Future:

@@ -509,3 +509,44 @@ def test_integer_aux_with_one_microbatch(num_stages):
     assert {k: v.dtype for k, v in aux_pp.items()} == {k: v.dtype for k, v in aux_jit.items()}
     _assert_equal((l_jit, aux_jit), (l_pp, aux_pp))
     _assert_equal(p_jit, p_pp)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_training_only_the_head_over_four_stages(schedule):
+    """Frozen blocks passed outside ``argnums``, only the head trained (linear probing): the middle stages have
+    nothing to differentiate, and their (empty) backward programs are equal stages'. It crashed building them
+    (``KeyError: CpuDevice(id=0)``: a program without arguments lowers on the default device, a user trial); now it
+    trains as jit, the frozen blocks returned bit for bit."""
+    Vt, Tt, D = 64, 16, 32
+    k = jax.random.split(jax.random.key(0), 7)
+    frozen = {"embed": jax.random.normal(k[0], (Vt, D)) * 0.1, "pos": jax.random.normal(k[1], (Tt, D)) * 0.1,
+              "blocks": [{"w": jax.random.normal(k[2 + i], (D, D)) * 0.1, "unused": jnp.ones((D,))}
+                         for i in range(4)]}
+    head = {"w": jax.random.normal(k[6], (D, Vt)) * 0.1}
+
+    def loss(frozen, head, batch):
+        h = frozen["embed"][batch["x"]] + frozen["pos"]
+        for block in frozen["blocks"]:
+            h = h + jnp.tanh(h @ block["w"])
+        logp = jax.nn.log_softmax(h @ head["w"])
+        return -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1).mean()
+
+    def step(frozen, head, opt_state, batch):
+        value, grads = autopp.value_and_grad(loss, argnums=1)(frozen, head, batch)
+        updates, opt_state = TX.update(grads, opt_state, head)
+        return frozen, optax.apply_updates(head, updates), opt_state, value
+
+    def batch_at(i):
+        x = jax.random.randint(jax.random.key(10 + i), (16, Tt), 0, Vt)
+        return {"x": x, "y": jnp.roll(x, -1, axis=1)}
+
+    results = []
+    for fn in (jax.jit(step), autopp.parallelize(step, num_stages=4, num_microbatches=8, schedule=schedule,
+                                                 devices=jax.devices()[:4])):
+        state = (frozen, head, TX.init(head))
+        for i in range(3):
+            *state, out = fn(*state, batch_at(i))
+        results.append((autopp.gather(state[0]), autopp.gather(state[1]), out))
+    _assert_equal(results[0][1:], results[1][1:])
+    assert all((np.asarray(a) == np.asarray(b)).all()
+               for a, b in zip(jax.tree.leaves(results[1][0]), jax.tree.leaves(frozen)))
