@@ -398,7 +398,7 @@ class StepModel:
             rkey = ("reduce", gb, pb, replicas, t, f_sh, L.zero1)
             hit = self._terms.get(rkey)
             if hit is None:
-                hit = self._terms[rkey] = self._grad_reduce(gb / f_sh, pb / f_sh, replicas, t, f_sh, L.zero1)
+                hit = self._terms[rkey] = self._grad_reduce(gb / f_sh, gb / f_sh, replicas, t, f_sh, L.zero1)
             red, gather = hit
             mine = sorted(members[g], key=lambda c: chunk_end[c])
             if "grad-reduce" in self.overlap:
@@ -414,7 +414,7 @@ class StepModel:
                 first_f = min((f[c] for c in members[g]), default=0.0)  # the next step's forward
                 gather = max(0.0, gather - first_f)
             red += gather
-            upd = ratio * pb / f_sh / (replicas if L.zero1 else 1) / self.tm.bytes_per_s
+            upd = ratio * gb / f_sh / (replicas if L.zero1 else 1) / self.tm.bytes_per_s  # (trained: gradients')
             update_s.append(upd)
             finish.append(ends[g] + red + upd)
             dp_exposed = max(dp_exposed, ends[g] + red - makespan)
@@ -559,7 +559,7 @@ class StepModel:
         """Memory traffic of the traced update per byte of parameters (e.g. 7 for Adam over fp32 parameters: read
         parameter, gradient and both moments, write parameter and moments)."""
         total = sum(k.at(1.0).bytes_accessed for k in self.profile.update_kernels)
-        pbytes = sum(v[0] for v in self.profile.state_bytes.values()) or 1
+        pbytes = sum(v[0] for v in self.profile.state_bytes.values() if v[1]) or 1  # (trained parameters)
         return total / pbytes
 
     def _grad_reduce(self, grad_bytes: float, param_bytes: float, replicas: int, t: int, fsdp: int,

@@ -121,7 +121,9 @@ class Profile:
     state_bytes: Mapping[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict, repr=False,
                                                                         compare=False)
     """Per differentiated forward input (parameter): bytes of the parameter, of its gradient and of the optimizer
-    state the step keeps for it, from the trace (e.g. fp32 master weights, fp32 gradients, Adam's fp32 moments)."""
+    state the step keeps for it, from the trace (e.g. fp32 master weights, fp32 gradients, Adam's fp32 moments);
+    per frozen one (read by the loss, neither differentiated nor split with the batch: a LoRA base), its bytes and
+    two zeros."""
     structure_fingerprint: str = ""
     """Hash of what does not change with the batch size: the layers' names, the parameters' shapes and dtypes, and
     the other inputs' shapes past the batch dimension (sequence length, ...) and dtypes. A plan made from this
@@ -341,6 +343,10 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         else:
             times[fp] = program_times(src.program, time_model)
     fwd_index = {v: k for k, v in enumerate(fwd.invars)}
+    # Frozen weights (loss inputs neither differentiated nor split with the batch: a LoRA base, a teacher, a probe's
+    # body) are held by the stages that read them like parameters, without gradients or optimizer state.
+    frozen = {k for k, (v, d, mb) in enumerate(zip(fwd.invars, spec.diff_mask, traced.microbatched_grad_inputs))
+              if not d and not mb and getattr(v.aval, "shape", ()) and aval_bytes(v.aval)}
     out_layers = []
     for lay in layers:
         src, bwd_flops, m = by_fp[lay.fingerprint]
@@ -353,8 +359,9 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
             backward_flops=bwd_flops, param_bytes=lay.param_bytes, grad_bytes=lay.param_bytes, optimizer_bytes=opt,
             activation_bytes=lay.activation_bytes, recompute_activation_bytes=lay.input_bytes,
             output_bytes=lay.output_bytes, forward_time_s=f_t, backward_time_s=b_t, measured=m is not None,
-            param_inputs=tuple(fwd_index.get(v) if kind == "param" and v in fwd_index and
-                               spec.diff_mask[fwd_index[v]] else None for v, kind in zip(inputs, src.kinds)),
+            param_inputs=tuple(fwd_index.get(v) if v in fwd_index and (
+                kind == "param" and spec.diff_mask[fwd_index[v]] or fwd_index[v] in frozen) else None
+                for v, kind in zip(inputs, src.kinds)),
             row_fractions=tuple((k, f) for k, f in zip(lay.param_indices, fractions) if f < 1.0),
             crossing_bytes=lay.crossing_bytes,
         ))
@@ -367,6 +374,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     backward_flops = sum(l.backward_flops for l in out_layers)
     state = {k: (aval_bytes(fwd.invars[k].aval), aval_bytes(fwd.invars[k].aval), opt_bytes_of_param.get(k, 0))
              for k in diff_idx}
+    state.update({k: (aval_bytes(fwd.invars[k].aval), 0, 0) for k in sorted(frozen)})
     return Profile(
         layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
         total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,
