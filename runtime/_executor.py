@@ -26,7 +26,8 @@ from autopp.runtime._meshes import MESH_AXES, StageMeshes
 from autopp.runtime._passes import Compiler
 from autopp.runtime._rows import hold_by_rows, lay_out_row_inputs, row_outputs, row_sharding
 from autopp.runtime._segments import segment_stages
-from autopp.runtime._step import PipelineConfig, StepBuilder, analyse
+from autopp.runtime._pipeline_config import PipelineConfig
+from autopp.runtime._step import StepBuilder, analyse
 from autopp.runtime._tasks import Program, Task, TaskList, Transfer
 
 __all__ = ["MESH_AXES", "Executable", "PipelineConfig", "Program", "StageMeshes", "Task", "Transfer",

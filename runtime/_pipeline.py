@@ -58,14 +58,17 @@ def stage_programs(step) -> list[StagePrograms]:
                                    out_shardings_fwd=out_sh, grad_shardings=grad_sh, act_ct_shardings=act_ct_sh,
                                    residual_sharding=functools.partial(meshes.residual_sharding, s),
                                    flag_sharding=rep, recompute=config.recompute[s], constraints=constraints,
-                                   twins=twins, layer_starts=layer_starts, split_dims=_split_dims(meshes, s)))
+                                   twins=twins, layer_starts=layer_starts,
+                                   split_dims=_split_dims(meshes, s, [v in step.tensor_weights for v in g.inputs])))
     return progs
 
 
-def _split_dims(meshes, s):
-    """What a stage of a tensor axis computes split over it (:func:`autopp.runtime._tensor.activation_splits`)."""
+def _split_dims(meshes, s, weights):
+    """What a stage of a tensor axis computes split over it (:func:`autopp.runtime._tensor.activation_splits`), with
+    its weights (``weights``: per stage input, trained or frozen) laid out as the rule lays them out."""
     t = meshes.layouts[s]["tensor"]
-    return None if t == 1 else (lambda jaxpr, params: activation_splits(jaxpr, params, t))
+    return None if t == 1 else (lambda jaxpr, _: activation_splits(
+        jaxpr, [v for v, w in zip(jaxpr.invars, weights) if w], t))
 
 
 def layer_starts_of(step) -> frozenset[int]:

@@ -15,11 +15,12 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
-from autopp.core import (RECOMPUTE_POLICIES, Schedule, batch_dependent_vars, check_gradient_not_split, constant_outputs,
+from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradient_not_split, constant_outputs,
                          eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
+from autopp.runtime._pipeline_config import PipelineConfig
 from autopp.runtime._passes import zeros_program
 from autopp.runtime._placement import place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
@@ -30,35 +31,6 @@ Literal = jex_core.Literal
 
 def _vars(atoms):
     return [a for a in atoms if not isinstance(a, Literal)]
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    num_microbatches: int
-    loss_reduction: str
-    schedule: Schedule
-    recompute: tuple[str, ...]
-    """Recomputation mode of each stage."""
-    param_specs: tuple | None = None
-    """Per stage: ``{forward input index: spec}`` (``"tensor"`` where a parameter is split) from a plan, or None."""
-    zero1: bool = False
-    """Optimizer state sharded over each stage's data axis too (ZeRO-1)."""
-    sequence_vars: frozenset = frozenset()
-    """Forward activations laid out along their sequence (second) dimension over the stage's tensor axis (sequence
-    parallelism: the values between layers); their cotangents follow."""
-    donated: frozenset = frozenset()
-    """The step's flat inputs whose buffers its results may reuse (``donate_argnums``); their last readers donate."""
-    stage_of: tuple[int, ...] = ()
-    """The plan's stage of each of the runtime's stages, where the runtime cut stages into segments
-    (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
-    output_reductions: tuple = ()
-    """Per output of the loss: ``"mean"``, ``"sum"`` (as its program shows) or None (as :attr:`loss_reduction`)."""
-
-    def reduction(self, k: int) -> str:  # how the microbatches' values of the loss's output k combine (0: the loss)
-        return (self.output_reductions[k] if k < len(self.output_reductions) else None) or self.loss_reduction
-
-    def plan_stage(self, s: int) -> int:
-        return self.stage_of[s] if self.stage_of else s
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,6 +86,10 @@ class Step:
     def diff_mask(self):
         return self.traced.spec.diff_mask
 
+    @property
+    def tensor_weights(self) -> frozenset:  # forward inputs a tensor axis splits: trained and frozen weights
+        return frozenset(v for v, k in self.invar_pos.items() if self.diff_mask[k] or _frozen(self.traced, k))
+
     def layout_of(self, loc: int, k: int | None, shape, var=None) -> NamedSharding:
         """Where a value of ``shape`` serving forward input ``k`` (a parameter: itself, its gradient, its optimizer
         state; None for anything else) lives on stage ``loc``; ``var`` (an outer variable) is sharded over the data
@@ -162,6 +138,12 @@ def _per_example(small, whole, num_microbatches: int) -> bool:
     whole batch's leading dimension is ``num_microbatches`` times the microbatch's, the rest equal."""
     small, whole = tuple(small), tuple(whole)
     return small != whole and len(small) > 0 and whole[1:] == small[1:] and whole[0] == num_microbatches * small[0]
+
+
+def _frozen(traced, k: int) -> bool:
+    """Whether forward input ``k`` is a frozen weight: an array neither differentiated nor split with the batch."""
+    v = traced.spec.forward.jaxpr.invars[k]
+    return not traced.spec.diff_mask[k] and not traced.microbatched_grad_inputs[k] and bool(v.aval.shape)
 
 
 def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig) -> Step:
@@ -232,7 +214,8 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 if "tensor" in spec_:
                     tensor_spec[(g.index, k)] = spec_
             continue
-        params = [v for v in g.inputs if v in invar_pos and diff_mask[invar_pos[v]]]
+        # trained and frozen weights (neither differentiated nor split with the batch: a LoRA base) split alike
+        params = [v for v in g.inputs if v in invar_pos and (diff_mask[invar_pos[v]] or _frozen(traced, invar_pos[v]))]
         for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
             tensor_spec[(g.index, invar_pos[v])] = spec_
     label, opt_state = _label_outer(traced)

@@ -60,7 +60,7 @@ def _walk(jaxpr: jex_core.Jaxpr, params, tp: int) -> tuple[dict, dict]:
     split: dict = {}  # activation var -> dim split over tensor
     rows: dict = {}  # a row of a stacked parameter (or of a row) -> (the parameter, dimensions dropped in front)
     specs: dict = {}
-    alias: dict = {}  # a parameter cast to another dtype -> the parameter
+    alias: dict = {}  # a parameter cast to another dtype (or behind stop_gradient) -> the parameter
     spread: dict = {}  # a parameter broadcast to an activation's rank -> (the parameter, its dims' positions)
     lost: set = set()  # values computed from split ones whose split the rules could not follow
     held: set = set()  # heads kept whole (they do not divide) and what is computed from them up to the next matmul
@@ -102,7 +102,7 @@ def _walk(jaxpr: jex_core.Jaxpr, params, tp: int) -> tuple[dict, dict]:
     def visit(eqn, name, outs, ins) -> bool:
         """Record what ``eqn`` splits; True for a matmul with a 2-D parameter (its result is whole unless it
         is column-parallel)."""
-        if name == "convert_element_type" and is_param(ins[0]):
+        if name in ("convert_element_type", "stop_gradient") and is_param(ins[0]):
             alias[outs[0]] = ins[0]
             return False
         if name in ("slice", "dynamic_slice", "squeeze") and row_of(eqn, name, outs, ins):

@@ -1,0 +1,40 @@
+"""How a step's pipeline is laid out: microbatches, schedule, recomputation and layouts per stage, as the runtime
+reads them off a plan (:func:`autopp.runtime._executor.build_program`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopp.core import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """What the runtime lays out for one plan (the rest of the plan is the split and the stages' meshes)."""
+
+    num_microbatches: int
+    loss_reduction: str
+    schedule: Schedule
+    recompute: tuple[str, ...]
+    """Recomputation mode of each stage."""
+    param_specs: tuple | None = None
+    """Per stage: ``{forward input index: spec}`` (a tuple with ``"tensor"`` where the parameter is split over the
+    stage's tensor axis) from a plan, or None for Megatron's rule (:mod:`autopp.runtime._tensor`)."""
+    zero1: bool = False
+    """Optimizer state sharded over each stage's data axis too (ZeRO-1)."""
+    sequence_vars: frozenset = frozenset()
+    """Forward activations laid out along their sequence (second) dimension over the stage's tensor axis (sequence
+    parallelism: the values between layers); their cotangents follow."""
+    donated: frozenset = frozenset()
+    """The step's flat inputs whose buffers its results may reuse (``donate_argnums``); their last readers donate."""
+    stage_of: tuple[int, ...] = ()
+    """The plan's stage of each of the runtime's stages, where the runtime cut stages into segments
+    (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
+    output_reductions: tuple = ()
+    """Per output of the loss: ``"mean"``, ``"sum"`` (as its program shows) or None (as :attr:`loss_reduction`)."""
+
+    def reduction(self, k: int) -> str:  # how the microbatches' values of the loss's output k combine (0: the loss)
+        return (self.output_reductions[k] if k < len(self.output_reductions) else None) or self.loss_reduction
+
+    def plan_stage(self, s: int) -> int:
+        return self.stage_of[s] if self.stage_of else s
