@@ -59,10 +59,8 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
                        [(0, 0, bool(m)) for m in microbatched], num_microbatches)
     except _Mismatch:
         return (None,) * len(micro.jaxpr.outvars)
-    out = []
-    for st in states:
-        out.append(None if st is None or not st[2] or st[0] != 1 else {-1: "mean", 0: "sum", _RATIO: "ratio"}.get(st[1]))
-    return tuple(out)
+    names = {-1: "mean", 0: "sum", _RATIO: "ratio"}
+    return tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
 
 
 def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, in_states: list,

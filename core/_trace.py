@@ -441,9 +441,9 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
                      if not b and v.aval.shape and v.aval.shape[0] in sizes and v not in params
                      and (v.aval.shape, v.aval.dtype) not in like_params]
             if names:
-                left_out += (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading dimension, "
-                            f"kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if they belong "
-                            "to the batch, add their argument to batch_argnums.")
+                left_out += (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading "
+                             f"dimension, kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if "
+                             "they belong to the batch, add their argument to batch_argnums.")
         raise ValueError(
             f"{who}: the step traces at the full batch but fails at microbatch size (every batch leaf's leading "
             f"dimension divided by num_microbatches={num_microbatches}): {type(e).__name__}: {e}\nA batch leaf "

@@ -209,11 +209,13 @@ class DeviceSpec:
 
 # Datasheets cited below:
 # [A100]  NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100/): BF16 312 TFLOPS dense
-#         (624 sparse), TF32 156 dense, FP32 19.5, FP64 Tensor Core 19.5 (FP64 9.7); 40GB HBM2 at 1,555 GB/s, 80GB HBM2e at 2,039 GB/s (SXM);
+#         (624 sparse), TF32 156 dense, FP32 19.5, FP64 Tensor Core 19.5 (FP64 9.7); 40GB HBM2 at 1,555 GB/s,
+#         80GB HBM2e at 2,039 GB/s (SXM);
 #         NVLink 600 GB/s (bidirectional, i.e. 300 GB/s each way).
 # [DGXA100] NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 VPI, 200 Gb/s HDR InfiniBand, one per GPU.
 # [H100]  NVIDIA H100 Tensor Core GPU datasheet, SXM column: BF16 1,979 TFLOPS *with sparsity* -> 989 dense,
-#         TF32 989 sparse -> 494.5 dense, FP32 67, FP64 Tensor Core 67 (FP64 34); 80GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (bidirectional).
+#         TF32 989 sparse -> 494.5 dense, FP32 67, FP64 Tensor Core 67 (FP64 34); 80GB HBM3 at 3.35 TB/s;
+#         NVLink 900 GB/s (bidirectional).
 # [DGXH100] NVIDIA DGX H100 datasheet: 8x single-port ConnectX-7, 400 Gb/s NDR InfiniBand, one per GPU.
 # [H200]  NVIDIA H200 datasheet, SXM column: same compute as H100 SXM; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
 #         DGX H200 uses the DGX H100 network (8x ConnectX-7, 400 Gb/s per GPU).
