@@ -16,7 +16,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
-from autopp.core._jaxpr import eqn_signature, sink_parameter_work
+from autopp.core._jaxpr import eqn_signature, eqns_needed, input_free_vars, sink_parameter_work, slice_jaxpr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,4 +532,39 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             "is no batch leaf's); where every such value's leading dimension is the batch size, each is taken for a "
             "per-example one: compute it inside the loss, or from the previous step's values."
         )
+    _refuse_reads_past_rows(mb_forward, traced, num_microbatches, who)
     return mb_forward
+
+
+def _refuse_reads_past_rows(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
+                            who: str) -> None:
+    """A batch leaf the loss indexes along its first axis by fixed positions past a microbatch's rows (a position
+    table ``tab[arange(T)]`` whose length happens to be the batch size) is no per-example data: split, every
+    microbatch would read clamped rows, silently unlike jit. Refused, naming the leaf."""
+    jaxpr = mb_forward.jaxpr
+    split = {v: k for k, (v, mb) in enumerate(zip(jaxpr.invars, traced.microbatched_grad_inputs)) if mb}
+    gathers = [e for e in jaxpr.eqns if e.primitive.name == "gather" and e.invars[0] in split
+               and 0 in e.params["dimension_numbers"].start_index_map and not isinstance(e.invars[1], jex_core.Literal)]
+    if not gathers:
+        return
+    free = input_free_vars(jaxpr)
+    outer = traced.jaxpr.jaxpr.invars
+    for e in gathers:
+        indices = e.invars[1]
+        if indices not in free:
+            continue
+        sub, ins, _ = slice_jaxpr(mb_forward, eqns_needed(jaxpr, [indices]), [indices], "indices")
+        if ins:
+            continue
+        (values,) = jax.core.eval_jaxpr(sub.jaxpr, sub.consts)
+        rows = e.invars[0].aval.shape[0]
+        reach = int(np.max(np.asarray(values)[..., e.params["dimension_numbers"].start_index_map.index(0)]))
+        if reach >= rows:
+            a = traced.grad_eqn.invars[split[e.invars[0]]]
+            name = traced.leaf_paths[outer.index(a)] if a in outer else f"loss input #{split[e.invars[0]]}"
+            raise ValueError(
+                f"{who}: the loss reads batch leaf {name} at fixed positions up to {reach} along its first axis, past "
+                f"the {rows} rows of a microbatch ({num_microbatches} microbatches split it like the batch): it is a "
+                "table (positions, classes), not per-example data, whose length happens to be the batch size. Pass it "
+                "in another argument of the step (batch_argnums names the batch), or read it by the examples' own "
+                "positions.")

@@ -347,3 +347,38 @@ def test_a_value_made_in_the_step_with_the_batch_on_another_axis_is_named(mlp_se
     with pytest.raises(ValueError, match=r"(?s)fails at microbatch size.*passed to every microbatch whole: loss input "
                                          r"#\d+ of shape \(3, 16, 1\) \(the batch along axis 1\).*jnp.moveaxis"):
         autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(*state, batch)
+
+
+def test_a_table_in_the_batch_as_long_as_the_batch_is_refused():
+    """A position table ``[T, d]`` put in the batch, read by ``arange(T)``, with ``T`` equal to the batch size: split
+    like the batch, every microbatch would read clamped rows (a user trial: 2.4e-3 from jit after 3 steps, silently).
+    Refused, naming the leaf; a per-example read of it (row 0 of each microbatch) is not."""
+    tx = optax.sgd(0.1)
+    B = T = 8
+
+    def loss(w, batch):
+        table = batch["table"][jnp.arange(T)]  # [T, 4]
+        return jnp.mean((batch["x"] @ w + table[None]) ** 2)
+
+    def step(w, opt_state, batch):
+        value, grads = autopp.value_and_grad(loss)(w, batch)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state, value
+
+    w = jnp.ones((4, 4)) * 0.1
+    batch = {"x": jnp.ones((B, T, 4)), "table": jnp.arange(T * 4.0).reshape(T, 4)}
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"reads batch leaf args\[2\]\['table'\] at fixed positions up to 7 along its "
+                                         r"first axis, past the 2 rows of a microbatch.*another argument"):
+        pipelined.plan_for(w, tx.init(w), batch)
+
+    def first_row(w, batch):  # row 0 of each microbatch: within its rows
+        return jnp.mean((batch["x"] @ w + batch["table"][jnp.zeros((1,), jnp.int32)]) ** 2)
+
+    def step_first_row(w, opt_state, batch):
+        value, grads = autopp.value_and_grad(first_row)(w, batch)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state, value
+
+    autopp.parallelize(step_first_row, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(
+        w, tx.init(w), batch)
