@@ -363,8 +363,7 @@ def parallelize(step_fn=None, /, *, num_stages=None, num_microbatches=None, sche
     step or devices.
 
     With none of ``num_stages``, ``schedule`` and ``plan`` given, they are planned (a ``num_microbatches`` given is
-    kept)
-    for ``devices`` on the first call (or :meth:`Parallelized.plan_for`) for each argument shape: the step is
+    kept) for ``devices`` on the first call (or :meth:`Parallelized.plan_for`) for each argument shape: the step is
     profiled with its layers timed on the local device (:func:`autopp.profiler.profile` with
     ``measure=True``, cached under ``$XDG_CACHE_HOME/autopp``), and
     :func:`autopp.planner._local.plan_local` picks the stage count (a divisor of the device count, each stage

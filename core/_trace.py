@@ -76,6 +76,14 @@ class TracedStep:
                      for k, (a, d) in enumerate(zip(self.grad_eqn.invars, self._batch_derived_grad_inputs)))
 
     @functools.cached_property
+    def frozen_grad_inputs(self) -> tuple[bool, ...]:
+        """Per input of the gradient equation: whether it is a frozen weight, an array the loss reads that is neither
+        differentiated nor split with the batch (a LoRA base, a teacher, a probe's body). Stages hold it like a
+        parameter, without gradient or optimizer state, and a tensor axis splits it as one."""
+        return tuple(not d and not mb and bool(getattr(a.aval, "shape", ()))
+                     for a, d, mb in zip(self.grad_eqn.invars, self.spec.diff_mask, self.microbatched_grad_inputs))
+
+    @functools.cached_property
     def whole_batch_grad_inputs(self) -> tuple[int, ...]:
         """Positions of the gradient equation's inputs that the step derives from the whole batch as scalars
         (``n = mask.sum()`` passed to the loss): each microbatch's loss reads the step's value, so microbatch losses

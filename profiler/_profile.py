@@ -343,10 +343,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         else:
             times[fp] = program_times(src.program, time_model)
     fwd_index = {v: k for k, v in enumerate(fwd.invars)}
-    # Frozen weights (loss inputs neither differentiated nor split with the batch: a LoRA base, a teacher, a probe's
-    # body) are held by the stages that read them like parameters, without gradients or optimizer state.
-    frozen = {k for k, (v, d, mb) in enumerate(zip(fwd.invars, spec.diff_mask, traced.microbatched_grad_inputs))
-              if not d and not mb and getattr(v.aval, "shape", ()) and aval_bytes(v.aval)}
+    frozen = {k for k, f in enumerate(traced.frozen_grad_inputs) if f}  # held like parameters, nothing else
     out_layers = []
     for lay in layers:
         src, bwd_flops, m = by_fp[lay.fingerprint]

@@ -32,6 +32,7 @@ def stage_programs(step) -> list[StagePrograms]:
     loss_var = fwd.outvars[0]
     progs, twins = [], {}
     layer_starts = layer_starts_of(step) if "full" in config.recompute else frozenset()
+    weights = step.tensor_weights
     for g in step.graphs:
         s = g.index
         rep = meshes.replicated[s]
@@ -59,7 +60,7 @@ def stage_programs(step) -> list[StagePrograms]:
                                    residual_sharding=functools.partial(meshes.residual_sharding, s),
                                    flag_sharding=rep, recompute=config.recompute[s], constraints=constraints,
                                    twins=twins, layer_starts=layer_starts,
-                                   split_dims=_split_dims(meshes, s, [v in step.tensor_weights for v in g.inputs])))
+                                   split_dims=_split_dims(meshes, s, [v in weights for v in g.inputs])))
     return progs
 
 

@@ -87,8 +87,10 @@ class Step:
         return self.traced.spec.diff_mask
 
     @property
-    def tensor_weights(self) -> frozenset:  # forward inputs a tensor axis splits: trained and frozen weights
-        return frozenset(v for v, k in self.invar_pos.items() if self.diff_mask[k] or _frozen(self.traced, k))
+    def tensor_weights(self) -> frozenset:
+        """Forward inputs a tensor axis splits: trained and frozen weights (:attr:`TracedStep.frozen_grad_inputs`)."""
+        frozen = self.traced.frozen_grad_inputs
+        return frozenset(v for v, k in self.invar_pos.items() if self.diff_mask[k] or frozen[k])
 
     def layout_of(self, loc: int, k: int | None, shape, var=None) -> NamedSharding:
         """Where a value of ``shape`` serving forward input ``k`` (a parameter: itself, its gradient, its optimizer
@@ -115,11 +117,13 @@ class Step:
                                          self.config.num_microbatches))
 
     def is_constant_output(self, k: int) -> bool:
-        """Whether aux ``k`` reads no loss input (``jnp.float32(x.shape[0])``): the whole batch's value is returned."""
+        """Whether aux output ``k`` reads no input of the loss (a literal, ``jnp.float32(x.shape[0]) * 2``): the step
+        returns the whole batch's value (:meth:`constant_output`), as ``jax.jit`` does."""
         return k > 0 and (isinstance(self.fwd.outvars[k], Literal) or k in self.constants[0])
 
     def constant_output(self, k):
-        """The whole batch's value of forward output ``k``, which reads no input of the loss (``x.shape[0]``)."""
+        """The whole batch's value of forward output ``k``, which reads no input of the loss (a size read off the
+        batch, ``x.shape[0]``, and what is computed from it, is the whole batch's, as under ``jax.jit``)."""
         whole, small = self.spec.forward.jaxpr.outvars[k], self.fwd.outvars[k]
         if isinstance(whole, Literal) or k in self.constants[1]:
             return whole.val if isinstance(whole, Literal) else self.constants[1][k]
@@ -138,12 +142,6 @@ def _per_example(small, whole, num_microbatches: int) -> bool:
     whole batch's leading dimension is ``num_microbatches`` times the microbatch's, the rest equal."""
     small, whole = tuple(small), tuple(whole)
     return small != whole and len(small) > 0 and whole[1:] == small[1:] and whole[0] == num_microbatches * small[0]
-
-
-def _frozen(traced, k: int) -> bool:
-    """Whether forward input ``k`` is a frozen weight: an array neither differentiated nor split with the batch."""
-    v = traced.spec.forward.jaxpr.invars[k]
-    return not traced.spec.diff_mask[k] and not traced.microbatched_grad_inputs[k] and bool(v.aval.shape)
 
 
 def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig) -> Step:
@@ -215,7 +213,8 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                     tensor_spec[(g.index, k)] = spec_
             continue
         # trained and frozen weights (neither differentiated nor split with the batch: a LoRA base) split alike
-        params = [v for v in g.inputs if v in invar_pos and (diff_mask[invar_pos[v]] or _frozen(traced, invar_pos[v]))]
+        params = [v for v in g.inputs if v in invar_pos and (diff_mask[invar_pos[v]]
+                                                             or traced.frozen_grad_inputs[invar_pos[v]])]
         for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
             tensor_spec[(g.index, invar_pos[v])] = spec_
     label, opt_state = _label_outer(traced)
