@@ -119,6 +119,7 @@ def sharding_lines(plan) -> list[str]:
 
 
 def cmd_show(args) -> int:
+    from autopp.core._plan import split_summary
     from autopp.planner import Plan
     from autopp.runtime import Schedule
 
@@ -140,7 +141,7 @@ def cmd_show(args) -> int:
         print(f"  wall time            {st.wall_time_s:.2f} s")
         print(f"  layouts evaluated    {st.candidates}")
         print(f"  layouts bounded out  {st.bounded} (their compute alone could not beat the layouts kept)")
-        print(f"  stage split          {st.solver_status} (gap {100 * st.optimality_gap:.2g}%)")
+        print(f"  stage split          {split_summary(plan)}")
         print(f"  best equal split     {st.best_uniform_step_time_s:.4g} s per step")
         print(f"  sharding ILPs        {st.sharding_solves} solve{'s' if st.sharding_solves != 1 else ''} in "
               f"{st.sharding_solve_s:.2f} s, largest gap {100 * st.sharding_max_gap:.2g}%")

@@ -149,8 +149,10 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     for a in nums:
         for i in range(starts[a], starts[a + 1]):
             arg_mask[i] = True
-    # Leaves that are not arrays (a string, None, a function) outside argnums are static, as jax.grad closes over them
-    static = {i: leaf for i, leaf in enumerate(flat_args) if not _array_like(leaf)}
+    # Leaves that are not arrays (a string, None, a function) outside argnums are static, as jax.grad closes over them,
+    # and so are Python and NumPy numbers outside argnums (a dropout rate, a `train` flag): the loss may branch on them
+    static = {i: leaf for i, leaf in enumerate(flat_args) if not _array_like(leaf)
+              or (isinstance(leaf, (bool, int, float, complex, np.generic)) and not arg_mask[i])}
     for i, leaf in static.items():
         if arg_mask[i]:
             raise TypeError(f"{name}: argument(s) {nums} to differentiate hold a {type(leaf).__name__} ({leaf!r:.40}), "

@@ -384,9 +384,20 @@ class Plan:
         if self.planner is not None:
             st = self.planner
             lines.append(
-                f"planner: {st.wall_time_s:.2f} s, {st.candidates} layouts evaluated ({st.bounded} bounded out), stage split {st.solver_status} "
-                f"(gap {100 * st.optimality_gap:.2g}%), best equal split {st.best_uniform_step_time_s:.4g} s")
+                f"planner: {st.wall_time_s:.2f} s, {st.candidates} layouts evaluated ({st.bounded} bounded out), "
+                f"stage split {split_summary(self)}, best equal split {st.best_uniform_step_time_s:.4g} s")
         return "\n".join(lines)
+
+
+def split_summary(plan: Plan) -> str:
+    """How the plan's stage split was found, in words: CP-SAT's status and gap, or why the equal split stands."""
+    st = plan.planner
+    if st.solver_status != "UNIFORM":
+        return f"{st.solver_status} (gap {100 * st.optimality_gap:.2g}%)"
+    if plan.num_stages == 1:
+        return "none (one stage)"
+    return ("equal (UNIFORM: no CP-SAT split, balanced by compute and memory, came out faster under the whole cost "
+            "model, which also weighs the schedule, sends and each stage's data-parallel reduction)")
 
 
 def id_ranges(ids: tuple[int, ...]) -> str:

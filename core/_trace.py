@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._jaxpr import eqn_signature, eqns_needed, input_free_vars, sink_parameter_work, slice_jaxpr
+from autopp.core._zero_grads import freeze_zero_gradients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,11 @@ class TracedStep:
     with it (a batch statistic; a discriminator updated by a gradient over the batch before the generator's loss
     reads it), found by the same second trace: they are not microbatched; every microbatch reads the step's value,
     as under ``jax.jit``."""
+    zeroed_gradients: tuple[tuple[Any, int], ...] = ()
+    """Weights the loss differentiates in the user's code whose gradient is zero (``stop_gradient``) or read by
+    nothing (``optax.set_to_zero``), made frozen weights (:mod:`autopp.core._zero_grads`): pairs of the variable
+    holding the zeros the step reads in place of one's gradient and its position among the gradient equation's
+    inputs."""
 
     @property
     def grad_eqn(self) -> jex_core.JaxprEqn:
@@ -308,6 +314,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
             "discriminator updated before the generator's loss reads it does: let it read the one from before the "
             "update)."
         )
+    closed, zeroed = freeze_zero_gradients(closed, grads[0])  # stop_gradient'ed or dropped weights: frozen
     traced = TracedStep(
         jaxpr=closed,
         in_tree=in_tree,
@@ -316,6 +323,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         batch_mask=batch_mask,
         leaf_paths=leaf_paths,
         batch_argnums=batch_argnums,
+        zeroed_gradients=tuple(zeroed.items()),
     )
     if probe_shapes:
         grows, stays = _shape_batched(step_fn, in_tree, abstract, traced)

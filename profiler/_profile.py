@@ -328,7 +328,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     grad_eqn = traced.grad_eqn
     diff_idx = spec.diff_indices
     param_of_out = {1 + spec.num_aux + j: k for j, k in enumerate(diff_idx)}
-    owners = optimizer_state_owners(traced.jaxpr.jaxpr, traced.grad_index, param_of_out, traced.batch_mask)
+    owners = optimizer_state_owners(traced.jaxpr.jaxpr, traced.grad_index, param_of_out, traced.batch_mask,
+                                    dict(traced.zeroed_gradients))
     step_invars = traced.jaxpr.jaxpr.invars
     param_step_inputs = {step_invars.index(a) for a in grad_eqn.invars if not isinstance(a, Literal) and a in step_invars}
     opt_bytes_of_param: dict[int, int] = {}
@@ -371,7 +372,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     backward_flops = sum(l.backward_flops for l in out_layers)
     state = {k: (aval_bytes(fwd.invars[k].aval), aval_bytes(fwd.invars[k].aval), opt_bytes_of_param.get(k, 0))
              for k in diff_idx}
-    state.update({k: (aval_bytes(fwd.invars[k].aval), 0, 0) for k in sorted(frozen)})
+    state.update({k: (aval_bytes(fwd.invars[k].aval), 0, opt_bytes_of_param.get(k, 0)) for k in sorted(frozen)})
     return Profile(
         layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
         total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,

@@ -206,3 +206,27 @@ def test_an_edited_stage_range_is_refused_on_replay(mlp_case, field, value, mess
     with pytest.raises(ValueError, match=r"(?s)" + message + r".*edited by hand"):
         autopp.parallelize(step, plan=Plan.from_json(json.dumps(data)),
                            devices=jax.devices()[:2]).plan_for(*state, batch)
+
+
+def test_the_report_says_why_an_equal_split_stands():
+    """``UNIFORM (gap 0%)`` read as a solver that found nothing to improve on a split of visibly unequal stages (a user
+    trial: an encoder-decoder whose encoder layers cost 2.2x its decoder's); the report now says what the status
+    means, and a one-stage plan says it has no split."""
+    from autopp.core._plan import PlannerStats, split_summary
+
+    stats = PlannerStats(wall_time_s=1.0, solver_status="UNIFORM", optimality_gap=0.0, candidates=3,
+                         best_uniform_step_time_s=0.5)
+    two = dataclasses.replace(_a_plan(2), planner=stats)
+    assert "no CP-SAT split, balanced by compute and memory, came out faster" in str(two)
+    assert "gap" not in split_summary(two)
+    assert split_summary(dataclasses.replace(_a_plan(1), planner=stats)) == "none (one stage)"
+    solved = dataclasses.replace(two, planner=dataclasses.replace(stats, solver_status="OPTIMAL", optimality_gap=0.01))
+    assert split_summary(solved) == "OPTIMAL (gap 1%)"
+
+
+def _a_plan(num_stages):
+    model, tx = tiny_mlp(), make_optimizer()
+    params = model.init(jax.random.key(0))
+    return autopp.parallelize(make_step(model, tx), num_stages=num_stages, num_microbatches=2,
+                              devices=jax.devices()[:num_stages]).plan_for(params, tx.init(params),
+                                                                          model.batch(jax.random.key(1), 8))

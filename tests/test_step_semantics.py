@@ -208,6 +208,35 @@ def test_a_non_array_argument_of_the_loss_is_static_as_under_jax_grad():
             params, TX.init(params), _batch(jax.random.key(1)))
 
 
+def test_python_numbers_passed_to_the_loss_stay_python_numbers_as_under_jax_grad():
+    """``value_and_grad(loss)(params, batch, 0.5, train=True)``: a Python number or bool outside argnums is passed
+    through as ``jax.grad`` passes it, so the loss may branch on it (``if train and rate > 0``); it raised
+    ``TracerBoolConversionError`` (a user trial). Inside argnums a Python float is still differentiated."""
+    def loss(params, batch, rate, scale=np.float32(1.0), train=False):
+        nll = _nll(params, batch["x"], batch["y"])
+        if train and rate > 0:
+            nll = nll * (1 - rate) * scale
+        return nll.mean()
+
+    def step(params, opt_state, batch):
+        out, grads = autopp.value_and_grad(loss)(params, batch, 0.5, np.float32(2.0), train=True)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+    def by_a_float(params, opt_state, batch):
+        return autopp.grad(lambda t, p: loss(p, batch, 0.5, train=True) * t, argnums=0)(2.0, params)
+
+    params = _params(jax.random.key(0))
+    got = autopp.parallelize(by_a_float, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+        params, TX.init(params), _batch(jax.random.key(1)))
+    np.testing.assert_allclose(got, jax.jit(by_a_float)(params, TX.init(params), _batch(jax.random.key(1))),
+                               rtol=1e-6)
+
+
 @pytest.mark.parametrize("num_stages", [1, 2])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_an_aux_read_off_the_parameters_is_the_step_s_value(num_stages, reduction):

@@ -1,0 +1,109 @@
+"""Differentiated inputs whose gradient is zero or unused, taken out of the gradient (a pass on the traced step).
+
+A weight frozen with ``jax.lax.stop_gradient`` inside the loss has a zero gradient; one whose gradient the optimizer
+drops (``optax.multi_transform`` with ``optax.set_to_zero()``) has an unused one. Under ``jax.jit`` XLA removes the
+work either way. A pipeline that took them as parameters would run their backward and hold a gradient accumulator
+per weight between steps. This pass makes them what they are, weights the loss reads without differentiating them
+(as if left out of ``argnums``), and computes their gradient, where the step still reads it, as zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from autopp.core import _compat
+
+Literal = jex_core.Literal
+
+
+def _inexact(v) -> bool:
+    return jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
+
+
+def cotangent_vars(jaxpr: jex_core.Jaxpr, outvars) -> set:
+    """Variables of ``jaxpr`` that may carry a nonzero cotangent when ``outvars`` are differentiated: float
+    variables that reach one of them by a path not cut by ``stop_gradient``. Calls are followed into their bodies;
+    any other equation with a body (``scan``, ``cond``, ``custom_vjp``, ``checkpoint``...) passes cotangents from
+    every float output to every float input (a path is assumed)."""
+    ct = {v for v in outvars if not isinstance(v, Literal) and _inexact(v)}
+    for eqn in reversed(jaxpr.eqns):
+        hit = [o in ct for o in eqn.outvars]
+        if not any(hit) or eqn.primitive.name == "stop_gradient":
+            continue
+        body = _compat.call_body(eqn)
+        if body is not None and len(body.jaxpr.invars) == len(eqn.invars):
+            inner = cotangent_vars(body.jaxpr, [o for o, h in zip(body.jaxpr.outvars, hit) if h])
+            reached = [b in inner for b in body.jaxpr.invars]
+        else:
+            reached = [True] * len(eqn.invars)
+        ct.update(a for a, r in zip(eqn.invars, reached) if r and not isinstance(a, Literal) and _inexact(a))
+    return ct
+
+
+def _needed_after(jaxpr: jex_core.Jaxpr, start: int) -> set:
+    """Variables that equations from ``start`` on, which lead to the outputs or have effects, read (outputs
+    included)."""
+    needed = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns[start:]):
+        if eqn.effects or any(o in needed for o in eqn.outvars):
+            needed.update(a for a in eqn.invars if not isinstance(a, Literal))
+    return needed
+
+
+def zero_gradient_inputs(closed: jex_core.ClosedJaxpr, grad_index: int) -> tuple[int, ...]:
+    """Positions among the gradient equation's inputs of the differentiated float inputs whose gradient is zero
+    (no path to the loss that ``stop_gradient`` does not cut) or read by nothing after the gradient."""
+    eqn = closed.jaxpr.eqns[grad_index]
+    spec = eqn.params["spec"]
+    fwd = spec.forward.jaxpr
+    reached = cotangent_vars(fwd, fwd.outvars[:1])
+    needed = _needed_after(closed.jaxpr, grad_index + 1)
+    grads = dict(zip(spec.diff_indices, eqn.outvars[1 + spec.num_aux:]))
+    return tuple(k for k, g in grads.items()
+                 if _inexact(fwd.invars[k]) and (fwd.invars[k] not in reached or g not in needed))
+
+
+def _zeros(aval):
+    """(equations, the value) of zeros of ``aval`` as ``jnp.zeros`` traces them (a literal for a scalar)."""
+    made = jax.make_jaxpr(lambda: jnp.zeros(aval.shape, aval.dtype))()
+    return list(made.jaxpr.eqns), made.jaxpr.outvars[0]
+
+
+def freeze_zero_gradients(closed: jex_core.ClosedJaxpr, grad_index: int) -> tuple[jex_core.ClosedJaxpr, dict]:
+    """``closed`` with :func:`zero_gradient_inputs` no longer differentiated: the gradient equation returns the
+    others' gradients, and each of theirs that the step reads is zeros made right after it. Unchanged when there
+    is none, or when no differentiated input would remain (the loss reads no weight at all). Second: the variable
+    that now holds each zero gradient the step reads -> the gradient equation's input position it belongs to."""
+    frozen = set(zero_gradient_inputs(closed, grad_index))
+    eqn = closed.jaxpr.eqns[grad_index]
+    spec = eqn.params["spec"]
+    if not frozen or frozen >= set(spec.diff_indices):
+        return closed, {}
+    head = 1 + spec.num_aux
+    needed = _needed_after(closed.jaxpr, grad_index + 1)
+    kept_outs, made, swap, zeroed = list(eqn.outvars[:head]), [], {}, {}
+    for k, g in zip(spec.diff_indices, eqn.outvars[head:]):
+        if k not in frozen:
+            kept_outs.append(g)
+        elif g in needed:
+            eqns, value = _zeros(g.aval)
+            made += eqns
+            swap[g] = value
+            if not isinstance(value, Literal):
+                zeroed[value] = k
+    new_spec = dataclasses.replace(spec, diff_mask=tuple(d and k not in frozen for k, d in enumerate(spec.diff_mask)))
+    grad_eqn = eqn.replace(outvars=kept_outs, params={**eqn.params, "spec": new_spec})
+
+    def sub(vs):
+        return [swap.get(a, a) if not isinstance(a, Literal) else a for a in vs]
+
+    later = [e.replace(invars=sub(e.invars)) for e in closed.jaxpr.eqns[grad_index + 1:]]
+    eqns = [*closed.jaxpr.eqns[:grad_index], grad_eqn, *made, *later]
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns, outvars=sub(closed.jaxpr.outvars))), zeroed
+
+
+__all__ = ["cotangent_vars", "freeze_zero_gradients", "zero_gradient_inputs"]

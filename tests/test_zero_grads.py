@@ -1,0 +1,161 @@
+"""Weights frozen inside the step (``jax.lax.stop_gradient``, ``optax.set_to_zero``) are not differentiated: no
+backward work and no gradient accumulators for them, as for weights left out of ``argnums``; the step still equals
+plain ``jax.jit``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopp
+from autopp.core._trace import trace_step
+from autopp.core._zero_grads import zero_gradient_inputs
+
+from _helpers import assert_trees_close, run_steps
+
+LAYERS, DIM, RANK = 4, 32, 4
+
+
+def _params(key=0):
+    ks = jax.random.split(jax.random.key(key), 3 * LAYERS)
+    return [{"w": 0.3 * jax.random.normal(ks[3 * i], (DIM, DIM)),
+             "a": 0.1 * jax.random.normal(ks[3 * i + 1], (DIM, RANK)),
+             "b": 0.1 * jax.random.normal(ks[3 * i + 2], (RANK, DIM))} for i in range(LAYERS)]
+
+
+def _batch(n=16):
+    return {"x": jax.random.normal(jax.random.key(7), (n, DIM)), "y": jax.random.normal(jax.random.key(8), (n, DIM))}
+
+
+def _lora_loss(params, batch, freeze=jax.lax.stop_gradient):
+    x = batch["x"]
+    for p in params:
+        x = jnp.tanh(x @ (freeze(p["w"]) + p["a"] @ p["b"]))
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _step(loss, tx):
+    def step(params, opt_state, batch):
+        value, grads = autopp.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    return step
+
+
+def _argnums_step(tx):
+    """The same LoRA step with the base left out of ``argnums``: what a frozen base must cost."""
+    def loss(base, adapters, batch):
+        return _lora_loss([{"w": w, **a} for w, a in zip(base, adapters)], batch, freeze=lambda w: w)
+
+    def step(params, opt_state, batch):
+        base, adapters = [p["w"] for p in params], [{"a": p["a"], "b": p["b"]} for p in params]
+        value, grads = autopp.value_and_grad(loss, argnums=1)(base, adapters, batch)
+        grads = [{"w": jnp.zeros_like(p["w"]), **g} for p, g in zip(params, grads)]
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    return step
+
+
+def _pipelined(step):
+    return autopp.parallelize(step, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])
+
+
+def _held(step, state, batch):
+    return sum(step.memory_report(*state, batch, between_steps=True).values())
+
+
+def _frozen_positions(step, state, batch):
+    """Paths of the step's arguments that the loss reads as frozen weights."""
+    traced = trace_step(step, (*state, batch), (2,))
+    names = dict(zip(traced.jaxpr.jaxpr.invars, traced.leaf_paths))
+    return sorted(names[traced.grad_eqn.invars[k]] for k, f in enumerate(traced.frozen_grad_inputs) if f)
+
+
+@pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adamw(1e-2, weight_decay=0.1)], ids=["sgd", "adamw"])
+def test_stop_gradient_weights_hold_no_accumulators(tx):
+    params, batch = _params(), _batch()
+    state = (params, tx.init(params))
+    step = _step(_lora_loss, tx)
+    pipelined = _pipelined(step)
+    got, losses = run_steps(pipelined, state, batch)
+    want, want_losses = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(autopp.gather(got), want, atol=1e-6)  # adamw's decay still moves the frozen base, as in jit
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    reference = _pipelined(_argnums_step(tx))
+    run_steps(reference, state, batch, n=1)
+    assert _held(pipelined, got, batch) == _held(reference, state, batch) > 0
+    assert _frozen_positions(step, state, batch) == sorted(f"args[0][{i}]['w']" for i in range(LAYERS))
+
+
+def test_weights_whose_gradient_the_optimizer_drops_are_not_differentiated():
+    labels = [{"w": "frozen", "a": "trained", "b": "trained"} for _ in range(LAYERS)]
+    tx = optax.multi_transform({"trained": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+    params, batch = _params(), _batch()
+    state = (params, tx.init(params))
+    step = _step(lambda p, b: _lora_loss(p, b, freeze=lambda w: w), tx)
+    pipelined = _pipelined(step)
+    got, _ = run_steps(pipelined, state, batch)
+    want, _ = run_steps(jax.jit(step), state, batch)
+    assert_trees_close(autopp.gather(got), want, atol=1e-6)
+    for g, p in zip(autopp.gather(got)[0], params):
+        np.testing.assert_array_equal(g["w"], p["w"])
+    sgd = optax.sgd(0.1)
+    reference, ref_state = _pipelined(_argnums_step(sgd)), (params, sgd.init(params))
+    run_steps(reference, ref_state, batch, n=1)
+    assert _held(pipelined, got, batch) == _held(reference, ref_state, batch) > 0
+
+
+def test_gradients_read_before_they_are_dropped_or_passing_around_stop_gradient_stay():
+    """A global-norm clip reads every gradient before ``set_to_zero`` drops some, and a straight-through estimator
+    (``w + stop_gradient(round(w) - w)``) has an identity path around ``stop_gradient``: both keep their weights
+    differentiated, and the step equals jit."""
+    labels = [{"w": "frozen", "a": "trained", "b": "trained"} for _ in range(LAYERS)]
+    clipped = optax.chain(optax.clip_by_global_norm(0.05),
+                          optax.multi_transform({"trained": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels))
+
+    def ste(w):
+        return w + jax.lax.stop_gradient(jnp.round(w * 8) / 8 - w)
+
+    params, batch = _params(), _batch()
+    for tx, freeze in ((clipped, lambda w: w), (optax.sgd(0.1), ste)):
+        state = (params, tx.init(params))
+        step = _step(lambda p, b, freeze=freeze: _lora_loss(p, b, freeze=freeze), tx)
+        assert _frozen_positions(step, state, batch) == []
+        got, _ = run_steps(_pipelined(step), state, batch)
+        assert_trees_close(autopp.gather(got), run_steps(jax.jit(step), state, batch)[0], atol=1e-6)
+
+
+def test_stop_gradient_is_followed_into_calls_and_assumed_absent_elsewhere():
+    """A ``stop_gradient`` inside a jitted helper is seen; one inside a ``jax.checkpoint`` or a ``lax.cond`` is not
+    looked for, so the weight stays differentiated (a zero gradient computed, never a wrong one)."""
+    def loss_with(wrap):
+        def loss(p, batch):
+            frozen = wrap(lambda w: jax.lax.stop_gradient(w) * 2.0)(p["w"])
+            return jnp.mean((batch["x"] @ (frozen + p["a"] @ p["b"])) ** 2)
+        return loss
+
+    p, batch = _params()[0], _batch()
+    cond = lambda f: lambda w: jax.lax.cond(w.sum() > 0, f, f, w)  # noqa: E731
+    for wrap, want in ((jax.jit, ("w",)), (jax.checkpoint, ()), (cond, ())):
+        def step(p, batch, loss=loss_with(wrap)):
+            return autopp.grad(loss)(p, batch)
+        traced = trace_step(step, (p, batch), (1,))
+        names = ["a", "b", "w", "x", "y"]  # the loss's flat inputs: dict keys sorted
+        assert tuple(names[k] for k, f in enumerate(traced.frozen_grad_inputs) if f) == want, wrap
+        assert zero_gradient_inputs(traced.jaxpr, traced.grad_index) == ()  # already frozen: nothing more
+        np.testing.assert_allclose(jax.jit(step)(p, batch)["w"], 0.0)
+
+
+def test_the_profile_holds_a_stop_gradient_weight_with_its_optimizer_state_and_no_gradient():
+    """Hand count: each frozen 32x32 fp32 base is 4096 bytes held, no gradient, and AdamW's two moments of it
+    (8192 bytes), which the update still keeps; each adapter 512 bytes with its gradient and moments."""
+    from autopp.profiler import profile
+
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    params, batch = _params(), _batch()
+    prof = profile(_step(_lora_loss, tx), params, tx.init(params), batch)
+    held = sorted(prof.state_bytes.values())
+    assert held == sorted([(4096, 0, 8192)] * LAYERS + [(512, 512, 1024)] * 2 * LAYERS), held
