@@ -26,22 +26,41 @@ def _inexact(v) -> bool:
 
 def cotangent_vars(jaxpr: jex_core.Jaxpr, outvars) -> set:
     """Variables of ``jaxpr`` that may carry a nonzero cotangent when ``outvars`` are differentiated: float
-    variables that reach one of them by a path not cut by ``stop_gradient``. Calls are followed into their bodies;
-    any other equation with a body (``scan``, ``cond``, ``custom_vjp``, ``checkpoint``...) passes cotangents from
-    every float output to every float input (a path is assumed)."""
+    variables that reach one of them by a path not cut by ``stop_gradient``. Calls, ``jax.checkpoint`` and each
+    branch of a ``lax.cond`` are followed into their bodies; any other equation (``scan``, ``while``,
+    ``custom_vjp``, ``custom_jvp``...) passes cotangents from every float output to every float input (a path is
+    assumed)."""
     ct = {v for v in outvars if not isinstance(v, Literal) and _inexact(v)}
     for eqn in reversed(jaxpr.eqns):
         hit = [o in ct for o in eqn.outvars]
         if not any(hit) or eqn.primitive.name == "stop_gradient":
             continue
-        body = _compat.call_body(eqn)
-        if body is not None and len(body.jaxpr.invars) == len(eqn.invars):
-            inner = cotangent_vars(body.jaxpr, [o for o, h in zip(body.jaxpr.outvars, hit) if h])
-            reached = [b in inner for b in body.jaxpr.invars]
+        bodies = _bodies(eqn)
+        if bodies and all(len(b.outvars) == len(eqn.outvars) and len(b.invars) <= len(eqn.invars) for b in bodies):
+            reached = [False] * len(eqn.invars)
+            for body in bodies:  # a path through any of them (any branch) passes a cotangent
+                inner = cotangent_vars(body, [o for o, h in zip(body.outvars, hit) if h])
+                skip = len(eqn.invars) - len(body.invars)  # a cond's branch index
+                for j, b in enumerate(body.invars):
+                    reached[skip + j] = reached[skip + j] or b in inner
         else:
             reached = [True] * len(eqn.invars)
         ct.update(a for a, r in zip(eqn.invars, reached) if r and not isinstance(a, Literal) and _inexact(a))
     return ct
+
+
+def _bodies(eqn) -> list[jex_core.Jaxpr]:
+    """The jaxprs an equation runs on its own operands (its last ones) to make its own results: a call's body, a
+    ``jax.checkpoint``'s, each branch of a ``lax.cond``; none for other equations."""
+    body = _compat.call_body(eqn)
+    if body is not None:
+        return [body.jaxpr]
+    if eqn.primitive.name in ("remat2", "checkpoint"):
+        inner = eqn.params.get("jaxpr")
+        return [getattr(inner, "jaxpr", inner)] if inner is not None else []
+    if eqn.primitive.name == "cond":
+        return [b.jaxpr for b in eqn.params.get("branches", ())]
+    return []
 
 
 def _needed_after(jaxpr: jex_core.Jaxpr, start: int) -> set:
