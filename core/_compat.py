@@ -259,6 +259,20 @@ def _replay(closed, args) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
+def fused_attention_scope(args, kwargs) -> str:
+    """The scope name of one ``dot_product_attention(*args, **kwargs)`` call: :data:`FUSED_ATTENTION_SCOPE`, then
+    ``_causal`` for ``is_causal=True``, then ``_window{left}x{right}_q{T}_k{S}`` for a ``local_window_size`` (query
+    ``i`` sees keys ``i - left`` to ``i + right``; ``T`` and ``S`` the query and key lengths), which the cost model
+    reads to price only the score blocks a flash kernel computes."""
+    scope = FUSED_ATTENTION_SCOPE + ("_causal" if kwargs.get("is_causal") else "")
+    window = kwargs.get("local_window_size")
+    query, key = (args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(("query", "key")))
+    if window is not None and query is not None and key is not None:
+        left, right = (window, window) if isinstance(window, int) else tuple(window)
+        scope += f"_window{int(left)}x{int(right)}_q{np.shape(query)[-3]}_k{np.shape(key)[-3]}"
+    return scope
+
+
 class marking_fused_attention:
     """While active, ``jax.nn.dot_product_attention`` runs under :data:`FUSED_ATTENTION_SCOPE` (``causal``
     appended for ``is_causal=True``). Re-entrant; restores the function on exit."""
@@ -275,8 +289,7 @@ class marking_fused_attention:
             cache: dict = {}
 
             def dot_product_attention(*args, **kwargs):
-                scope = FUSED_ATTENTION_SCOPE + ("_causal" if kwargs.get("is_causal") else "")
-                with jax.named_scope(scope):
+                with jax.named_scope(fused_attention_scope(args, kwargs)):
                     return _replayed(original, cache, args, kwargs)
 
             dot_product_attention.__wrapped__ = original

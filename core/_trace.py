@@ -501,15 +501,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
     direct = all(a in batch_leaves for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs)
                  if is_mb)
     if spec.loss_fn is not None and direct:  # the batch goes to the loss as it is: shrink it there
-        small = []
-        for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs):
-            shape = tuple(a.aval.shape)
-            if is_mb and shape and shape[0] % num_microbatches == 0:
-                shape = (shape[0] // num_microbatches,) + shape[1:]
-            small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
-        with _tracing(), _at_microbatch_size(who, num_microbatches, traced,
-                                             lambda: _misaligned(step_fn, args, traced)):
-            mb_forward = sink_parameter_work(jax.make_jaxpr(spec.loss_fn)(*small), spec.diff_mask)  # as spec.forward
+        mb_forward = _loss_at_microbatch_size(step_fn, args, traced, num_microbatches, who)
         mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     else:
         flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
@@ -519,14 +511,24 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             if is_batch:
                 shape = (shape[0] // num_microbatches,) + shape[1:]
             small.append(abstract_leaf(x, shape=shape))
-        with _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
-            mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who,
-                            probe_shapes=False)
-        mb_forward = mb.spec.forward
-        mb_in = [a.aval for a in mb.grad_eqn.invars]
+        try:
+            with _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
+                mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who,
+                                probe_shapes=False)
+            mb_forward = mb.spec.forward
+            mb_in = [a.aval for a in mb.grad_eqn.invars]
+        except ValueError:
+            # Step code that only runs at the full batch (rewards normalised in groups larger than a microbatch):
+            # the runtime runs it on the whole batch anyway and splits the loss inputs by rows, so the loss alone
+            # at those rows is what each microbatch runs, once the step at twice the batch shows every split input
+            # growing along axis 0 and nothing else growing.
+            if spec.loss_fn is None or not _rows_grow_along_axis_0(step_fn, args, traced):
+                raise
+            mb_forward = _loss_at_microbatch_size(step_fn, args, traced, num_microbatches, who)
+            mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]
     outer = traced.jaxpr.jaxpr.invars
-    problems = []
+    problems, same_shape = [], 0
     for k, (f, m, is_mb) in enumerate(zip(full_in, mb_in, traced.microbatched_grad_inputs)):
         a = traced.grad_eqn.invars[k]
         name = f"loss input #{k}" + (f" ({traced.leaf_paths[outer.index(a)]})" if a in outer else
@@ -538,6 +540,7 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
         elif m.shape != expect or m.dtype != f.dtype:
             problems.append(f"  {name}: {f.str_short()} at full batch, {m.str_short()} per microbatch "
                             f"(expected {expect})")
+            same_shape += is_mb and m.shape == f.shape
     if len(full_in) != len(mb_in) or problems:
         raise ValueError(
             f"{who}: the loss inputs do not scale with the batch, so the batch cannot be split "
@@ -546,10 +549,48 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
             "and the loss reads (a batch statistic, parameters updated by another gradient over the batch) is read "
             "whole by every microbatch when the step's loss inputs show it (one of them has a leading dimension that "
             "is no batch leaf's); where every such value's leading dimension is the batch size, each is taken for a "
-            "per-example one: compute it inside the loss, or from the previous step's values."
+            "per-example one: compute it inside the loss, or from the previous step's values." + (
+                "\nA loss input that keeps its shape per microbatch is such a value whose leading dimension equals "
+                "the batch size by chance (a mean over the batch per time step, with as many steps as examples): "
+                "give it a leading axis of 1 (x.mean(0, keepdims=True)) and every microbatch reads it whole, as "
+                "under jax.jit." if same_shape else "")
         )
     _refuse_reads_past_rows(mb_forward, traced, num_microbatches, who)
     return mb_forward
+
+
+def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: TracedStep, num_microbatches: int,
+                             who: str) -> jex_core.ClosedJaxpr:
+    """The loss alone (``GradSpec.loss_fn``) traced with its microbatched inputs' rows divided by
+    ``num_microbatches``, the rest as the step passes them."""
+    small = []
+    for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs):
+        shape = tuple(a.aval.shape)
+        if is_mb and shape and shape[0] % num_microbatches == 0:
+            shape = (shape[0] // num_microbatches,) + shape[1:]
+        small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
+    with _tracing(), _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
+        return sink_parameter_work(jax.make_jaxpr(traced.spec.loss_fn)(*small), traced.spec.diff_mask)
+
+
+def _rows_grow_along_axis_0(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> bool:
+    """Whether the step traced at twice the batch gives every microbatched loss input twice its rows (the other
+    dimensions equal) and every other loss input its shape unchanged."""
+    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    doubled = [abstract_leaf(x, shape=(2 * np.shape(x)[0],) + tuple(np.shape(x)[1:])) if b and np.shape(x)
+               else abstract_leaf(x) for x, b in zip(flat, traced.batch_mask)]
+    try:
+        probe = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
+                           probe_shapes=False)
+    except Exception:  # noqa: BLE001 - no evidence either way: keep the microbatch trace's error
+        return False
+    if len(probe.grad_eqn.invars) != len(traced.grad_eqn.invars):
+        return False
+    for a, b, mb in zip(traced.grad_eqn.invars, probe.grad_eqn.invars, traced.microbatched_grad_inputs):
+        small, big = tuple(getattr(a.aval, "shape", ())), tuple(getattr(b.aval, "shape", ()))
+        if big != ((2 * small[0],) + small[1:] if mb and small else small):
+            return False
+    return True
 
 
 def _refuse_reads_past_rows(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,

@@ -156,7 +156,6 @@ def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeMod
     j = graph.program.closed.jaxpr
     if node.kind == "attention":
         region = next(r for r, g in enumerate(graph.program.attention_regions) if g == node.eqns)
-        causal = region in graph.program.causal_regions
         fwd = [i for i in node.eqns if i not in graph.program.backward_eqns]
         bwd = [i for i in node.eqns if i in graph.program.backward_eqns]
         total = 0.0
@@ -164,7 +163,8 @@ def node_seconds(graph: StrategyGraph, node: OpNode, strategy, tm: KernelTimeMod
             if part:
                 ks = program_kernels(j, part, is_batch=lambda v: True, dependent=lambda i: True,
                                      regions=[tuple(part)],
-                                     causal=[0] if causal else [], backward_eqns=graph.program.backward_eqns)
+                                     work=[graph.program.region_work[region]],
+                                     backward_eqns=graph.program.backward_eqns)
                 total += sum(tm.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work, floor=False) for k in ks)
     else:
         total = _eqn_seconds(j.eqns[node.eqns[0]], node.eqns[0], tm, sc)
@@ -505,7 +505,7 @@ def layer_cost(solution: ShardingSolution) -> LayerCost:
         return is_batch(v) or v in untracked
 
     kw = dict(is_batch=scales, dependent=prog.dependent_eqns.__contains__, eqn_share=eqn_share,
-              var_share=var_share, regions=prog.attention_regions, causal=prog.causal_regions,
+              var_share=var_share, regions=prog.attention_regions, work=prog.region_work,
               backward_eqns=prog.backward_eqns)
     forward = tuple(program_kernels(j, fwd_ids, **kw))
     backward = tuple(program_kernels(j, bwd_ids, **kw))

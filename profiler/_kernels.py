@@ -12,7 +12,7 @@ solution).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from jax.extend import core as jex_core
@@ -43,6 +43,32 @@ layout, accumulation)."""
 CAUSAL_WORK = 0.5
 """Fraction of the ``s x s`` blocks a causal flash-attention kernel computes: the blocks above the diagonal are
 skipped (Dao 2023, section 3.1.1), so a causal kernel does about half the matmul work of the full one."""
+
+
+FLASH_BLOCK = 128
+"""Query and key block edge of a flash-attention kernel: FlashAttention-2 computes the scores in 128 x 128 blocks
+at head dims 64-128 on A100/H100 (Dao 2023, section 3.1, and its kernels' tile sizes); a block with any score
+inside a sliding window is computed whole, one with none is skipped."""
+
+
+def attention_work(causal: bool, window: tuple[int, int] | None = None, q_len: int = 0, k_len: int = 0) -> float:
+    """Fraction of the ``s x s`` score blocks a flash-attention kernel computes: :data:`CAUSAL_WORK` for a causal
+    call, 1 for a full one, and for a sliding window (query ``i`` sees keys ``i - left`` to ``i + right``, and none
+    after ``i`` when causal) the share of :data:`FLASH_BLOCK`-square blocks that hold a visible score."""
+    if window is None or q_len <= 0 or k_len <= 0:
+        return CAUSAL_WORK if causal else 1.0
+    left, right = window
+    b = FLASH_BLOCK
+    nq, nk = -(-q_len // b), -(-k_len // b)
+    touched = 0
+    for a in range(nq):
+        first, last = a * b, min(q_len, (a + 1) * b) - 1  # the block's queries
+        lo, hi = max(0, first - left), min(k_len - 1, last + right)
+        if causal:
+            hi = min(hi, last)
+        if hi >= lo:
+            touched += hi // b - lo // b + 1
+    return touched / (nq * nk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +126,7 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
                     dependent: Callable[[int], bool] | None = None,
                     eqn_share: Callable[[int], float] = lambda i: 1.0,
                     var_share: Callable[[object], float] = lambda v: 1.0,
-                    regions: Sequence[tuple[int, ...]] = (), causal: Iterable[int] = (),
+                    regions: Sequence[tuple[int, ...]] = (), work: Sequence[float] = (),
                     backward_eqns: frozenset[int] = frozenset(),
                     used_after: Callable[[object, int], bool] | None = None) -> list[ScaledKernel]:
     """The kernels of the equations ``eqn_ids`` (in order) of ``jaxpr``.
@@ -109,15 +135,16 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
     on the batch (its FLOPs scale; default: it reads a batch-sized value); the others read only parameters and
     constants and form ``per_step`` kernels of their own. ``eqn_share(i)``: the fraction of equation ``i``'s
     work one device does (1/t when split over a tensor group); ``var_share(v)``: the fraction of value ``v`` one
-    device holds. ``regions``: groups of equation indices that are one fused attention call each (``causal``:
-    indices of the causal ones); ``backward_eqns`` tells a region's forward part from its backward part.
+    device holds. ``regions``: groups of equation indices that are one fused attention call each (``work``: the
+    fraction of each one's score blocks its kernel computes, :func:`attention_work`; 1 when not given);
+    ``backward_eqns`` tells a region's forward part from its backward part.
     ``used_after(v, i)``: whether ``v`` is read after equation ``i`` outside the run (default: by any later
     equation of the jaxpr, or by its outputs).
     """
     ids = list(eqn_ids)
     eqns = jaxpr.eqns
     region_of = {i: r for r, g in enumerate(regions) for i in g}
-    causal = set(causal)
+    work = list(work) + [1.0] * (len(regions) - len(work))
     last_use: dict = {}
     for i, e in enumerate(eqns):
         for a in _reads(e):
@@ -300,7 +327,7 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
             done_regions.add(r)
             close_run()
             part = [x for x in regions[r] if x in set(ids)]
-            kernels.append(_attention_kernel(jaxpr, part, regions[r], is_batch, eqn_share, var_share, r in causal,
+            kernels.append(_attention_kernel(jaxpr, part, regions[r], is_batch, eqn_share, var_share, work[r],
                                              backward=bool(part) and part[0] in backward_eqns))
             continue
         if e.primitive.name in ("dot_general", "conv_general_dilated"):
@@ -355,7 +382,7 @@ def _reads(e):
     return [a for a in e.invars if not isinstance(a, Literal)]
 
 
-def _attention_kernel(jaxpr, eqn_ids, region, is_batch, eqn_share, var_share, causal: bool,
+def _attention_kernel(jaxpr, eqn_ids, region, is_batch, eqn_share, var_share, blocks: float,
                       backward: bool) -> ScaledKernel:
     """One flash-attention kernel for a region's forward (or backward) equations: the matmul FLOPs of that part at
     the operand dtype, memory traffic only for what crosses the whole region (no ``s x s`` tensor; the values the
@@ -399,6 +426,6 @@ def _attention_kernel(jaxpr, eqn_ids, region, is_batch, eqn_share, var_share, ca
             traffic_f += b
     for a in writes:
         out_b += aval_bytes(a.aval) * var_share(a)
-    work = (CAUSAL_WORK if causal else 1.0) * (FLASH_BACKWARD_MATMULS if backward else 1.0)
+    work = blocks * (FLASH_BACKWARD_MATMULS if backward else 1.0)
     return ScaledKernel(ATTENTION, dtype or "float32", OpCost(flops_b, 0.0, traffic_b, out_b),
                         OpCost(flops_f, 0.0, traffic_f, 0.0), work=work)

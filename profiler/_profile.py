@@ -414,7 +414,7 @@ def program_times(program: LayerProgram, time_model: KernelTimeModel) -> tuple[f
     their operand dtype's peak, fused attention as one flash kernel, the rest fused and memory-bound)."""
     j = program.closed.jaxpr
     kw = dict(is_batch=program.batch_vars.__contains__, dependent=program.dependent_eqns.__contains__,
-              regions=program.attention_regions, causal=program.causal_regions, backward_eqns=program.backward_eqns)
+              regions=program.attention_regions, work=program.region_work, backward_eqns=program.backward_eqns)
     fwd_ids = [i for i in range(len(j.eqns)) if i not in program.backward_eqns]
     bwd_ids = sorted(program.backward_eqns)
     fwd, bwd = program_kernels(j, fwd_ids, **kw), program_kernels(j, bwd_ids, **kw)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 
 import jax
@@ -34,6 +35,7 @@ import networkx as nx
 from jax.extend import core as jex_core
 
 from autopp.core import FUSED_ATTENTION_SCOPE, forward_with_vjp, name_stack
+from autopp.profiler._kernels import attention_work
 
 Literal = jex_core.Literal
 
@@ -93,8 +95,9 @@ class LayerProgram:
     read parameters and constants (casts of master weights: once per step, not per microbatch)."""
     attention_regions: tuple[tuple[int, ...], ...]
     """Groups of equations inside one fused attention call (forward and backward)."""
-    causal_regions: frozenset[int]
-    """Indices into :attr:`attention_regions` of causal attention calls."""
+    region_work: tuple[float, ...]
+    """Per attention region, the fraction of its ``s x s`` score blocks a flash kernel computes (1 full, 0.5 causal,
+    less for a sliding window: :func:`autopp.profiler._kernels.attention_work`)."""
 
 
 def _float(aval) -> bool:
@@ -140,7 +143,7 @@ def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str],
         if any(a in dep for a in ins):
             dep.update(e.outvars)
             dependent.add(i)
-    regions, causal = _attention_regions(pj)
+    regions, work = _attention_regions(pj)
     dims = list(input_batch_dims or ()) + [None] * len(kinds)
     starts = {v: (d if d is not None and d < len(v.aval.shape) else 0) for v, k, d in zip(pj.invars, kinds, dims)
               if k in ("batch", "data") and getattr(v.aval, "shape", ())}
@@ -148,7 +151,7 @@ def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str],
     return LayerProgram(closed=prog, num_inputs=n_in, input_kinds=kinds, ct_outputs=ct_outputs,
                         num_outputs=len(jaxpr.outvars), grad_inputs=tuple(diff), backward_eqns=frozenset(backward),
                         batch_vars=frozenset(sized), dependent_eqns=frozenset(dependent), attention_regions=regions,
-                        causal_regions=frozenset(causal))
+                        region_work=tuple(work))
 
 
 def batch_sized_vars(jaxpr, starts: dict, ct_of: dict) -> set:
@@ -191,8 +194,9 @@ def batch_dims(jaxpr, starts: dict, ct_of: dict | None = None) -> dict:
         _ANY_SIZE[0] = False
 
 
-def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
-    """Connected groups of equations under the fused-attention scope."""
+def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[float]]:
+    """Connected groups of equations under the fused-attention scope, and the fraction of each one's score blocks
+    its kernel computes (read off the scope's name, :func:`autopp.core.fused_attention_scope`)."""
     marked = [i for i, e in enumerate(jaxpr.eqns) if FUSED_ATTENTION_SCOPE in name_stack(e)]
     if not marked:
         return (), []
@@ -209,9 +213,19 @@ def _attention_regions(jaxpr) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
             else:
                 owner[a] = i
     regions = tuple(sorted(tuple(sorted(g)) for g in nx.connected_components(links)))
-    causal = [k for k, g in enumerate(regions)
-              if any(FUSED_ATTENTION_SCOPE + "_causal" in name_stack(jaxpr.eqns[i]) for i in g)]
-    return regions, causal
+    return regions, [_region_work(jaxpr, g) for g in regions]
+
+
+_SCOPE = re.compile(FUSED_ATTENTION_SCOPE + r"(_causal)?(?:_window(-?\d+)x(-?\d+)_q(\d+)_k(\d+))?")
+
+
+def _region_work(jaxpr, region) -> float:
+    for i in region:
+        m = _SCOPE.search(name_stack(jaxpr.eqns[i]))
+        if m:
+            window = (int(m.group(2)), int(m.group(3))) if m.group(2) is not None else None
+            return attention_work(bool(m.group(1)), window, int(m.group(4) or 0), int(m.group(5) or 0))
+    return 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------

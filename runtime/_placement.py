@@ -53,7 +53,10 @@ def place_outer(
     grad_out_loc: Sequence[int],
     batch_mask: Sequence[bool],
     default_loc: int = 0,
+    anchors: dict | None = None,
 ) -> OuterPlacement:
+    """Where each outer equation runs. ``anchors``: more values that live at one location, as the gradients do
+    (the zeros that stand for a frozen weight's gradient, at the weight's stage)."""
     eqns = jaxpr.eqns
     grad = eqns[grad_index]
     producer = {}
@@ -71,7 +74,7 @@ def place_outer(
         stack.extend(producer[v] for v in _vars(eqns[i].invars) if v in producer)
 
     avail: dict = {}  # var -> frozenset of locations that hold it (anchored values)
-    for v, loc in zip(grad.outvars, grad_out_loc):
+    for v, loc in [*zip(grad.outvars, grad_out_loc), *(anchors or {}).items()]:
         avail[v] = frozenset({loc})
     eqn_locs: dict[int, frozenset[int]] = {}
     anchored = set()
@@ -96,6 +99,8 @@ def place_outer(
     for v, locs in zip(grad.invars, grad_in_required):
         if not isinstance(v, Literal):
             required[v] |= set(locs)
+    for v, loc in (anchors or {}).items():  # made where it lives
+        required[v].add(loc)
     for i in anchored:
         for v in _vars(eqns[i].invars):
             if v not in avail:

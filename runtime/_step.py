@@ -228,15 +228,18 @@ def _label_outer(traced) -> tuple[dict, set]:
     the optimizer state of each parameter, and what the update computes from them (same shape); and which of
     them are optimizer state."""
     grad, spec, jaxpr = traced.grad_eqn, traced.spec, traced.jaxpr.jaxpr
+    weights = [k for k, f in enumerate(traced.frozen_grad_inputs) if f or spec.diff_mask[k]]  # frozen ones too
     label = {}
-    for k in spec.diff_indices:
+    for k in weights:
         a = grad.invars[k]
         if not isinstance(a, Literal):
             label[a] = k
     outs = {1 + spec.num_aux + j: k for j, k in enumerate(spec.diff_indices)}
     for pos, k in outs.items():
         label[grad.outvars[pos]] = k
-    for i, k in optimizer_state_owners(jaxpr, traced.grad_index, outs, traced.batch_mask).items():
+    zeroed = dict(traced.zeroed_gradients)  # a frozen weight's gradient the step still reads, as zeros
+    label.update(zeroed)
+    for i, k in optimizer_state_owners(jaxpr, traced.grad_index, outs, traced.batch_mask, zeroed).items():
         label.setdefault(jaxpr.invars[i], k)
     for i, e in enumerate(jaxpr.eqns):
         if i == traced.grad_index:
@@ -248,11 +251,11 @@ def _label_outer(traced) -> tuple[dict, set]:
     # Optimizer state: labelled values that do not depend on a parameter itself (Adam's moments, and what an update
     # split into phases hands between them, ``b1 * mu`` before a global norm is known; the new parameter reads the
     # parameter). Under ZeRO-1 they are all sharded over data, so that a moment's buffer serves its next value.
-    on_param = {grad.invars[k] for k in spec.diff_indices if not isinstance(grad.invars[k], Literal)}
+    on_param = {grad.invars[k] for k in weights if not isinstance(grad.invars[k], Literal)}
     for i, e in enumerate(jaxpr.eqns):
         if i != traced.grad_index and any(a in on_param for a in _vars(e.invars)):
             on_param.update(e.outvars)
-    grads = set(grad.outvars)
+    grads = set(grad.outvars) | set(zeroed)
     return label, {v for v in label if v not in on_param and v not in grads}
 
 
@@ -441,8 +444,9 @@ class StepBuilder:
                             for k in range(len(grad.invars))]
         grad_out_loc = [st.out_stage[0]] + [st.out_stage[1 + j] for j in range(spec.num_aux)]
         grad_out_loc += [st.owner[k] for k in spec.diff_indices]
+        anchors = {v: st.owner[k] for v, k in st.traced.zeroed_gradients}
         self.placement = pl = place_outer(jaxpr, st.traced.grad_index, grad_in_required, grad_out_loc,
-                                          st.traced.batch_mask)
+                                          st.traced.batch_mask, anchors=anchors)
         # Step inputs: one slot per user leaf, placed at home at the start of every step.
         homed = [k for k in range(len(jaxpr.invars)) if not st.traced.batch_mask[k] and pl.input_homes.get(k)]
         shardings = [st.layout_of(next(iter(pl.input_homes[k])), st.label.get(jaxpr.invars[k]),

@@ -472,3 +472,41 @@ def _all_eqns(eqns):
         yield e
         for sub in jax.extend.core.jaxprs_in_params(e.params):
             yield from _all_eqns((sub.jaxpr if hasattr(sub, "jaxpr") else sub).eqns)
+
+
+def test_a_sliding_window_attention_is_priced_for_the_blocks_its_kernel_computes():
+    """``local_window_size`` skips the score blocks outside the window, as flash kernels do (a user trial: a window of
+    16 at sequence 4096 was priced as full causal attention). Hand counts of 128 x 128 blocks at 4096 x 4096 (32 x 32
+    blocks): causal window (256, 0): 1 + 2 + 30 x 3 = 93; window (16, 0): 1 + 31 x 2 = 63; both-sided (256, 256):
+    3 + 4 + 28 x 5 + 4 + 3 = 154."""
+    from autopp.profiler import Cluster, profile
+    from autopp.profiler._kernels import CAUSAL_WORK, attention_work
+
+    seq, heads, dim = 4096, 4, 64
+    assert attention_work(True, (256, 0), seq, seq) == 93 / 1024
+    assert attention_work(True, (16, 0), seq, seq) == 63 / 1024
+    assert attention_work(False, (256, 256), seq, seq) == 154 / 1024
+    assert attention_work(True) == CAUSAL_WORK and attention_work(False) == 1.0
+    assert attention_work(True, (seq, 0), seq, seq) == (32 * 33 / 2) / 1024  # a window past the sequence: causal
+
+    def step_with(window, causal):
+        def loss(p, x):
+            q, k, v = ((x @ p[n]).reshape(1, seq, heads, dim) for n in ("wq", "wk", "wv"))
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
+            return jnp.mean(o.reshape(1, seq, heads * dim) @ p["wo"])
+
+        def step(p, x):
+            return autopp.grad(loss)(p, x)
+        return step
+
+    w = jax.ShapeDtypeStruct((heads * dim, heads * dim), jnp.bfloat16)
+    params, x = {n: w for n in ("wq", "wk", "wv", "wo")}, jax.ShapeDtypeStruct((1, seq, heads * dim), jnp.bfloat16)
+    cluster = Cluster.parse("1x8xH100")
+    times = {}
+    for window, causal, blocks in ((None, False, 1.0), (None, True, CAUSAL_WORK), ((256, 0), True, 93 / 1024),
+                                   (16, False, 1 / 1024 * (2 + 30 * 3 + 2))):
+        prof = profile(step_with(window, causal), params, x, cluster=cluster)
+        work = [w for prog in prof.programs.values() for w in prog.region_work]
+        assert work and set(work) == {blocks}, (window, causal, work)
+        times[window, causal] = sum(l.forward_time_s + l.backward_time_s for l in prof.layers)
+    assert times[(256, 0), True] < times[None, True] < times[None, False]

@@ -579,3 +579,46 @@ def test_training_only_the_head_over_four_stages(schedule):
     _assert_equal(results[0][1:], results[1][1:])
     assert all((np.asarray(a) == np.asarray(b)).all()
                for a, b in zip(jax.tree.leaves(results[1][0]), jax.tree.leaves(frozen)))
+
+
+def test_step_code_that_runs_only_at_the_full_batch_feeds_the_loss_rows():
+    """GRPO-style advantages: rewards normalised within groups of 8 examples in the step, before the loss. At 4
+    microbatches of 4 examples the step cannot run at microbatch size (``reshape(-1, 8)``), and it was refused; the
+    runtime runs that code on the whole batch and splits the advantages by rows, so the loss alone is traced at
+    those rows (a user trial). Equals jit."""
+    def loss(params, x, y, adv):
+        return (_nll(params, x, y).mean(-1) * adv).mean()
+
+    def step(params, opt_state, batch):
+        r = batch["y"].sum(-1).astype(jnp.float32).reshape(-1, 8)
+        adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(-1)
+        out, grads = autopp.value_and_grad(loss)(params, batch["x"], batch["y"], adv)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+
+def test_a_whole_batch_value_as_long_as_the_batch_is_refused_with_the_keepdims_fix():
+    """A mean over the batch per feature, ``[H]`` with ``H`` equal to the batch size, looks per example and keeps its
+    shape per microbatch: refused, and the message now says to give it a leading axis of 1, which runs as jit."""
+    assert H == B
+
+    def loss(params, x, y, baseline):
+        return (_nll(params, x, y) - baseline.sum()).mean()
+
+    def step_with(keepdims):
+        def step(params, opt_state, batch):
+            baseline = jax.lax.stop_gradient(params["embed"][batch["x"]].mean((0, 1), keepdims=keepdims))
+            out, grads = autopp.value_and_grad(loss)(params, batch["x"], batch["y"], baseline)
+            updates, opt_state = TX.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, out
+        return step
+
+    with pytest.raises(ValueError, match=r"keepdims=True"):
+        _run(step_with(False), num_stages=2, num_microbatches=2)
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step_with(True), num_stages=2, num_microbatches=2)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)

@@ -88,6 +88,13 @@ def test_stop_gradient_weights_hold_no_accumulators(tx):
     run_steps(reference, state, batch, n=1)
     assert _held(pipelined, got, batch) == _held(reference, state, batch) > 0
     assert _frozen_positions(step, state, batch) == sorted(f"args[0][{i}]['w']" for i in range(LAYERS))
+    # the frozen weight and what its update keeps stay on its stage's device (they were computed on every stage:
+    # the update of a weight without a gradient read the step count, which every stage holds)
+    for i, layer in enumerate(got[0]):
+        assert {n: layer[n].devices() for n in layer} == {n: {jax.devices()[i]} for n in layer}, i
+        for leaf in jax.tree.leaves(got[1]):
+            if leaf.shape == (DIM, DIM):
+                assert len(leaf.devices()) == 1
 
 
 def test_weights_whose_gradient_the_optimizer_drops_are_not_differentiated():
@@ -175,3 +182,35 @@ def test_the_profile_holds_a_stop_gradient_weight_with_its_optimizer_state_and_n
     prof = profile(_step(_lora_loss, tx), params, tx.init(params), batch)
     held = sorted(prof.state_bytes.values())
     assert held == sorted([(4096, 0, 8192)] * LAYERS + [(512, 512, 1024)] * 2 * LAYERS), held
+
+
+def test_a_stage_that_reads_a_weight_only_behind_stop_gradient_keeps_no_gradient_for_it():
+    """``h = block(w, h) + block(stop_gradient(w), h)``: the weight is trained, but where the stage split puts the
+    second read on another stage, that stage's reads carry no cotangent. It held a gradient accumulator for the
+    weight there (a user trial: 25,096 bytes between steps on 4 stages against 16,904 for the model without the
+    second read); now it holds what the model without it holds, and the step equals jit."""
+    sg = jax.lax.stop_gradient
+
+    def block(p, x):
+        return jnp.tanh(x @ p["w"] + p["b"])
+
+    def loss_with(both):
+        def loss(params, batch):
+            h = batch["x"]
+            for i, p in enumerate(params):
+                h = block(p, h) + (block(jax.tree.map(sg, p), h) if both and i < 2 else 0)
+            return jnp.mean((h - batch["y"]) ** 2)
+        return loss
+
+    ks = jax.random.split(jax.random.key(3), LAYERS)
+    params = [{"w": 0.3 * jax.random.normal(k, (DIM, DIM)), "b": jnp.zeros((DIM,))} for k in ks]
+    batch, tx = _batch(32), optax.sgd(0.1)
+    state = (params, tx.init(params))
+    held = {}
+    for both in (False, True):
+        step = _step(loss_with(both), tx)
+        pipelined = _pipelined(step)
+        got, _ = run_steps(pipelined, state, batch)
+        assert_trees_close(autopp.gather(got), run_steps(jax.jit(step), state, batch)[0], atol=1e-6)
+        held[both] = _held(pipelined, got, batch)
+    assert held[True] == held[False], held
