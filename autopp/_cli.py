@@ -346,7 +346,7 @@ def _cluster(args):
     """``--cluster`` with its ``--override``s (None: the local devices)."""
     from autopp.profiler import Cluster
 
-    cluster = Cluster.parse(args.cluster) if args.cluster else Cluster.local()
+    cluster = Cluster.parse(args.cluster) if args.cluster is not None else Cluster.local()  # "" is refused
     if args.override:
         cluster = cluster.with_device_overrides(**_parse_overrides(args.override))
     return cluster

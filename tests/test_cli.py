@@ -126,6 +126,13 @@ def test_llama_flags_need_the_llama_model(capsys):
     assert "--kv-heads describe a Llama; add --model llama" in capsys.readouterr().err
 
 
+def test_an_empty_cluster_is_refused_not_read_as_the_local_devices(capsys):
+    """``--cluster "$CLUSTER"`` with the variable unset planned for the local CPU devices, silently (a user trial);
+    the Python API refuses the empty string, and so does the command now."""
+    assert main(["plan", "--global-batch", "8", "--cluster", ""]) == 2
+    assert "empty cluster string" in capsys.readouterr().err
+
+
 @pytest.fixture
 def repo_root(monkeypatch):
     """Run in the repository root (as `autopp plan --step examples.planning_step:...` would), sys.path restored."""
