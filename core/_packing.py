@@ -115,6 +115,9 @@ def plan_packing(avals: Sequence, shardings: Sequence, max_bytes: int = PACK_MAX
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # a typed PRNG key: no bytes to concatenate
             loose.append(i)
             continue
+        if str(getattr(a, "memory_space", "Device")).rsplit(".", 1)[-1].lower() not in ("device", "any"):
+            loose.append(i)  # offloaded to host memory by a checkpoint policy: concatenated only with its own kind
+            continue
         n = _rows(sh, a.shape)
         size = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
         if n is None or size // max(n, 1) > max_bytes or size == 0 or i in keep_loose:

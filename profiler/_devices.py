@@ -100,6 +100,9 @@ class DeviceSpec:
     peak_flops_fp64: float | None = None
     """FP64 peak of matrix work (FP64 tensor cores where the device has them, as cuBLAS's DGEMM uses), FLOP/s; None
     where it is not known (float64 work is then refused)."""
+    fused_attention: bool = True
+    """Whether ``jax.nn.dot_product_attention`` runs as one fused (flash) kernel, with no ``s x s`` scores in memory
+    (cuDNN's on GPUs); where not, its equations are priced, and its scores kept, as written."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -123,6 +126,9 @@ class DeviceSpec:
             else:
                 value = float(value)
             object.__setattr__(self, field, value)
+        if not isinstance(self.fused_attention, bool):
+            raise TypeError(f"DeviceSpec({self.name!r}).fused_attention must be True or False, got "
+                            f"{self.fused_attention!r}.")
         if self.peak_flops_fp64 is not None:
             value = self._number("peak_flops_fp64", "a positive number of FLOP/s or None", "peak_flops_fp64=67e12")
             if not value > 0:
@@ -347,6 +353,9 @@ _TABLE = (
         kernel_launch_floor=5e-6,
         matmul_efficiency=0.5,
         memory_efficiency=0.7,
+        # XLA:CPU has no fused attention kernel: dot_product_attention lowers to XLA's reference implementation,
+        # which computes and keeps the scores (jax.nn.dot_product_attention's implementation="xla")
+        fused_attention=False,
         source="conservative host default (one AVX2 core, one DDR4 channel, 10 GbE); calibrate with with_overrides",
     ),
 )

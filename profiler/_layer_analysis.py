@@ -313,19 +313,24 @@ class LayerAnalysis:
         offs = np.arange(a, e - span + 1)
         cost = self.cross[offs] + self.cross[offs + span]
         # Ties go to the latest phase: in residual networks only unary operations after the residual
-        # add (a bias, a post-norm) tie with the true boundary, and they end the block.
-        s = int(offs[len(offs) - 1 - int(np.argmin(cost[::-1]))])
-        cuts = np.arange(s, s + span + 1, p)
+        # add (a bias, a post-norm) tie with the true boundary, and they end the block. A phase whose copies
+        # differ is passed over for the next cheapest: a head that begins as a block does (a norm, a cast, a
+        # matmul) extends the periodic region past the last block, and a phase shifted into it can tie with the
+        # blocks' own boundary while its last copy ends inside the head (a user's model was found to have no
+        # blocks at all, its attention then cut in two).
+        for j in sorted(range(len(offs)), key=lambda j: (cost[j], -j)):
+            s = int(offs[j])
+            if self._copies_alike(s, p, copies, ids):
+                return s
+        return None
+
+    def _copies_alike(self, s: int, p: int, copies: int, ids) -> bool:
+        """Whether ``copies`` copies of period ``p`` from ``s`` each read parameters and have one canonical form."""
+        cuts = np.arange(s, s + copies * p + 1, p)
         if np.any(self.pcons_prefix[cuts[1:]] - self.pcons_prefix[cuts[:-1]] == 0):
-            return None
-        first = None
-        for c in range(copies):
-            key = self.canon(s + c * p, s + (c + 1) * p, ids)[0]
-            if first is None:
-                first = key
-            elif key != first:
-                return None
-        return s
+            return False
+        first = self.canon(s, s + p, ids)[0]
+        return all(self.canon(s + c * p, s + (c + 1) * p, ids)[0] == first for c in range(1, copies))
 
     def segment(self, lo: int, hi: int, kinds: list[str]) -> list[tuple[int, int]]:
         """Positions ``[lo, hi)`` as repeated blocks and what lies between them (searched recursively).

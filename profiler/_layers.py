@@ -135,15 +135,21 @@ def repeated_fingerprints(layers: Sequence[Layer]) -> dict[str, list[int]]:
 # Layers
 
 
-def _balanced_units(an: LayerAnalysis, num_layers: int) -> list[Unit]:
+def _balanced_units(an: LayerAnalysis, num_layers: int, exact: bool = True) -> list[Unit]:
+    """``num_layers`` units balanced by FLOPs; unless ``exact``, none cut inside a fused attention call (a bound
+    inside one moves to its end, and units that meet are merged): its scores would become a layer's output."""
     from autopp.profiler._partition import split_stages
+    from autopp.profiler._strategies import _attention_regions
 
     split = split_stages(an.forward, an.batch_invars, num_layers)
     bounds = [0]
     for stage in split.stage_eqns[:-1]:
         bounds.append(max(i for i in stage if an.is_batch[i]) + 1)
     bounds.append(len(an.eqns))
-    return [Unit(bounds[k], bounds[k + 1], "split") for k in range(num_layers)]
+    if not exact:
+        spans = [(min(g), max(g)) for g in _attention_regions(an.forward.jaxpr)[0]]
+        bounds = sorted({next((hi + 1 for lo, hi in spans if lo < b <= hi), b) for b in bounds})
+    return [Unit(a, b, "split") for a, b in zip(bounds, bounds[1:])]
 
 
 def _default_num_layers(an: LayerAnalysis) -> int:
@@ -212,7 +218,7 @@ def group_layers(forward: jex_core.ClosedJaxpr, batch_invars: Sequence[bool], pa
             )
         units = _balanced_units(an, num_layers)
     else:
-        units = _repeat_units(an) or _balanced_units(an, _default_num_layers(an))
+        units = _repeat_units(an) or _balanced_units(an, _default_num_layers(an), exact=False)
     return _build_layers(an, units)
 
 

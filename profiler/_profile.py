@@ -196,9 +196,10 @@ def _scan_iteration(forward: jex_core.ClosedJaxpr, lay: Layer, kind_of) -> tuple
     return body, tuple(outer), tuple(kinds)
 
 
-def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, LayerSource]:
+def layer_sources(traced: TracedStep, layers: Sequence[Layer], fused_attention: bool = True) -> dict[str, LayerSource]:
     """Per distinct layer fingerprint: the layer's forward, input kinds and forward-and-backward program.
-    Identical blocks are analysed once; a layer made of one ``lax.scan`` iteration is that iteration's body."""
+    Identical blocks are analysed once; a layer made of one ``lax.scan`` iteration is that iteration's body.
+    ``fused_attention``: the device's (:attr:`DeviceSpec.fused_attention`)."""
     spec = traced.spec
     forward = spec.forward
     fwd = forward.jaxpr
@@ -232,7 +233,7 @@ def layer_sources(traced: TracedStep, layers: Sequence[Layer]) -> dict[str, Laye
             kinds = tuple(kind_of(v) for v in ins)
             in_dims = [dims.get(v) for v in ins]
         out[lay.fingerprint] = LayerSource(closed=closed, inputs=tuple(ins), kinds=kinds,
-                                           program=layer_program(closed, kinds, in_dims))
+                                           program=layer_program(closed, kinds, in_dims, fused_attention))
     return out
 
 
@@ -300,7 +301,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     device = cluster.device
 
     # Programs and (optionally) measurements: once per distinct layer structure.
-    sources = layer_sources(traced, layers)
+    sources = layer_sources(traced, layers, device.fused_attention)
     cache = cache or (ProfileCache() if measure else None)
     by_fp: dict[str, tuple] = {}
     for lay in layers:

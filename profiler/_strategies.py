@@ -105,13 +105,15 @@ def _float(aval) -> bool:
 
 
 def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str],
-                  input_batch_dims: Sequence[int | None] | None = None) -> LayerProgram:
+                  input_batch_dims: Sequence[int | None] | None = None, fused_attention: bool = True) -> LayerProgram:
     """The forward-and-backward program of a layer given as a closed jaxpr and the kind of each input.
 
     Parameters and batch-dependent floating inputs are differentiated; every floating output receives a
     cotangent as an input of the program (so that backward equations are exactly those depending on one).
     ``input_batch_dims``: the batch dimension of each batch-dependent input (default, or None for one: the leading
-    one; a time-major sequence ``(T, B, H)`` has it second).
+    one; a time-major sequence ``(T, B, H)`` has it second). ``fused_attention``: whether the device runs
+    ``jax.nn.dot_product_attention`` as one fused kernel (:attr:`DeviceSpec.fused_attention`); if not, its
+    equations are plain ones (no attention regions).
     """
     jaxpr = closed.jaxpr
     kinds = tuple(input_kinds)
@@ -143,7 +145,7 @@ def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str],
         if any(a in dep for a in ins):
             dep.update(e.outvars)
             dependent.add(i)
-    regions, work = _attention_regions(pj)
+    regions, work = _attention_regions(pj) if fused_attention else ((), [])
     dims = list(input_batch_dims or ()) + [None] * len(kinds)
     starts = {v: (d if d is not None and d < len(v.aval.shape) else 0) for v, k, d in zip(pj.invars, kinds, dims)
               if k in ("batch", "data") and getattr(v.aval, "shape", ())}

@@ -89,6 +89,23 @@ def test_two_gradients_rejected(mlp_setup):
         autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
 
 
+def test_gradient_accumulation_written_as_a_scan_is_pointed_at_num_microbatches(mlp_setup):
+    """A user who accumulates gradients over microbatches with ``lax.scan`` takes one gradient per iteration; the
+    refusal now says that autopp accumulates itself (a user trial found it said only to call it once)."""
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        chunks = jax.tree.map(lambda x: x.reshape(2, -1, *x.shape[1:]), batch)
+
+        def body(acc, chunk):
+            return jax.tree.map(jnp.add, acc, autopp.grad(model.loss)(params, chunk)), None
+
+        return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), chunks)[0]
+
+    with pytest.raises(ValueError, match=r"(?s)accumulates gradients over microbatches is what autopp does itself"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
+
+
 def test_grad_of_integer_input_is_type_error(mlp_setup):
     def step(n, batch):
         return autopp.grad(lambda n, b: jnp.sum(b) * n)(n, batch)

@@ -204,6 +204,61 @@ def test_different_widths_give_different_fingerprints():
         assert _dot_flops_in(fwd, blk) == 2 * B * S * H * (3 * H + H + 2 * w) + 4 * B * S * S * H
 
 
+def _user_model(layers, seq=16, hidden=32, heads=4, vocab=64):
+    """A user's model whose head starts with the blocks' own first operations (an RMS norm, a cast to bf16, a
+    matmul of fp32 master weights cast too), fused q/k/v split with ``jnp.split``, ``dot_product_attention``."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def rms(g, x):
+        return g * x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+
+    def block(p, x):
+        b, t, _ = x.shape
+        q, k, v = jnp.split(rms(p["g1"], x).astype(bf16) @ p["qkv"].astype(bf16), 3, -1)
+        heads_of = lambda z: z.reshape(b, t, heads, hidden // heads)  # noqa: E731
+        a = jax.nn.dot_product_attention(heads_of(q), heads_of(k), heads_of(v), is_causal=True)
+        x = x + (a.reshape(b, t, hidden) @ p["o"].astype(bf16)).astype(f32)
+        y = rms(p["g2"], x).astype(bf16)
+        return x + (jax.nn.gelu(y @ p["w1"].astype(bf16)) @ p["w2"].astype(bf16)).astype(f32)
+
+    def loss(params, batch):
+        x = params["emb"][batch["tok"]]
+        for p in params["blocks"]:
+            x = block(p, x)
+        logits = (rms(params["gf"], x).astype(bf16) @ params["out"].astype(bf16)).astype(f32)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][..., None], -1).mean()
+
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, f32)  # noqa: E731
+    blk = {"qkv": sds(hidden, 3 * hidden), "o": sds(hidden, hidden), "w1": sds(hidden, 4 * hidden),
+           "w2": sds(4 * hidden, hidden), "g1": sds(hidden), "g2": sds(hidden)}
+    params = {"emb": sds(vocab, hidden), "out": sds(hidden, vocab), "gf": sds(hidden), "blocks": [blk] * layers}
+    tokens = jax.ShapeDtypeStruct((2, seq), jnp.int32)
+    return loss, params, {"tok": tokens, "y": tokens}
+
+
+def test_blocks_are_found_when_the_head_begins_as_a_block_does():
+    """The periodic region of the user model's blocks runs past the last block into the head, and the cheapest phase
+    of the copies (tied with the blocks' boundary) ended inside the head, so no blocks were found at all; the forward
+    was cut by FLOPs instead, through the attention (a user trial: a layer output the size of the full score matrix,
+    and a 32-layer model at sequence 32768 refused as needing 286 GiB per device)."""
+    found, _ = _group(*_user_model(4))
+    assert [lay.name for lay in found] == ["embed", *(f"block {i}" for i in range(4)), "head"]
+    assert len({lay.fingerprint for lay in found[1:-1]}) == 1
+
+
+def test_layers_cut_by_flops_keep_a_fused_attention_whole():
+    """With no repeated blocks (one block), the forward is cut by FLOPs, never inside a fused attention call:
+    before, two layers ended on the scores and the probabilities (2 x 4 heads x 256^2 x 4 and x 2 bytes)."""
+    from autopp.core import FUSED_ATTENTION_SCOPE, name_stack
+
+    found, fwd = _group(*_user_model(1, seq=256))
+    scores = 2 * 4 * 256 * 256
+    assert all(lay.output_bytes < scores for lay in found), [lay.output_bytes for lay in found]
+    fused = [i for i, e in enumerate(fwd.jaxpr.eqns) if FUSED_ATTENTION_SCOPE in name_stack(e)]
+    assert fused and len({next(k for k, lay in enumerate(found) if lay.eqn_range[0] <= i < lay.eqn_range[1])
+                          for i in fused}) == 1
+
+
 def test_graph_edges_follow_dataflow(gpt_layers):
     _, layers, _ = gpt_layers
     g = cost_graph(layers)

@@ -3,12 +3,19 @@ dtype and layout, sliced back exactly; residuals a loop makes or reads stay buff
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.ad_checkpoint import checkpoint_name
 
+import autopp
 from autopp.core._packing import PACK_MAX_BYTES, plan_packing
 from autopp.profiler._layer_stage import layer_graph, layer_stage_programs
+
+from _helpers import assert_trees_close, run_steps
 
 
 def test_small_values_pack_per_dtype_and_come_back_exactly():
@@ -75,3 +82,39 @@ def test_residuals_a_scan_makes_or_reads_travel_unpacked():
     np.testing.assert_allclose(float(outs[0]), float(loss), rtol=1e-6)
     for p, want in enumerate(vjp(jnp.ones_like(loss))):
         np.testing.assert_allclose(np.asarray(by_position[p]), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_residuals_offloaded_to_host_by_a_checkpoint_policy_are_not_packed_with_device_ones():
+    """``save_and_offload_only_these_names`` moves a named residual to host memory; packing it with device residuals
+    failed to build a pipeline of two stages ("memory_space of all inputs passed to concatenate must be the same",
+    a user trial). It travels loose, and the step equals jit."""
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["h"], names_which_can_be_offloaded=["g"], offload_src="device",
+        offload_dst="pinned_host")
+
+    @functools.partial(jax.checkpoint, policy=policy)
+    def block(p, x):
+        h = checkpoint_name(jnp.tanh(x @ p["a"]), "h")
+        g = checkpoint_name(jnp.tanh(h @ p["b"]), "g")
+        return x + jnp.tanh(g @ p["c"])
+
+    def loss(params, batch):
+        x = batch["x"]
+        for p in params:
+            x = block(p, x)
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        value, grads = autopp.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    keys = jax.random.split(jax.random.key(0), 12)
+    params = [{n: 0.3 * jax.random.normal(keys[3 * i + j], (16, 16)) for j, n in enumerate("abc")} for i in range(4)]
+    batch = {"x": jax.random.normal(keys[-1], (8, 16)), "y": jnp.zeros((8, 16))}
+    state = (params, tx.init(params))
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    got, _ = run_steps(pipelined, state, batch)
+    assert_trees_close(autopp.gather(got), run_steps(jax.jit(step), state, batch)[0], atol=1e-6)
