@@ -10,6 +10,7 @@ same path as a user's own step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Sequence
@@ -83,16 +84,14 @@ def fp32_warning(prof: Profile, cluster: Cluster, who: str) -> None:
     the bf16 rate)."""
     if cluster.device.name == "cpu":
         return
+    from autopp.profiler import eqn_cost, matmul_dtype
+
+    copies = collections.Counter(lay.fingerprint for lay in prof.layers)  # a program serves every layer like it
     total = f32 = 0.0
     for fp, prog in prof.programs.items():
-        from autopp.profiler import matmul_dtype
-
-        j = prog.closed.jaxpr
-        for e in j.eqns:
+        for e in prog.closed.jaxpr.eqns:
             if e.primitive.name in ("dot_general", "conv_general_dilated"):
-                from autopp.profiler import eqn_cost
-
-                c = eqn_cost(e).flops
+                c = eqn_cost(e).flops * copies.get(fp, 1)
                 total += c
                 if matmul_dtype(e) in ("tf32", "float32"):
                     f32 += c

@@ -10,7 +10,8 @@ import hashlib
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core import eqn_signature, inner_jaxpr, literal_signature, structure_signature
+from autopp.core import (FUSED_ATTENTION_SCOPE, eqn_signature, inner_jaxpr, literal_signature, name_stack,
+                         structure_signature)
 from autopp.profiler._costs import aval_bytes
 
 __all__ = ["LayerAnalysis", "Unit", "canonical_form", "param_flow"]
@@ -39,6 +40,16 @@ class _Interner:
             i = self.ids[s] = len(self.strs)
             self.strs.append(s)
         return i
+
+
+def layer_signature(eqn) -> str:
+    """:func:`autopp.core.eqn_signature`, and for an equation of a fused attention call its scope's name: a sliding
+    window's mask is computed from constants, which signatures do not see, so a local and a global attention layer
+    would otherwise be one layer, priced as whichever comes first (a user trial: Gemma-2's alternating layers)."""
+    stack = name_stack(eqn)
+    at = stack.find(FUSED_ATTENTION_SCOPE)
+    sig = eqn_signature(eqn)
+    return sig if at < 0 else sig + "@" + stack[at:].split("/", 1)[0].rstrip(")")
 
 
 def canonical_form(eqns, sig_ids, kind, escapes_of):
@@ -195,7 +206,7 @@ class LayerAnalysis:
         self.sig_interner = _Interner()
         struct_interner = _Interner()
         beqns = [self.eqns[i] for i in self.bidx]
-        self.sig_ids = np.array([self.sig_interner(eqn_signature(e)) for e in beqns], dtype=np.int64)
+        self.sig_ids = np.array([self.sig_interner(layer_signature(e)) for e in beqns], dtype=np.int64)
         struct_cache: dict[tuple, int] = {}
         struct_ids = []
         for e in beqns:

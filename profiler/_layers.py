@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core import eqn_signature
 from autopp.profiler._costs import ZERO, aval_bytes, eqn_cost, jaxpr_cost
-from autopp.profiler._layer_analysis import LayerAnalysis, Unit, canonical_form, param_flow
+from autopp.profiler._layer_analysis import LayerAnalysis, Unit, canonical_form, layer_signature, param_flow
 from autopp.profiler._residuals import activation_bytes
 
 __all__ = ["Layer", "group_layers", "repeated_fingerprints"]
@@ -259,7 +258,7 @@ def _scan_body(an: LayerAnalysis, i: int):
     def kind(v):
         return "b" if v in dep else ("p" if v in src else "c")
 
-    sig_ids = [an.sig_interner(eqn_signature(be)) for be in beqns]
+    sig_ids = [an.sig_interner(layer_signature(be)) for be in beqns]
     escapes = [a for a in bj.outvars if isinstance(a, jex_core.Literal) or a in dep]
     key, _, _ = canonical_form(beqns, sig_ids, kind, lambda pos: escapes)
     fp = an.fingerprint_of_key(key)

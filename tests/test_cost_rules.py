@@ -510,3 +510,78 @@ def test_a_sliding_window_attention_is_priced_for_the_blocks_its_kernel_computes
         assert work and set(work) == {blocks}, (window, causal, work)
         times[window, causal] = sum(l.forward_time_s + l.backward_time_s for l in prof.layers)
     assert times[(256, 0), True] < times[None, True] < times[None, False]
+
+
+def _alternating_attention(windows, seq=4096, heads=4, dim=64, dtype=jnp.bfloat16):
+    """A step of blocks whose attention has the given ``local_window_size`` each (None: global)."""
+    width = heads * dim
+
+    def loss(params, x):
+        for p, window in zip(params, windows):
+            q, k, v = ((x @ p[n]).reshape(1, seq, heads, dim) for n in ("wq", "wk", "wv"))
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+            x = x + o.reshape(1, seq, width) @ p["wo"]
+        return jnp.mean(x.astype(jnp.float32))
+
+    def step(params, x):
+        return autopp.grad(loss)(params, x)
+
+    w = jax.ShapeDtypeStruct((width, width), dtype)
+    return step, [{n: w for n in ("wq", "wk", "wv", "wo")} for _ in windows], jax.ShapeDtypeStruct((1, seq, width),
+                                                                                                     dtype)
+
+
+def test_local_and_global_attention_layers_are_different_layers():
+    """A sliding window's mask is computed from constants, which equation signatures do not see: alternating local
+    and global attention blocks (Gemma-2) were one layer, all priced as the first one (a user trial: the global
+    blocks at the local cost, 2.5x too cheap forward); now they are two, each priced for its own blocks."""
+    from autopp.profiler import Cluster, profile
+
+    cluster = Cluster.parse("1x8xH100")
+    step, params, x = _alternating_attention([(127, 0), None, (127, 0), None])
+    blocks = [lay for lay in profile(step, params, x, cluster=cluster).layers if lay.name.startswith("block")]
+    assert len(blocks) == 4
+    local, glob = blocks[0], blocks[1]
+    assert local.fingerprint == blocks[2].fingerprint != glob.fingerprint == blocks[3].fingerprint
+    alone = {}
+    for window in ((127, 0), None):
+        step, params, x = _alternating_attention([window] * 2)
+        alone[window] = profile(step, params, x, cluster=cluster).layers[0]
+    for lay, window in ((local, (127, 0)), (glob, None)):
+        assert lay.forward_time_s == alone[window].forward_time_s
+    assert local.forward_time_s < 0.8 * glob.forward_time_s and local.backward_time_s < 0.8 * glob.backward_time_s
+
+
+def test_the_float32_warning_weighs_each_program_by_the_layers_it_serves():
+    """Eight bf16 blocks and one float32 head twice a block's width. In units of one block matmul's FLOPs, the first
+    block costs 4 (forward 2, weight gradient 2), the other seven 6 each (and the input gradient), the head 12: 12 of
+    58, 21% float32, so no warning; counting each distinct program once said 12 of 22 and warned (a user trial:
+    Gemma-2's head made "54%" of a step whose float32 share is 12.9%). One block and a head four times as wide:
+    24 of 28, 86%, warned."""
+    import warnings
+
+    from autopp.planner import simulate
+    from autopp.profiler import Cluster, profile
+
+    width = 64
+
+    def loss(params, x):
+        for p in params["blocks"]:
+            x = jnp.tanh(x @ p.astype(jnp.bfloat16))
+        return jnp.mean(x.astype(jnp.float32) @ params["head"])
+
+    def step(params, x):
+        return autopp.grad(loss)(params, x)
+
+    params = {"blocks": [jax.ShapeDtypeStruct((width, width), jnp.float32)] * 8,
+              "head": jax.ShapeDtypeStruct((width, 2 * width), jnp.float32)}
+    cluster = Cluster.parse("1x8xH100")
+    prof = profile(step, params, jax.ShapeDtypeStruct((8, width), jnp.bfloat16), cluster=cluster)
+    assert sum(lay.name.startswith("block") for lay in prof.layers) == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        simulate(prof, cluster, global_batch=8, microbatch_size=1, tp=1, pp=1, dp=8)
+    bf16_heavy = {"blocks": params["blocks"][:1], "head": jax.ShapeDtypeStruct((width, 4 * width), jnp.float32)}
+    prof = profile(step, bf16_heavy, jax.ShapeDtypeStruct((8, width), jnp.bfloat16), cluster=cluster)
+    with pytest.warns(UserWarning, match=r"86% of the step's matmul FLOPs are float32"):
+        simulate(prof, cluster, global_batch=8, microbatch_size=1, tp=1, pp=1, dp=8)
