@@ -41,6 +41,35 @@ def _young_collections_only():
         gc.set_threshold(young, middle, old)
 
 
+@contextlib.contextmanager
+def _outside_the_context_mesh():
+    """A step called under ``jax.set_mesh(mesh)`` runs without it: every stage runs on its own sub-mesh, and JAX
+    refuses programs on other devices while a context mesh is set (a user trial: a raw device-mismatch error from
+    the runtime). A mesh with explicit axes types the step's values with it: refused, with the fix."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        yield
+        return
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit]
+    if explicit:
+        raise ValueError(
+            f"autopp.parallelize: the step is called under jax.set_mesh with explicit axes {explicit} (mesh axes "
+            f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}); "
+            "explicit sharding types every value with that mesh, but autopp runs each pipeline stage on its own "
+            "sub-mesh of the devices it is given. Call the step outside the `with jax.set_mesh(...)` block (or set "
+            "the axes to AxisType.Auto), and leave the split to autopp: devices=, and layout= for tensor or FSDP.")
+    with jax.set_mesh(None):
+        yield
+
+
+def _no_context_mesh(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with _outside_the_context_mesh():
+            return method(*args, **kwargs)
+    return wrapper
+
+
 class Built(NamedTuple):
     """What one argument signature of a :class:`Parallelized` step is run with."""
 
@@ -135,6 +164,7 @@ class Parallelized(Generic[_P, _R]):
         return Built(traced, plan, forward, exe, tuple(sorted(donated)))
 
     # -- public ----------------------------------------------------------------------------------
+    @_no_context_mesh
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if kwargs:
             raise TypeError(
@@ -178,10 +208,12 @@ class Parallelized(Generic[_P, _R]):
         if last is not None and last is not built:
             last.executable.release()
 
+    @_no_context_mesh
     def plan_for(self, *args) -> Plan:
         """The plan this step runs for arguments like ``args`` (arrays or ShapeDtypeStructs); runs nothing."""
         return self._lookup(args)[0].plan
 
+    @_no_context_mesh
     def trace(self, *args, trace_json: str | None = None, gantt_png: str | None = None):
         """Run one step like ``step(*args)`` while recording when each task ran on which devices; returns
         ``(outputs, timeline)`` (an :class:`autopp.runtime.Timeline`: events, wall time, host issue time, critical
@@ -210,6 +242,7 @@ class Parallelized(Generic[_P, _R]):
             timeline.plot(gantt_png, plan)
         return jax.tree_util.tree_unflatten(exe.out_tree, outputs), timeline
 
+    @_no_context_mesh
     def memory_report(self, *args, between_steps: bool = False) -> dict[int, int]:
         """Peak bytes per device id during a step with arguments like ``args``, by the runtime's accounting of
         the buffers it holds plus each program's XLA temporaries (``memory_analysis()``); compare with
@@ -229,6 +262,7 @@ class Parallelized(Generic[_P, _R]):
                 freed[dev] = freed.get(dev, 0) + n
         return dict(sorted(freed.items()))
 
+    @_no_context_mesh
     def executable_for(self, *args) -> Executable:
         """The built instruction list, every program compiled (for inspection and benchmarks)."""
         return self._lookup(args)[0].executable.resolve()

@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import itertools
 import math
-import os
 import re
 import time
 import warnings
@@ -28,6 +27,7 @@ from jax.extend import core as jex_core
 
 from autopp._config import ParallelizeConfig
 from autopp._progress import phase
+from autopp.core._warn import user_stacklevel
 from autopp.core import (
     SCHEDULE_NAMES,
     Plan,
@@ -489,7 +489,7 @@ def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> tuple[L
             warnings.warn(f"{_WHO}: a batch of {batch} does not split evenly over the devices of any pipeline of "
                           f"{n} device(s); this batch size runs on the first {fewer} (its results are the same; the "
                           "others idle). A batch size that splits over all of them uses them all.",
-                          stacklevel=_user_stacklevel())
+                          stacklevel=user_stacklevel())
             return _plan_local(dataclasses.replace(config, devices=tuple(config.devices[:fewer])), prof, batch)
         raise ValueError(f"{_WHO}: cannot plan this step for {n} device(s): {str(e).removeprefix('plan_local: ')} "
                          "Or fix the layout yourself with num_stages=, num_microbatches= and schedule=.") from None
@@ -525,23 +525,8 @@ def _fewer_if_faster(config: ParallelizeConfig, prof: Profile, batch: int, local
                   f"the best plan over all {n} ({local.num_stages} stage(s) x {local.devices_per_stage} device(s), "
                   f"{local.num_microbatches} microbatch(es)) is predicted at {ours * 1e3:.3g} ms a step, "
                   f"{m} devices at {theirs * 1e3:.3g} ms, so this step runs on the first {m} (the others idle). "
-                  f"A batch size that is a multiple of {n} uses them all.", stacklevel=_user_stacklevel())
+                  f"A batch size that is a multiple of {n} uses them all.", stacklevel=user_stacklevel())
     return data_parallel
-
-
-def _user_stacklevel() -> int:
-    """``warnings.warn``'s ``stacklevel`` for the caller's caller's first frame outside autopp's packages (the
-    user's call of the step or of ``plan_for``), however deep the planner sits below it."""
-    import sys
-
-    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["autopp"], sys.modules["autopp.core"],
-                                                                 sys.modules["autopp.planner"],
-                                                                 sys.modules["autopp.profiler"],
-                                                                 sys.modules["autopp.runtime"]))
-    frame, level = sys._getframe(2), 2  # the caller of warnings.warn is level 1
-    while frame is not None and frame.f_code.co_filename.startswith(roots):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 _plans_agreed = itertools.count()

@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from autopp.core import _compat
+from autopp.core._constraints import drop_sharding_constraints
 from autopp.core._jaxpr import sink_parameter_work
 
 _state = threading.local()
@@ -201,7 +202,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         return [loss, *aux_leaves]
 
     all_args, flat_args, arg_mask = flat_args, [flat_args[i] for i in dynamic], [arg_mask[i] for i in dynamic]
-    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    closed = drop_sharding_constraints(jax.make_jaxpr(flat_fun)(*flat_args))
     aux_tree = flat_fun.aux_tree
     jaxpr = closed.jaxpr
     # Values the loss closes over that belong to the surrounding trace become explicit inputs.

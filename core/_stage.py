@@ -15,7 +15,6 @@ from autopp.core._trace import eval_jaxpr_with
 from autopp.core._jaxpr import differentiable_vars, eqns_needed, forward_with_vjp, input_free_vars, slice_jaxpr
 from autopp.core._packing import plan_packing
 from autopp.core._remat import layer_checkpointed
-from autopp.core._zero_grads import cotangent_vars
 from autopp.core._reroll import reroll_scans
 from autopp.core._twins import DeviceMapped, device_map, twin_key
 
@@ -66,7 +65,6 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
     invar_set = set(jaxpr.invars)
     diffable = differentiable_vars(jaxpr, diff_invars)
     diff_invar_set = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
-    reached = cotangent_vars(jaxpr, jaxpr.outvars[:1])
     num = len(stage_eqns)
     defined = []
     used = []
@@ -100,9 +98,10 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
             if out_stage[k] == s and _is_var(a) and a not in outs:
                 outs.append(a)
         sub, ins, outs = slice_jaxpr(forward, stage_eqns[s], outs, f"stage {s}")
-        # a parameter this stage reads only where no cotangent comes back (behind stop_gradient) gets no gradient here
+        # a parameter this stage reads only through stop_gradient gets no gradient here (the whole step's zero
+        # gradients are found by autopp.core._zero_grads; this is the local, per-stage case, checked cheaply)
         carrying = {a for i in stage_eqns[s] if jaxpr.eqns[i].primitive.name != "stop_gradient"
-                    and any(o in reached for o in jaxpr.eqns[i].outvars) for a in jaxpr.eqns[i].invars if _is_var(a)}
+                    for a in jaxpr.eqns[i].invars if _is_var(a)}
         graphs.append(StageGraph(
             index=s,
             jaxpr=sub.jaxpr,

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._jaxpr import eqn_signature, eqns_needed, input_free_vars, sink_parameter_work, slice_jaxpr
+from autopp.core._constraints import drop_sharding_constraints
 from autopp.core._zero_grads import freeze_zero_gradients
 
 
@@ -286,7 +287,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         closed = jax.make_jaxpr(flat_step)(*abstract)
     _refuse_leaked_values(closed, who)
     out_tree = flat_step.out_tree
-    closed = _inline_calls(closed)
+    closed = drop_sharding_constraints(_inline_calls(closed), who)
     grads = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive is value_and_grad_p]
     if not grads:
         nested = any(
@@ -572,7 +573,8 @@ def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: Tra
             shape = (shape[0] // num_microbatches,) + shape[1:]
         small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
     with _tracing(), _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
-        return sink_parameter_work(jax.make_jaxpr(traced.spec.loss_fn)(*small), traced.spec.diff_mask)
+        loss = drop_sharding_constraints(jax.make_jaxpr(traced.spec.loss_fn)(*small), who)
+        return sink_parameter_work(loss, traced.spec.diff_mask)
 
 
 def _rows_grow_along_axis_0(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> bool:

@@ -20,8 +20,15 @@ from autopp.core import _compat
 Literal = jex_core.Literal
 
 
+_INEXACT: dict = {}
+
+
 def _inexact(v) -> bool:
-    return jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
+    dtype = getattr(v.aval, "dtype", None)
+    hit = _INEXACT.get(dtype)
+    if hit is None:
+        hit = _INEXACT[dtype] = dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+    return hit
 
 
 def cotangent_vars(jaxpr: jex_core.Jaxpr, outvars) -> set:
@@ -32,9 +39,9 @@ def cotangent_vars(jaxpr: jex_core.Jaxpr, outvars) -> set:
     assumed)."""
     ct = {v for v in outvars if not isinstance(v, Literal) and _inexact(v)}
     for eqn in reversed(jaxpr.eqns):
-        hit = [o in ct for o in eqn.outvars]
-        if not any(hit) or eqn.primitive.name == "stop_gradient":
+        if not any(o in ct for o in eqn.outvars) or eqn.primitive.name == "stop_gradient":
             continue
+        hit = [o in ct for o in eqn.outvars]
         bodies = _bodies(eqn)
         if bodies and all(len(b.outvars) == len(eqn.outvars) and len(b.invars) <= len(eqn.invars) for b in bodies):
             reached = [False] * len(eqn.invars)
