@@ -12,7 +12,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars, eqns_needed, forward_with_vjp, input_free_vars, slice_jaxpr
+from autopp.core._jaxpr import differentiable_vars, eqns_needed, forward_with_vjp, slice_jaxpr
 from autopp.core._packing import plan_packing
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import reroll_scans
@@ -115,6 +115,16 @@ def stage_graphs(forward: jex_core.ClosedJaxpr, stage_eqns: Sequence[Sequence[in
     return graphs
 
 
+def _steady_vars(jaxpr: jex_core.Jaxpr, steady_inputs: Sequence[bool]) -> set:
+    """Values the same for every microbatch: computed, by equations without effects, from inputs that are
+    (``steady_inputs``: parameters, frozen weights), constants and literals alone."""
+    steady = {v for v, p in zip(jaxpr.invars, steady_inputs) if p} | set(jaxpr.constvars)
+    for e in jaxpr.eqns:
+        if not e.effects and all(not _is_var(a) or a in steady for a in e.invars):
+            steady.update(e.outvars)
+    return steady
+
+
 RECOMPUTE_POLICIES = {
     "full": None,  # keep each layer's input; the backward re-runs a layer's forward before its backward
     # (:mod:`autopp.core._remat`; a stage without ``layer_starts`` is one layer)
@@ -168,12 +178,14 @@ class StagePrograms:
     def __init__(self, graph: StageGraph, *, is_param: Sequence[bool], seed_of_output: dict[int, float],
                  in_shardings, out_shardings_fwd, grad_shardings, act_ct_shardings, residual_sharding,
                  flag_sharding, recompute: str = "none", constraints: dict | None = None,
-                 twins: dict | None = None, layer_starts: frozenset = frozenset(), split_dims=None):
+                 twins: dict | None = None, layer_starts: frozenset = frozenset(), split_dims=None,
+                 steady_inputs: Sequence[bool] | None = None):
         own_kwargs = dict(is_param=is_param, seed_of_output=seed_of_output, in_shardings=in_shardings,
                           out_shardings_fwd=out_shardings_fwd, grad_shardings=grad_shardings,
                           act_ct_shardings=act_ct_shardings, residual_sharding=residual_sharding,
                           flag_sharding=flag_sharding, recompute=recompute, constraints=constraints,
-                          layer_starts=layer_starts, split_dims=split_dims)
+                          layer_starts=layer_starts, split_dims=split_dims, steady_inputs=steady_inputs)
+        steady_inputs = tuple(is_param if steady_inputs is None else steady_inputs)
         self.graph = graph
         g = graph
         self.diff_in_idx = [i for i, d in enumerate(g.diff_inputs) if d]
@@ -197,7 +209,7 @@ class StagePrograms:
         if twins is not None and not constraints:
             layers = tuple(i for i, e in enumerate(closed.jaxpr.eqns) if id(e) in layer_starts) \
                 if recompute == "full" else ()
-            flags = (tuple(g.diff_inputs), tuple(g.diff_outputs), tuple(is_param),
+            flags = (tuple(g.diff_inputs), tuple(g.diff_outputs), tuple(is_param), steady_inputs,
                      tuple(sorted(self.seed_of_output.items())), len(self.row_bases), recompute, layers)
             keyed = twin_key(closed, flags, [*in_shardings, *out_shardings_fwd, *grad_shardings,
                                              *act_ct_shardings, flag_sharding])
@@ -249,23 +261,25 @@ class StagePrograms:
         res_vars = traced.jaxpr.outvars[n_out:]
         in_pos = {v: i for i, v in enumerate(traced.jaxpr.invars)}
         # Residual k is a new value (kept), forward input ``forwarded[k]``, or a value computed from no input (a mask
-        # or a fill broadcast from constants to the batch's shape), made again by the backward instead of kept.
+        # or a fill broadcast from constants to the batch's shape) or from parameters alone (a tied embedding's
+        # transpose, a weight's cast), made again by the backward instead of kept once per microbatch in flight.
         self.residual_source: list[tuple[str, int]] = []
         kept, remade = [], []
-        input_free = input_free_vars(traced.jaxpr)
+        steady = _steady_vars(traced.jaxpr, [i < len(steady_inputs) and steady_inputs[i] for i in range(len(in_avals))])
         for r in res_vars:
             if _is_var(r) and r in in_pos:
                 self.residual_source.append(("input", in_pos[r]))
-            elif _is_var(r) and r in input_free and r not in traced.jaxpr.constvars:
+            elif _is_var(r) and r in steady and r not in traced.jaxpr.constvars:
                 self.residual_source.append(("remade", len(remade)))
                 remade.append(r)
             else:
                 self.residual_source.append(("kept", len(kept)))
                 kept.append(r)
-        remake = None
+        remake, remake_from = None, []
         if remade:
-            remake, _, _ = slice_jaxpr(traced, eqns_needed(traced.jaxpr, remade), remade,
-                                       f"stage {g.index} constant residuals")
+            remake, remake_ins, _ = slice_jaxpr(traced, eqns_needed(traced.jaxpr, remade), remade,
+                                                f"stage {g.index} parameter and constant residuals")
+            remake_from = [in_pos[v] for v in remake_ins]
         # a residual the forward computes split over a model-parallel axis keeps that split (``split_dims``)
         dims = split_dims(traced.jaxpr, [v for v, p in zip(traced.jaxpr.invars, is_param) if p]) if split_dims else {}
         self._residual_dims = [dims.get(r) if _is_var(r) else None for r in kept]
@@ -276,7 +290,7 @@ class StagePrograms:
         """How the kept residuals travel from ``fwd`` to ``bwd``: small ones packed (:mod:`autopp.core._packing`)."""
         self.num_kept = packing.num_buffers
         """Residual buffers ``fwd`` returns after the outputs (packs, then residuals of their own)."""
-        self.forwarded_inputs = sorted({i for kind, i in self.residual_source if kind == "input"})
+        self.forwarded_inputs = sorted({i for kind, i in self.residual_source if kind == "input"} | set(remake_from))
         fwd_jaxpr = jex_core.ClosedJaxpr(
             _compat.new_jaxpr(traced.jaxpr.constvars, traced.jaxpr.invars, traced.jaxpr.outvars[:n_out] + kept,
                               traced.jaxpr.eqns, traced.jaxpr.effects, f"stage {g.index} forward"),
@@ -322,7 +336,8 @@ class StagePrograms:
             cts = list(args[num_kept + len(forwarded):num_kept + len(forwarded) + n_ct])
             grad_acc = args[num_kept + len(forwarded) + n_ct:num_kept + len(forwarded) + n_ct + n_acc]
             first = args[-1] if has_flag else None
-            remade = jax.core.eval_jaxpr(remake.jaxpr, remake.consts) if remake is not None else []
+            remade = (jax.core.eval_jaxpr(remake.jaxpr, remake.consts, *[fwd_vals[i] for i in remake_from])
+                      if remake is not None else [])
             leaves = [kept_vals[i] if kind == "kept" else fwd_vals[i] if kind == "input" else remade[i]
                       for kind, i in residual_source]
             return apply_vjp(leaves, cts, grad_acc, first)

@@ -52,7 +52,8 @@ from autopp.planner._simulate import as_cluster, as_profile, fp32_warning, step_
 from autopp.profiler import Cluster, DEVICE_KINDS, Profile, spec_name
 
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
-"""Microbatch sizes searched by default (Megatron-LM's published runs use 1 to 16)."""
+"""Microbatch sizes searched by default (Megatron-LM's published runs use 1 to 16); larger ones too where a
+microbatch's work does not grow with its size (:func:`_with_larger_microbatches`)."""
 
 CONFIG_FINGERPRINT = "layers:"
 """How the fingerprint of a plan made by :func:`plan_model` begins: it names the step's layers and parameter shapes
@@ -137,6 +138,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
 
     n, dpn = cluster.num_devices, cluster.devices_per_node
     blocks = sum(1 for l in prof.layers if l.name.startswith("block")) or len(prof.layers)
+    if microbatch_sizes is DEFAULT_MICROBATCH_SIZES and num_microbatches is None:
+        microbatch_sizes = _with_larger_microbatches(sm, global_batch)
     tps = [t for t in divisors(dpn) if tensor_degrees is None or t in tensor_degrees]
     # Every layout family (degrees, microbatch size, schedule, virtual stages, sequence parallelism) with its
     # memory-only options in the order tried: recomputation and FSDP only cost time, so the first (FSDP degree,
@@ -259,6 +262,30 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
     plan = to_plan(sm, best.layout, global_batch, best.split, best.recompute, best.evaluation, stats)
     _warn_batch_caps_data(global_batch, n, best.layout, who)
     return plan if loss_reduction == "mean" else dataclasses.replace(plan, loss_reduction=loss_reduction)
+
+
+def _with_larger_microbatches(sm: StepModel, global_batch: int) -> tuple[int, ...]:
+    """:data:`DEFAULT_MICROBATCH_SIZES`, and every power of two up to the global batch when a microbatch's work does
+    not grow with its size: a step whose microbatch of 16 costs less than 1.5x its microbatch of 8 (per-microbatch
+    work that reads or writes whole weights, such as an embedding table's gradient scattered into a dense copy of
+    the table) runs its batch faster in fewer, larger microbatches. A recommendation model with 26 tables of 10M
+    rows was planned at 4096 microbatches of 8, 48.6 s a step, where microbatches of 32768 take 0.375 s (a user
+    trial)."""
+    base = sm.profile.batch_size or 1
+
+    def step_work(size: int) -> float:
+        arr = sm.arrays(1, False, size / base, "none")
+        return sum(arr.values["f"]) + sum(arr.values["b"])
+
+    top = DEFAULT_MICROBATCH_SIZES[-1]
+    if global_batch <= top or step_work(2 * top) >= 1.5 * step_work(top):
+        return DEFAULT_MICROBATCH_SIZES
+    larger = []
+    size = 2 * top
+    while size <= global_batch:
+        larger.append(size)
+        size *= 2
+    return DEFAULT_MICROBATCH_SIZES + tuple(larger)
 
 
 def _warn_batch_caps_data(global_batch: int, num_devices: int, layout: Layout, who: str) -> None:

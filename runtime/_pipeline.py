@@ -37,9 +37,10 @@ def stage_programs(step) -> list[StagePrograms]:
         s = g.index
         rep = meshes.replicated[s]
         is_param = [v in step.invar_pos and step.diff_mask[step.invar_pos[v]] for v in g.inputs]
-        in_sh = []
+        in_sh, steady = [], []
         for v in g.inputs:
             mb = v not in step.invar_pos or step.mb_invar[step.invar_pos[v]]
+            steady.append(not mb)  # the same for every microbatch: parameters, frozen weights, constants
             in_sh.append(meshes.batch_sharding(s, v.aval.shape) if mb
                          else step.layout_of(s, step.invar_pos.get(v), v.aval.shape))
         out_sh = [meshes.batch_sharding(s, v.aval.shape) if v not in fwd.outvars else rep for v in g.outputs]
@@ -60,7 +61,8 @@ def stage_programs(step) -> list[StagePrograms]:
                                    residual_sharding=functools.partial(meshes.residual_sharding, s),
                                    flag_sharding=rep, recompute=config.recompute[s], constraints=constraints,
                                    twins=twins, layer_starts=layer_starts,
-                                   split_dims=_split_dims(meshes, s, [v in weights for v in g.inputs])))
+                                   split_dims=_split_dims(meshes, s, [v in weights for v in g.inputs]),
+                                   steady_inputs=steady))
     return progs
 
 
