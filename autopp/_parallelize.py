@@ -21,6 +21,7 @@ from autopp._plan_sources import source_plan
 from autopp._progress import phase
 from autopp.core import (Plan, Schedule, TracedStep, check_array_leaves, is_tracer, is_weak,
                          normalize_batch_argnums, trace_step)
+from autopp.core._trace import outside_the_context_mesh
 from autopp.runtime import Executable, build_executable
 
 _P = ParamSpec("_P")
@@ -41,31 +42,10 @@ def _young_collections_only():
         gc.set_threshold(young, middle, old)
 
 
-@contextlib.contextmanager
-def _outside_the_context_mesh():
-    """A step called under ``jax.set_mesh(mesh)`` runs without it: every stage runs on its own sub-mesh, and JAX
-    refuses programs on other devices while a context mesh is set (a user trial: a raw device-mismatch error from
-    the runtime). A mesh with explicit axes types the step's values with it: refused, with the fix."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        yield
-        return
-    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit]
-    if explicit:
-        raise ValueError(
-            f"autopp.parallelize: the step is called under jax.set_mesh with explicit axes {explicit} (mesh axes "
-            f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}); "
-            "explicit sharding types every value with that mesh, but autopp runs each pipeline stage on its own "
-            "sub-mesh of the devices it is given. Call the step outside the `with jax.set_mesh(...)` block (or set "
-            "the axes to AxisType.Auto), and leave the split to autopp: devices=, and layout= for tensor or FSDP.")
-    with jax.set_mesh(None):
-        yield
-
-
 def _no_context_mesh(method):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        with _outside_the_context_mesh():
+        with outside_the_context_mesh():
             return method(*args, **kwargs)
     return wrapper
 

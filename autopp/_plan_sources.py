@@ -19,6 +19,7 @@ import itertools
 import math
 import re
 import time
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -69,7 +70,37 @@ def batch_size(traced: TracedStep) -> int:
 
 def _forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
     check_batch_divisible(traced, num_microbatches)
-    return trace_microbatch_forward(step_fn, args, traced, num_microbatches)
+    forward = trace_microbatch_forward(step_fn, args, traced, num_microbatches)
+    if num_microbatches > 1:
+        _warn_rows_not_examples(traced)
+    return forward
+
+
+def _warn_rows_not_examples(traced: TracedStep) -> None:
+    """Loss inputs the step computes from the batch are split by rows into microbatches; say so where autopp cannot
+    follow the batch's examples to their rows (a concatenation along the batch axis, a transpose then a flattening,
+    a statistic over part of the batch): each microbatch then reads rows that are not its examples' (a user trial:
+    ``concatenate([y, -y])`` read by its first rows, 1.2 against jit's 0.71). Followed as a batch split over devices
+    would be (:func:`autopp.profiler.batch_dims`)."""
+    from autopp.profiler._strategies import batch_dims
+
+    outer = traced.jaxpr.jaxpr
+    batch_leaves = {v for v, b in zip(outer.invars, traced.batch_mask) if b}
+    loose = [k for k, (a, mb) in enumerate(zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs))
+             if mb and a not in batch_leaves and k not in traced.shape_batched]
+    if not loose:
+        return
+    before_gradient = types.SimpleNamespace(eqns=outer.eqns[:traced.grad_index])
+    dims = batch_dims(before_gradient, {v: 0 for v in batch_leaves if getattr(v.aval, "shape", ())})
+    lost = [k for k in loose if dims.get(traced.grad_eqn.invars[k]) != 0]
+    if lost:
+        shapes = ", ".join(f"#{k} {traced.grad_eqn.invars[k].aval.str_short()}" for k in lost[:4])
+        warnings.warn(
+            f"{_WHO}: loss input(s) {shapes} that the step computes from the batch are split into microbatches by "
+            "rows, but autopp cannot follow the batch's examples to those rows (a concatenation or a reshape along "
+            "the batch axis, a transpose, a statistic over part of the batch): a microbatch then reads rows that are "
+            "not its own examples', unlike jax.jit. Compute such values inside the loss, or keep the batch axis "
+            "first and per example.", stacklevel=user_stacklevel())
 
 
 def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.ClosedJaxpr,

@@ -16,7 +16,7 @@ from autopp.core._warn import user_stacklevel
 
 Literal = jex_core.Literal
 
-CONSTRAINT_PRIMITIVES = frozenset({"sharding_constraint"})
+CONSTRAINT_PRIMITIVES = frozenset({"sharding_constraint", "reshard"})
 """Primitives that only say how a value is laid out (identity on values)."""
 
 SHARD_MAP_PRIMITIVES = frozenset({"shard_map"})

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -234,9 +235,41 @@ def abstract_leaf(x, **kwargs) -> jax.ShapeDtypeStruct:
 @contextlib.contextmanager
 def _tracing():
     """How autopp traces user code: the gradient marked, fused attention marked, jit calls inlined, scans unrolled
-    (each body traced once and replayed per iteration)."""
-    with marking_gradients(), _compat.marking_fused_attention(), _compat.replaying_scans(), jax.disable_jit():
+    (each body traced once and replayed per iteration), under the user's context mesh if the step was called in one
+    (:func:`outside_the_context_mesh`: its bare ``PartitionSpec`` constraints need it, and are then dropped)."""
+    mesh = getattr(_set_aside, "mesh", None)
+    with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), marking_gradients(), \
+            _compat.marking_fused_attention(), _compat.replaying_scans(), jax.disable_jit():
         yield
+
+
+_set_aside = threading.local()
+
+
+@contextlib.contextmanager
+def outside_the_context_mesh(who: str = "autopp.parallelize"):
+    """Run a step called under ``jax.set_mesh(mesh)`` without it, except while its code is traced: every stage runs on
+    its own sub-mesh, and JAX refuses programs on other devices while a context mesh is set (a user trial: a raw
+    device-mismatch error from the runtime). A mesh with explicit axes types the step's values with it: refused,
+    with the fix."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        yield
+        return
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit]
+    if explicit:
+        raise ValueError(
+            f"{who}: the step is called under jax.set_mesh with explicit axes {explicit} (mesh axes "
+            f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}); explicit sharding types every value with that mesh, but "
+            "autopp runs each pipeline stage on its own sub-mesh of the devices it is given. Call the step outside the "
+            "`with jax.set_mesh(...)` block (or set the axes to AxisType.Auto), and leave the split to autopp: "
+            "devices=, and layout= for tensor or FSDP.")
+    before, _set_aside.mesh = getattr(_set_aside, "mesh", None), jax.sharding.get_mesh()
+    try:
+        with jax.set_mesh(None):
+            yield
+    finally:
+        _set_aside.mesh = before
 
 
 def _refuse_leaked_values(closed: jex_core.ClosedJaxpr, who: str) -> None:

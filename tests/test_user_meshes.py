@@ -89,3 +89,16 @@ def test_shard_map_in_the_loss_is_refused_with_the_fix():
 
     with pytest.raises(ValueError, match=r"(?s)calls jax.shard_map \(over mesh axes \{'x': 2\}\).*plain jax.numpy"):
         _pipelined(step)(_params(), _batch())
+
+
+def test_a_bare_partition_spec_constraint_under_the_context_mesh_is_dropped_too():
+    """``with_sharding_constraint(x, PartitionSpec("data"))`` needs the context mesh while the step is traced: the
+    step is traced under it (and the constraint dropped), then run without it. It failed with JAX's "requires a
+    non-empty mesh in context" (a user trial)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    step = _step(lambda h: jax.lax.with_sharding_constraint(h, P("data")))
+    with jax.set_mesh(mesh):
+        with pytest.warns(UserWarning, match=r"sharding constraint\(s\) in the step .* are dropped"):
+            got = _two_steps(_pipelined(step))
+        want = _two_steps(jax.jit(step))
+    assert_trees_close(got, want, atol=1e-6)
