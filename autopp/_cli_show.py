@@ -119,7 +119,7 @@ def sharding_lines(plan) -> list[str]:
 
 
 def cmd_show(args) -> int:
-    from autopp.core._plan import split_summary
+    from autopp.core import split_summary
     from autopp.planner import Plan
     from autopp.runtime import Schedule
 

@@ -20,8 +20,7 @@ from autopp._config import ParallelizeConfig
 from autopp._plan_sources import source_plan
 from autopp._progress import phase
 from autopp.core import (Plan, Schedule, TracedStep, check_array_leaves, is_tracer, is_weak,
-                         normalize_batch_argnums, trace_step)
-from autopp.core._trace import outside_the_context_mesh
+                         normalize_batch_argnums, outside_the_context_mesh, trace_step)
 from autopp.runtime import Executable, build_executable
 
 _P = ParamSpec("_P")

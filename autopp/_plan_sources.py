@@ -28,7 +28,6 @@ from jax.extend import core as jex_core
 
 from autopp._config import ParallelizeConfig
 from autopp._progress import phase
-from autopp.core._warn import user_stacklevel
 from autopp.core import (
     SCHEDULE_NAMES,
     Plan,
@@ -42,6 +41,7 @@ from autopp.core import (
     row_slice,
     scale_batch_independent_terms,
     trace_microbatch_forward,
+    user_stacklevel,
 )
 from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
 
@@ -82,7 +82,7 @@ def _warn_rows_not_examples(traced: TracedStep) -> None:
     a statistic over part of the batch): each microbatch then reads rows that are not its examples' (a user trial:
     ``concatenate([y, -y])`` read by its first rows, 1.2 against jit's 0.71). Followed as a batch split over devices
     would be (:func:`autopp.profiler.batch_dims`)."""
-    from autopp.profiler._strategies import batch_dims
+    from autopp.profiler import batch_dims
 
     outer = traced.jaxpr.jaxpr
     batch_leaves = {v for v, b in zip(outer.invars, traced.batch_mask) if b}

@@ -47,9 +47,11 @@ from autopp.core._trace import (
     eval_jaxpr_with,
     is_weak,
     normalize_batch_argnums,
+    outside_the_context_mesh,
     trace_microbatch_forward,
     trace_step,
 )
+from autopp.core._warn import user_stacklevel
 from autopp.core._schedule import KINDS, Action, Schedule, ScheduleError, dependencies, validate
 from autopp.core._schedule_sim import bubble_fraction, dispatch_order, simulate_ticks, simulate_times
 from autopp.core._schedules import (
@@ -80,6 +82,7 @@ from autopp.core._plan import (
     PlannerStats,
     StagePlan,
     id_ranges,
+    split_summary,
 )
 from autopp.core._reduction import output_reductions
 from autopp.core._remat import layer_checkpointed
