@@ -417,16 +417,23 @@ def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtype
             tuple(k for k in derived if getattr(grown[k].aval, "shape", None) == invars[k].aval.shape))
 
 
-def _misaligned(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> str:
-    """Loss inputs kept whole (not split into microbatches) whose size grows with the batch along another axis than
-    the first, found by tracing the step at twice the batch, said as a sentence ("" for none)."""
+def _at_twice_the_batch(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> TracedStep | None:
+    """The step traced again with every batch leaf's leading dimension doubled (None where it does not trace)."""
     flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
     doubled = [abstract_leaf(x, shape=(2 * np.shape(x)[0],) + tuple(np.shape(x)[1:])) if b and np.shape(x)
                else abstract_leaf(x) for x, b in zip(flat, traced.batch_mask)]
     try:
-        probe = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
-                           probe_shapes=False)
-    except Exception:  # noqa: BLE001 - nothing more to say
+        return trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
+                          probe_shapes=False)
+    except Exception:  # noqa: BLE001 - a step that only traces at its own batch size
+        return None
+
+
+def _misaligned(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> str:
+    """Loss inputs kept whole (not split into microbatches) whose size grows with the batch along another axis than
+    the first, found by tracing the step at twice the batch, said as a sentence ("" for none)."""
+    probe = _at_twice_the_batch(step_fn, args, traced)
+    if probe is None:  # nothing more to say
         return ""
     found = []
     for k, (a, b, mb) in enumerate(zip(traced.grad_eqn.invars, probe.grad_eqn.invars,
@@ -613,16 +620,9 @@ def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: Tra
 def _rows_grow_along_axis_0(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> bool:
     """Whether the step traced at twice the batch gives every microbatched loss input twice its rows (the other
     dimensions equal) and every other loss input its shape unchanged."""
-    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
-    doubled = [abstract_leaf(x, shape=(2 * np.shape(x)[0],) + tuple(np.shape(x)[1:])) if b and np.shape(x)
-               else abstract_leaf(x) for x, b in zip(flat, traced.batch_mask)]
-    try:
-        probe = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, doubled), traced.batch_argnums,
-                           probe_shapes=False)
-    except Exception:  # noqa: BLE001 - no evidence either way: keep the microbatch trace's error
-        return False
-    if len(probe.grad_eqn.invars) != len(traced.grad_eqn.invars):
-        return False
+    probe = _at_twice_the_batch(step_fn, args, traced)
+    if probe is None or len(probe.grad_eqn.invars) != len(traced.grad_eqn.invars):
+        return False  # no evidence either way: keep the microbatch trace's error
     for a, b, mb in zip(traced.grad_eqn.invars, probe.grad_eqn.invars, traced.microbatched_grad_inputs):
         small, big = tuple(getattr(a.aval, "shape", ())), tuple(getattr(b.aval, "shape", ()))
         if big != ((2 * small[0],) + small[1:] if mb and small else small):
