@@ -37,10 +37,12 @@ from autopp.core import (
     batch_dependent_vars,
     check_batch_divisible,
     get_schedule,
+    mixing_summary,
     output_reductions,
     row_slice,
     scale_batch_independent_terms,
     trace_microbatch_forward,
+    user_line,
     user_stacklevel,
 )
 from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
@@ -111,10 +113,26 @@ def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core
     contradicts would return ``num_microbatches`` times (or a ``num_microbatches``-th of) plain jit's loss, and
     is refused."""
     n_out = len(forward.jaxpr.outvars)
-    kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, num_microbatches)
-             if num_microbatches > 1 else (None,) * n_out)
+    mixing: list = []
+    kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, num_microbatches,
+                               mixing) if num_microbatches > 1 else (None,) * n_out)
+    if mixing:  # one warning for a loss whose examples' values depend on other examples of the batch
+        warnings.warn(
+            f"{_WHO}: the loss {mixing_summary(mixing)}. Each of the {num_microbatches} microbatches' losses sees "
+            "only its own examples, so the loss and gradients differ from plain jax.jit's over the whole batch (they "
+            "are gradient accumulation's). For jit's values use num_microbatches=1 (a stage's data-parallel devices "
+            "then compute over the whole batch, as jit does), or compute such values in the step, outside the loss, "
+            "and pass them in.", stacklevel=user_stacklevel())
     given, kind = config.loss_reduction, kinds[0]
     if kind == "ratio":
+        if given == "sum":
+            raise ValueError(
+                f"{_WHO}: loss_reduction='sum', but the loss divides a sum over its examples by another sum over them "
+                f"(a masked token mean, sum(nll * mask) / mask.sum()): adding the {num_microbatches} microbatches' "
+                f"ratios gives about {num_microbatches}x plain jax.jit's loss and gradients. For jit's whole-batch "
+                "value, compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, "
+                "batch, mask.sum()), then 'sum' is right); to average the microbatches' ratios, pass "
+                "loss_reduction='mean'.")
         if given is None:
             warnings.warn(
                 f"{_WHO}: the loss divides a sum over its examples by another sum over them (a masked token mean, "
@@ -122,9 +140,21 @@ def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core
                 "whole-batch ratio when microbatches hold different numbers of counted tokens. For jit's value, "
                 "compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
                 "mask.sum())); to keep the average of microbatch ratios (gradient accumulation's), pass "
-                "loss_reduction='mean'.", stacklevel=5)
+                "loss_reduction='mean'.", stacklevel=user_stacklevel())
         kind = None
-    kinds = tuple(None if k == "ratio" else k for k in kinds)
+    elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
+        kind = None
+    ratios = [k for k in range(1, n_out) if kinds[k] == "ratio"]
+    if ratios:
+        names = ", ".join(traced.spec.aux_names[k - 1] for k in ratios)
+        warnings.warn(
+            f"{_WHO}: {names} divide(s) a sum over the loss's examples by another sum over them (a masked "
+            "accuracy); each microbatch's ratio is averaged, which is not plain jax.jit's whole-batch ratio when "
+            "microbatches hold different counts. For jit's value, return the numerator and the denominator as two "
+            "aux values (each a sum: they are added up) and divide them after the step.", stacklevel=user_stacklevel())
+    # the loss: a mean or a sum, or the reduction given; an aux value: also a maximum or minimum, and a ratio averaged
+    kinds = (None if kinds[0] in ("ratio", "max", "min") else kinds[0],) + tuple(
+        "mean" if k == "ratio" else k for k in kinds[1:])
     if kind is not None and given is not None and kind != given:
         how = ("it divides by its own number of examples, as jnp.mean does" if kind == "mean" else
                "it adds its examples up and divides by nothing that depends on its own batch size")
@@ -138,10 +168,14 @@ def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core
                f"Drop loss_reduction= (it is read off the loss) or pass loss_reduction={kind!r}."))
     reduction = given or kind or "mean"
     whole = traced.whole_batch_grad_inputs
-    if whole and reduction == "mean" and kind is None:
+    if whole and reduction == "mean" and kind is None and num_microbatches > 1:  # (one microbatch: both are jit's)
+        made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}
+        where = "; ".join(f"{traced.grad_eqn.invars[k].aval.str_short()} made at {user_line(made[v])}"
+                          if v in made else traced.grad_eqn.invars[k].aval.str_short()
+                          for k in whole for v in [traced.grad_eqn.invars[k]])
         raise ValueError(
-            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch (loss input(s) "
-            f"#{', #'.join(map(str, whole))}, e.g. a token count that normalises the loss), and its program does not "
+            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch ({where}; e.g. a "
+            "token count that normalises the loss), and its program does not "
             "show whether it is a mean or a sum over its examples. Every microbatch's loss reads the step's value: "
             "when that value normalises the loss (sum(nll * mask) / mask.sum() over the whole batch), the step's loss "
             "is the sum of the microbatch losses, so pass loss_reduction=\"sum\"; when the loss averages its "

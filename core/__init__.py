@@ -24,6 +24,7 @@ from autopp.core._compat import (
     retarget,
     serialize_compiled,
     same_shard_positions,
+    user_line,
 )
 from autopp.core._grad import GradSpec, grad, marking_gradients, value_and_grad, value_and_grad_p
 from autopp.core._jaxpr import (
@@ -84,7 +85,7 @@ from autopp.core._plan import (
     id_ranges,
     split_summary,
 )
-from autopp.core._reduction import output_reductions
+from autopp.core._reduction import ORDER, PAIRS, SPREAD, mixing_summary, output_reductions
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import ScanRun, find_scan_runs, read_rows, reroll_scans, row_slice
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs

@@ -204,6 +204,13 @@ def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def user_line(eqn) -> str:
+    """Where the user's code made the equation: ``file.py:12:8 (function)``."""
+    from jax._src import source_info_util
+
+    return source_info_util.summarize(eqn.source_info)
+
+
 # -- fused attention -------------------------------------------------------------------------------------------
 FUSED_ATTENTION_SCOPE = "autopp_fused_attention"
 """Named scope autopp puts around every ``jax.nn.dot_product_attention`` call while it traces a step: the cost

@@ -12,20 +12,25 @@ mean inside the loss, ``sum(nll * mask) / mask.sum()``) is neither: :func:`outpu
 microbatch. Walking both programs in step, every value gets a pair ``(s, b)``: ``s`` is how many times examples of
 the batch were added up into it (0 for a per-example value, 1 after a sum over the batch axis) and ``b`` the power of
 the batch size it is multiplied by, through literals that differ between the two traces exactly by the number of
-microbatches (``jnp.mean``'s divisor: ``b = -1``). A loss of ``(1, -1)`` is a mean, ``(1, 0)`` a sum. Anything
-else (a ratio of two sums such as a masked mean inside the loss, a maximum over examples, a logarithm of a sum,
-programs that differ in structure between the two sizes) is left undetermined (None), and the caller's
-``loss_reduction`` stands.
+microbatches (``jnp.mean``'s divisor: ``b = -1``). A loss of ``(1, -1)`` is a mean, ``(1, 0)`` a sum. A maximum
+(minimum) over examples, through operations that keep order, is ``"max"`` (``"min"``): an aux value the runtime
+combines by its maximum (a loss cannot be: its gradient is no combination of the microbatches'). Anything else (a
+logarithm of a sum, a statistic of the batch broadcast back to its examples, programs that differ in structure between
+the two sizes) is left undetermined (None), and the caller's ``loss_reduction`` stands.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 from jax.extend import core as jex_core
 
-__all__ = ["output_reductions"]
+from autopp.core._compat import user_line
+
+__all__ = ["ORDER", "PAIRS", "SPREAD", "mixing_summary", "output_reductions"]
+
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
 
@@ -50,16 +55,23 @@ class _Mismatch(Exception):
 
 
 def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
-                      num_microbatches: int) -> tuple[str | None, ...]:
+                      num_microbatches: int, mixing: list | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
-    a sum over them, None when neither can be shown. ``whole`` and ``micro``: the same loss traced at the whole batch
+    a sum over them, ``"ratio"`` for a sum divided by another, ``"max"`` / ``"min"`` for a maximum / minimum over
+    them, None when none can be shown. ``mixing``: a list to which the equations that make one example's value
+    depend on other examples of the batch are appended, as ``(why, equation)`` (``why``: :data:`PAIRS`,
+    :data:`SPREAD` or :data:`ORDER`): there each microbatch's loss differs from the whole batch's by more than how
+    its examples are combined. ``whole`` and ``micro``: the same loss traced at the whole batch
     and at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split."""
+    _MIXING.events = mixing
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
                        [(0, 0, bool(m)) for m in microbatched], num_microbatches)
     except _Mismatch:
         return (None,) * len(micro.jaxpr.outvars)
-    names = {-1: "mean", 0: "sum", _RATIO: "ratio"}
+    finally:
+        _MIXING.events = None
+    names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min"}
     return tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
 
 
@@ -85,9 +97,53 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             raise _Mismatch
         ins = [read(a, b) for a, b in zip(we.invars, me.invars)]
         outs = _rule(we, me, ins, M)
-        for wv, mv, st in zip(we.outvars, me.outvars, outs):
-            env[mv] = (st, _batch_axes(wv, mv))
+        out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
+        for mv, st, axes in zip(me.outvars, outs, out_axes):
+            env[mv] = (st, axes)
+        events = getattr(_MIXING, "events", None)
+        if events is not None:
+            why = _mixes(me, ins, out_axes)
+            if why:
+                events.append((why, me))
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
+
+
+_MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere)
+PAIRS, SPREAD, ORDER = "pairs", "spread", "order"
+_MIXING_KINDS = {
+    PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
+    SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
+            "the batch)",
+    ORDER: "orders its examples (a sort or a cumulative sum along the batch)",
+}
+
+
+def mixing_summary(mixing: list) -> str:
+    """What the equations :func:`output_reductions` found mixing examples do, and where the user's code made them
+    (two places at most per kind)."""
+    seen: dict[str, list[str]] = {}
+    for why, eqn in mixing:
+        lines = seen.setdefault(why, [])
+        line = user_line(eqn)
+        if line not in lines and len(lines) < 2:
+            lines.append(line)
+    return "; ".join(f"{_MIXING_KINDS[why]} at {', '.join(lines)}" for why, lines in seen.items())
+
+
+def _mixes(me, ins: list, out_axes: list) -> str | None:
+    """Whether an equation makes one example's value depend on other examples of the batch: it pairs examples (an
+    axis per example on both sides: in-batch similarities, pairwise distances), spreads a statistic over the batch's
+    examples back over them (batch normalisation, a softmax over the batch), or orders them (a sort or cumulative
+    sum along the batch)."""
+    dependent = [(st, ax) for st, ax in ins if st is not None and st[2]]
+    if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
+        return PAIRS
+    if any(out_axes) and any(isinstance(st[0], int) and st[0] >= 1 for st, _ in dependent):
+        return SPREAD
+    along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
+    if along is not None and any(along in ax for _, ax in dependent):
+        return ORDER
+    return None
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:
@@ -121,6 +177,27 @@ def _const_state(wval, mval, M: int):
 
 
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
+_MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
+_EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN}
+# what keeps a maximum over examples the maximum of the microbatches' values: relabelling, slicing, widening
+_KEEPS_ORDER = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims",
+                          "transpose", "copy", "copy_p", "slice", "pjit_sharding", "sharding_constraint",
+                          "optimization_barrier"})
+
+
+def _extreme(name: str, states: list, n_out: int) -> list:
+    """The rule of an equation reading a maximum or minimum over examples: it stays one through operations that
+    keep order (and a max of maxima, a constant added), else nothing can be said."""
+    kinds = {st[1] for st in states if st[1] in (_MAX, _MIN)}
+    others_constant = all(st[1] in (_MAX, _MIN) or st[:3] == (0, 0, False) for st in states)
+    if len(kinds) != 1 or not others_constant:
+        return [None] * n_out
+    kind = kinds.pop()
+    first = states[0][1] == kind
+    if (name in _KEEPS_ORDER or name == "add" or name == "sub" and first
+            or name in ("max", "reduce_max") and kind == _MAX or name in ("min", "reduce_min") and kind == _MIN):
+        return [(1, kind, True)] + [(0, 0, False)] * (n_out - 1)
+    return [None] * n_out
 
 
 def _rule(we, me, ins: list, M: int) -> list:
@@ -130,6 +207,8 @@ def _rule(we, me, ins: list, M: int) -> list:
     if any(st is None for st in states):
         return [None] * n_out
     dep = any(st[2] for st in states)
+    if any(st[1] in (_MAX, _MIN) for st in states):
+        return _extreme(name, states, n_out)
     if any(st[1] == _RATIO for st in states):  # a ratio goes on only scaled by, or added to, a constant
         constant = all(st[1] == _RATIO or st[:3] == (0, 0, False) for st in states)
         if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == _RATIO or name in _CARRY):
@@ -167,8 +246,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         return [(s, b, dep)]
     if name in _ORDERED_REDUCE:
         axes = ins[0][1]
-        if set(me.params.get("axes", ())) & set(axes):
-            return [None]  # a maximum over examples is no sum
+        if set(me.params.get("axes", ())) & set(axes):  # a maximum over examples is no sum, but a maximum
+            return [(1, _EXTREME_OF[name], dep)] if name in _EXTREME_OF and states[0][:2] == (0, 0) else [None]
         return [states[0]] if name in _CARRY else ([(0, 0, dep)] if states[0][:2] == (0, 0) else [None])
     if name in _CARRY:
         return [(*states[0][:2], dep)] + [(0, 0, dep)] * (n_out - 1)

@@ -26,6 +26,7 @@ import math
 import warnings
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -43,7 +44,7 @@ ZERO_FLOP = frozenset(
      "convert_element_type", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "stack",
      "unstack", "split", "tile", "pad", "gather", "scatter", "select_n", "iota", "copy", "copy_p", "rev",
      "stop_gradient", "bitcast_convert_type", "device_put", "sharding_constraint", "layout_constraint",
-     "optimization_barrier", "pvary", "mesh_cast", "reshard", "empty", "full", "broadcast", "zeros_like",
+     "optimization_barrier", "pvary", "mesh_cast", "reshard", "empty", "empty2", "full", "broadcast", "zeros_like",
      "real", "imag", "conj", "complex",
      "shift_right_logical", "shift_right_arithmetic", "shift_left", "and", "or", "not", "xor", "eq", "ne",
      "lt", "le", "gt", "ge", "lt_to", "le_to", "is_finite", "population_count", "clz",
@@ -110,16 +111,22 @@ ZERO = OpCost(0.0, 0.0, 0.0, 0.0)
 _warned: set[str] = set()
 
 
+_ITEMSIZE: dict = {}  # dtype -> bytes per element (a profile asks hundreds of thousands of times)
+
+
 def aval_bytes(aval) -> int:
     """Bytes of an array of ``aval``'s shape and dtype (0 for a value without both, a token say)."""
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes (PRNG keys)
-        itemsize = 8
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None:
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:  # extended dtypes (PRNG keys)
+            itemsize = 8
+        _ITEMSIZE[dtype] = itemsize
     return int(math.prod(shape)) * itemsize
 
 
@@ -171,14 +178,29 @@ def _conv_flops(eqn) -> float:
         taps *= _valid_taps(lhs.shape[dn.lhs_spec[2 + k]], out.shape[dn.out_spec[2 + k]], rhs.shape[dn.rhs_spec[2 + k]],
                             p["window_strides"][k], p["padding"][k][0], (p.get("lhs_dilation") or (1,) * n)[k],
                             (p.get("rhs_dilation") or (1,) * n)[k])
+    # (a batch-grouped convolution, the weight gradient of a grouped one, has the group count in its output's
+    # features already: each output feature still reads kernel_in inputs per tap)
     per_position = _size(out) / max(1, math.prod(out.shape[d] for d in dn.out_spec[2:]))
-    return 2.0 * per_position * kernel_in * taps / max(1, p.get("batch_group_count", 1))
+    return 2.0 * per_position * kernel_in * taps
 
 
 def _valid_taps(size: int, out: int, kernel: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
     """(output position, kernel tap) pairs of one spatial dimension that read an input element."""
     at = np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dil - pad_lo
     return int(np.count_nonzero((at >= 0) & (at <= (size - 1) * lhs_dil) & (at % lhs_dil == 0)))
+
+
+def _fft(eqn) -> OpCost:
+    """A fast Fourier transform of ``n`` points (``n`` the product of ``fft_lengths``) costs 5 n log2 n flops complex
+    and half that real (the Cooley-Tukey radix-2 count, FFTW's convention for its benchmarks' "mflops"), once per
+    transform the operand holds. XLA's cost analysis counts 8 n times the product of the lengths' log2 instead."""
+    lengths = eqn.params["fft_lengths"]
+    n = math.prod(lengths)
+    if n <= 1:
+        return _arith(eqn, 0.0)
+    transforms = max(_in_size(eqn), _out_size(eqn)) / n
+    real = eqn.params["fft_type"] in (jax.lax.FftType.RFFT, jax.lax.FftType.IRFFT)
+    return _arith(eqn, transforms * (2.5 if real else 5.0) * n * math.log2(n))
 
 
 def _ragged_dot_flops(eqn) -> float:
@@ -206,6 +228,11 @@ def jaxpr_cost(jaxpr: jex_core.Jaxpr) -> OpCost:
 
 def _sub(param) -> jex_core.Jaxpr:
     return param.jaxpr if isinstance(param, jex_core.ClosedJaxpr) else param
+
+
+def forget_warnings() -> None:
+    """Warn again about what the cost model cannot price (one warning per primitive per profile, not per process)."""
+    _warned.clear()
 
 
 def _warn_once(key: str, message: str, stacklevel: int) -> None:
@@ -360,7 +387,7 @@ _RULES.update({
     "dot_general": _dot, "conv_general_dilated": _conv, "ragged_dot_general": _ragged_dot,
     "scan": _scan, "cond": _cond, "while": _while, "shard_map": _shard_map,
     "autopp_value_and_grad": _value_and_grad, "reduce": _reduce, "sort": _sort, "top_k": _top_k,
-    "approx_top_k": _top_k, "random_gamma": _random_gamma, "name": _tag,
+    "approx_top_k": _top_k, "random_gamma": _random_gamma, "name": _tag, "fft": _fft,
     # host callbacks (jax.debug.print, pure_callback, io_callback): no device arithmetic, their operands cross
     "debug_callback": _zero_flop, "debug_print": _zero_flop, "pure_callback": _zero_flop, "io_callback": _zero_flop,
 })

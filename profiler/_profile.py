@@ -22,7 +22,7 @@ from autopp.core import (
     unit,
 )
 from autopp.profiler._cluster import Cluster
-from autopp.profiler._costs import aval_bytes, eqn_cost, kernel_costs
+from autopp.profiler._costs import aval_bytes, eqn_cost, forget_warnings, kernel_costs
 from autopp.profiler._graph import cost_graph
 from autopp.profiler._kernels import ScaledKernel, program_kernels
 from autopp.profiler._layer_stage import layer_graph
@@ -277,6 +277,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     the measurements, and measured times are reported. ``traced``: the step already traced at ``example_args``
     (by :func:`autopp.core.trace_step`), which the profile then reuses instead of tracing it again.
     """
+    forget_warnings()  # each profile says what it cannot price
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     elif cluster is None:
@@ -367,8 +368,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     graph = cost_graph(layers)
     for lp in out_layers:
         graph.nodes[lp.index].update(lp.to_dict())
-    outer = traced.jaxpr.jaxpr
-    update = sum(_flops(eqn_cost(e)) for i, e in enumerate(outer.eqns) if i != traced.grad_index)
+    update_work = update_kernels(traced)
+    update = sum(_flops(k.at(1.0)) for k in update_work)  # every equation outside the gradient's, once
     forward_flops = sum(l.flops for l in out_layers)
     backward_flops = sum(l.backward_flops for l in out_layers)
     state = {k: (aval_bytes(fwd.invars[k].aval), aval_bytes(fwd.invars[k].aval), opt_bytes_of_param.get(k, 0))
@@ -380,7 +381,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         backward_flops=backward_flops, update_flops=update,
         param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx), fingerprint=traced.fingerprint,
         batch_size=_traced_batch_size(traced), programs={fp: src.program for fp, (src, _, _) in by_fp.items()},
-        state_bytes=state, update_kernels=update_kernels(traced), param_names=_param_names(traced),
+        state_bytes=state, update_kernels=update_work, param_names=_param_names(traced),
         structure_fingerprint=_structure_fingerprint(out_layers, fwd, diff_idx),
     )
 

@@ -171,7 +171,8 @@ def batch_dims(jaxpr, starts: dict, ct_of: dict | None = None) -> dict:
     _ANY_SIZE[0] = True
     try:
         spec = dict(starts)
-        for _ in range(2):  # the second pass knows the cotangents' batch dimension from the forward's outputs
+        # with cotangents, a second pass knows their batch dimension from the forward's outputs
+        for _ in range(2 if ct_of else 1):
             for ct, out in ct_of.items():
                 if not isinstance(out, Literal) and spec.get(out, REPLICATED) >= 0:
                     spec[ct] = spec[out]

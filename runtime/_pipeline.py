@@ -17,6 +17,7 @@ from autopp.core import StagePrograms, batch_dependent_vars, dispatch_order
 from autopp.profiler import group_layers
 
 from autopp.runtime._passes import sum_program
+from autopp.runtime._pipeline_config import EXTREMES
 from autopp.runtime._tasks import Accumulators, reused_buffers
 from autopp.runtime._tensor import activation_splits
 
@@ -331,6 +332,9 @@ class Pipeline:
                 continue
             if k in concatenated:  # per-example values: the whole batch's, in order
                 fn = jax.jit(lambda *xs: (jnp.concatenate(xs),), out_shardings=(self.meshes.replicated[s],))
+            elif st.config.reduction(k) in EXTREMES:  # a maximum (minimum) over examples: the microbatches' one
+                fn = jax.jit(lambda *xs, op=EXTREMES[st.config.reduction(k)]: (functools.reduce(op, xs),),
+                             out_shardings=(self.meshes.replicated[s],))
             else:
                 fn = jax.jit(lambda *xs, mean=st.config.reduction(k) == "mean":  # (one microbatch: its value, any dtype)
                              (sum(xs[1:], xs[0]) / len(xs) if mean and len(xs) > 1 else sum(xs[1:], xs[0]),),

@@ -5,7 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from autopp.core import Schedule
+
+EXTREMES = {"max": jnp.maximum, "min": jnp.minimum}
+"""How the microbatches' values of an aux output that is a maximum (minimum) over examples combine."""
+
+
+def extreme_identity(kind: str, dtype):
+    """The value that ``EXTREMES[kind]`` leaves any other unchanged: -inf for a maximum of floats, the least integer
+    for one of integers (and the converse for a minimum)."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return -jnp.inf if kind == "max" else jnp.inf
+    if dtype == jnp.bool_:
+        return kind != "max"
+    info = jnp.iinfo(dtype)
+    return info.min if kind == "max" else info.max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +47,8 @@ class PipelineConfig:
     """The plan's stage of each of the runtime's stages, where the runtime cut stages into segments
     (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
     output_reductions: tuple = ()
-    """Per output of the loss: ``"mean"``, ``"sum"`` (as its program shows) or None (as :attr:`loss_reduction`)."""
+    """Per output of the loss: ``"mean"``, ``"sum"``, for an aux value also ``"max"`` or ``"min"`` (as its program
+    shows), or None (as :attr:`loss_reduction`)."""
 
     def reduction(self, k: int) -> str:  # how the microbatches' values of the loss's output k combine (0: the loss)
         return (self.output_reductions[k] if k < len(self.output_reductions) else None) or self.loss_reduction

@@ -20,7 +20,7 @@ from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradien
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
-from autopp.runtime._pipeline_config import PipelineConfig
+from autopp.runtime._pipeline_config import EXTREMES, PipelineConfig, extreme_identity
 from autopp.runtime._passes import zeros_program
 from autopp.runtime._placement import place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
@@ -638,13 +638,19 @@ class StepBuilder:
                 if recompute == "selective":
                     loss_of = jax.checkpoint(loss_of, policy=RECOMPUTE_POLICIES[recompute])
                 (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
-                summed = [a for k, a in enumerate(aux, 1) if k not in concatenated]
-                return (jax.tree.map(jnp.add, carry, (loss, summed, grads)),
-                        [a for k, a in enumerate(aux, 1) if k in concatenated])
+                combined = [combine[k](c, a) for k, c, a in zip(kept, carry[1], [aux[k - 1] for k in kept])]
+                loss, grads = jax.tree.map(jnp.add, (carry[0], carry[2]), (loss, grads))
+                return (loss, combined, grads), [a for k, a in enumerate(aux, 1) if k in concatenated]
 
-            summed_avals = [a for k, a in enumerate(fwd.out_avals[1:], 1) if k not in concatenated]
+            # aux values kept whole: added up, or their maximum (minimum) taken, starting from its identity
+            kept = [k for k in range(1, len(fwd.out_avals)) if k not in concatenated]
+            combine = {k: EXTREMES.get(st.config.reduction(k), jnp.add) for k in kept}
+            kept_init = [jnp.full(a.shape, extreme_identity(st.config.reduction(k), a.dtype), a.dtype)
+                         if st.config.reduction(k) in EXTREMES else jnp.zeros(a.shape, a.dtype)
+                         for k in kept for a in [fwd.out_avals[k]]]
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                 ([fwd.out_avals[0]], summed_avals, [invals[i].aval for i in diff_idx]))
+                                 ([fwd.out_avals[0]], [invals[i].aval for i in diff_idx]))
+            zeros = (zeros[0], kept_init, zeros[1])
             (loss, summed, grads), stacked_aux = jax.lax.scan(body, (zeros[0][0], zeros[1], zeros[2]), stacked)
             summed, stacked_aux, aux = iter(summed), iter(stacked_aux), []
             for k in range(1, len(fwd.out_avals)):

@@ -55,7 +55,12 @@ def _losses():
                           (), "mean"),
         "a masked mean inside": (lambda x, w: (x.sum(-1) * (x[:, 0] > 0)).sum() / (x[:, 0] > 0).sum(), (), "ratio"),
         "a logarithm of a sum": (lambda x, w: jnp.log(jnp.exp(x).sum()), (), None),
-        "a maximum over examples": (lambda x, w: x.max(), (), None),
+        "a maximum over examples": (lambda x, w: x.max(), (), "max"),
+        "a minimum of magnitudes, shifted": (lambda x, w: (jnp.abs(x).min(axis=1) + w[0]).min(), (jnp.float32(2),),
+                                             "min"),
+        "a maximum over examples, negated": (lambda x, w: -x.max(), (), None),
+        "a maximum over examples, squared": (lambda x, w: x.max() ** 2, (), None),
+        "a batch statistic broadcast back": (lambda x, w: ((x - x.mean(0)) ** 2).mean(), (), None),
     }
 
 
@@ -73,6 +78,8 @@ def test_the_program_shows_how_a_loss_combines_its_examples(name):
     truth = float(jitted(x, extra))
     if got == "mean":
         np.testing.assert_allclose(np.mean(parts), truth, rtol=1e-5)
+    elif got in ("max", "min"):
+        np.testing.assert_allclose(np.max(parts) if got == "max" else np.min(parts), truth, rtol=1e-6)
     elif got == "sum":  # (a term without the batch, a penalty, counts once: the runtime scales it by 1 / M)
         penalty = float(jitted(jnp.zeros_like(x[: B // M]), extra))
         np.testing.assert_allclose(np.sum(parts) - (M - 1) * penalty, truth, rtol=1e-5)
@@ -159,3 +166,103 @@ def test_a_masked_mean_inside_the_loss_is_averaged_with_a_warning():
         (p_jit, l_jit), (p_pp, l_pp) = _run(step)
     assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)  # the microbatches keep different token counts
     _run(step, loss_reduction="mean")  # chosen: no warning (the suite turns autopp's warnings into errors)
+
+
+@pytest.mark.parametrize("stages", [2, 1])
+@pytest.mark.parametrize("summed", [False, True])
+def test_an_aux_maximum_or_minimum_over_examples_is_the_batch_s(stages, summed):
+    """A trial's fp8 amax (a maximum over the batch, returned as aux to scale the next step) came back as the mean of
+    the microbatches' maxima (3.25 for jit's 10), or their sum under a summed loss; the largest and smallest error
+    too. They are combined by their maximum (minimum), on a pipeline and in the one-stage program alike."""
+    def loss(p, b, *w):
+        nll = _nll(p, b)
+        main = (nll * w[0]).sum() if summed else nll.mean()
+        return main, {"max": nll.max(), "min": nll.min(axis=1).min(), "amax": jnp.abs(nll).max().astype(jnp.bfloat16),
+                      "imax": b["x"].max(), "mean": nll.mean()}
+
+    step = _step(loss, (lambda b: (b["mask"] / b["mask"].sum(),)) if summed else (lambda b: ()), has_aux=True)
+    params = _params(jax.random.key(0))
+    results = []
+    for fn in (jax.jit(step), autopp.parallelize(step, num_stages=stages, num_microbatches=M,
+                                                 devices=jax.devices()[:stages])):
+        state = (params, TX.init(params))
+        *state, out = fn(*state, _batch(0))
+        results.append(out)
+    (l_jit, aux_jit), (l_pp, aux_pp) = results
+    parts = [float(jnp.max(_nll(params, jax.tree.map(lambda v: v[i * B // M:(i + 1) * B // M], _batch(0)))))
+             for i in range(M)]
+    assert np.mean(parts) < float(aux_jit["max"]) * 0.999  # the mean of the maxima is not the maximum
+    assert aux_pp["imax"].dtype == aux_jit["imax"].dtype and aux_pp["amax"].dtype == aux_jit["amax"].dtype
+    _assert_equal((l_jit, aux_jit), (l_pp, aux_pp))
+
+
+def test_one_microbatch_reads_a_whole_batch_count_without_loss_reduction():
+    """A count taken over the whole batch in the step, with one microbatch, was refused as ambiguous (mean or sum?);
+    with one microbatch both are jit's."""
+    step = _step(lambda p, b, n: (_nll(p, b) * b["mask"]).sum() / n, lambda b: (b["mask"].sum(),))
+    params = _params(jax.random.key(0))
+    outs = []
+    for fn in (jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])):
+        outs.append(fn(params, TX.init(params), _batch(0)))
+    _assert_equal(outs[0], outs[1])
+    odd = _step(lambda p, b, n: jnp.sqrt(((_nll(p, b) * b["mask"]) ** 2).sum()) / n, lambda b: (b["mask"].sum(),))
+    with pytest.raises(ValueError, match=r"computes from the whole batch \(float32\[\] made at .*test_loss_reduction"):
+        _run(odd)  # 4 microbatches of a loss that is neither a mean nor a sum: which one is meant cannot be told
+
+
+def test_loss_reduction_sum_of_a_ratio_inside_the_loss_is_refused():
+    """A masked mean inside the loss with loss_reduction="sum" added up the microbatches' ratios: 4x jit's loss and
+    gradients, silently (a trial: 9.17 for jit's 2.30)."""
+    step = _step(lambda p, b: (_nll(p, b) * b["mask"]).sum() / b["mask"].sum())
+    with pytest.raises(ValueError, match=r"loss_reduction='sum', but the loss divides a sum .* about 4x"):
+        _run(step, loss_reduction="sum")
+
+
+def test_an_aux_ratio_is_averaged_with_a_warning_under_a_summed_loss():
+    """A masked accuracy returned as aux under a loss normalised by a whole-batch count was summed over microbatches
+    (0.53 for jit's 0.13): it is averaged, with a warning that says how to get jit's value."""
+    def loss(p, b, w):
+        nll = _nll(p, b)
+        return (nll * w).sum(), {"acc": ((nll < 3.0) * b["mask"]).sum() / b["mask"].sum()}
+
+    step = _step(loss, lambda b: (b["mask"] / b["mask"].sum(),), has_aux=True)
+    with pytest.warns(UserWarning, match=r"(?s)aux\['acc'\] divide.*numerator and the denominator"):
+        (p_jit, (l_jit, a_jit)), (p_pp, (l_pp, a_pp)) = _run(step)
+    _assert_equal(p_jit, p_pp)
+    assert abs(float(a_pp["acc"]) - float(a_jit["acc"])) < 0.05  # averaged ratios: near jit's, not 4x
+
+
+def _mixing_losses():
+    """name -> (loss, what the warning names): losses whose examples' values depend on other examples."""
+    def clip(p, b):
+        e = jnp.tanh(p["embed"][b["x"]].mean(1) @ p["w"])
+        logits = e @ (e @ p["w"]).T  # in-batch negatives: every example against every other
+        return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(e.shape[0])).mean()
+
+    def batch_norm(p, b):
+        h = p["embed"][b["x"]].mean(1) @ p["w"]
+        h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+        return ((h @ p["head"]) ** 2).mean()
+
+    def ranked(p, b):
+        s = (p["embed"][b["x"]].mean(1) @ p["w"]).sum(1)
+        return (jnp.sort(s) * jnp.linspace(0, 1, s.shape[0])).mean()
+
+    return {"in-batch negatives": (clip, "pairs its examples"), "batch normalisation": (batch_norm, "spreads a statistic"),
+            "a ranking over the batch": (ranked, "orders its examples")}
+
+
+@pytest.mark.parametrize("name", list(_mixing_losses()))
+def test_a_loss_that_mixes_its_examples_warns_where(name):
+    """CLIP's in-batch negatives, BatchNorm and batch-hard mining ran per microbatch silently (a trial: CLIP's loss
+    2.00 for jit's 3.92, a batch-hard triplet loss 0 with no gradient at all): a warning names what mixes the
+    examples and the line; with one microbatch the step is jit's."""
+    loss, words = _mixing_losses()[name]
+    step = _step(loss)
+    with pytest.warns(UserWarning, match=rf"(?s)the loss {words}.* at .*test_loss_reduction.py.*num_microbatches=1"):
+        (p_jit, l_jit), (p_pp, l_pp) = _run(step)
+    assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)  # per microbatch: not jit's
+    params = _params(jax.random.key(0))
+    outs = [fn(params, TX.init(params), _batch(0)) for fn in (
+        jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2]))]
+    _assert_equal(outs[0], outs[1])
