@@ -371,8 +371,15 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
         count = len(lay[1]) if lay else 1
         outputs.append(tuple(range(n, n + count)))
         n += count
+    # the loss's inputs held by rows are one input per block now: what is said by their positions moves with them
+    moved, at = {}, 0
+    for k in range(len(spec.diff_mask)):
+        moved[k] = tuple(range(at, at + (len(grad_split[k][1]) if k in grad_split else 1)))
+        at += len(moved[k])
     step = dataclasses.replace(traced, jaxpr=closed, grad_index=grad_index, batch_mask=tuple(batch_mask),
-                               leaf_paths=tuple(paths))
+                               leaf_paths=tuple(paths),
+                               shape_batched=tuple(j for k in traced.shape_batched for j in moved[k]),
+                               whole_batch_arrays=tuple(j for k in traced.whole_batch_arrays for j in moved[k]))
     return RowsLayout(traced=step, forward=mb_forward, inputs=tuple(inputs), outputs=tuple(outputs),
                       input_layouts=dict(split_in),
                       output_layouts={o: lay for o, lay in enumerate(out_layouts) if lay is not None},

@@ -346,3 +346,30 @@ def test_unequal_row_counts_are_named_by_the_plan_s_stages():
     message = _unequal(reads, 6, {(6, r): {s} for _, r, s in reads}, plan_stage=(0, 0, 1))
     assert "([3, 3] by stage, [2, 1, 3] by the segments" in message
     assert "([2, 1, 3])" in _unequal(reads, 6, {(6, r): {s} for _, r, s in reads})  # no plan: the stages given
+
+
+def test_noise_drawn_in_the_step_with_the_batch_s_shape_is_split_beside_the_rows():
+    """A scanned DiT trial drawing its diffusion noise in the step (``normal(key, x.shape)``: it grows with the batch
+    though no data flows into it) was refused, naming parameters as split into microbatches, whenever its stack was
+    held by rows: the positions of the values that grow with the batch pointed at the loss's inputs before the
+    stack became one input per block. Equal to jit (SGD)."""
+    w = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.3
+    params = {"stack": w, "head": jnp.ones((8,))}
+
+    def loss(p, x, noise):
+        h = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x + noise, p["stack"])[0]
+        return ((h @ p["head"]) ** 2).mean()
+
+    def make(vag):
+        def step(p, x):
+            noise = jax.random.normal(jax.random.key(5), x.shape) * 0.1
+            value, g = vag(loss)(p, x, noise)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+        return step
+
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    pipelined = autopp.parallelize(make(autopp.value_and_grad), num_stages=2, num_microbatches=4,
+                                   devices=jax.devices()[:2])
+    got = pipelined(params, x)
+    assert {s.data.shape[0] for s in got[0]["stack"].addressable_shards} == {2}  # held by rows
+    assert_trees_close(got, jax.jit(make(jax.value_and_grad))(params, x), rtol=1e-6, atol=1e-6)
