@@ -87,19 +87,24 @@ def fp32_warning(prof: Profile, cluster: Cluster, who: str) -> None:
     from autopp.profiler import eqn_cost, matmul_dtype
 
     copies = collections.Counter(lay.fingerprint for lay in prof.layers)  # a program serves every layer like it
-    total = f32 = 0.0
+    total = f32 = f8 = 0.0
     for fp, prog in prof.programs.items():
         for e in prog.closed.jaxpr.eqns:
             if e.primitive.name in ("dot_general", "conv_general_dilated"):
                 c = eqn_cost(e).flops * copies.get(fp, 1)
                 total += c
-                if matmul_dtype(e) in ("tf32", "float32"):
-                    f32 += c
+                kind = matmul_dtype(e)
+                f32 += c if kind in ("tf32", "float32") else 0.0
+                f8 += c if kind == "float8" else 0.0
     if total and f32 / total > 0.5:
+        advice = ("For mixed precision, cast the parameters to bfloat16 inside the loss (zoo models: dtype='bfloat16')."
+                  if not f8 else
+                  f"{100 * f8 / total:.0f}% are float8 (FP8 tensor cores); the gradients of float8 matmuls that return "
+                  "float32 multiply float32 cotangents: FP8 recipes cast the cotangents to float8 (e5m2) in a "
+                  "jax.custom_vjp.")
         warnings.warn(
             f"{who}: {100 * f32 / total:.0f}% of the step's matmul FLOPs are float32, priced at the TF32 rate of "
-            f"{cluster.device.name} ({cluster.device.peak_flops('tf32') / 1e12:.0f} TFLOP/s, half of bf16). For "
-            "mixed precision, cast the parameters to bfloat16 inside the loss (zoo models: dtype='bfloat16').",
+            f"{cluster.device.name} ({cluster.device.peak_flops('tf32') / 1e12:.0f} TFLOP/s, half of bf16). {advice}",
             stacklevel=3)
 
 

@@ -41,6 +41,9 @@ _DTYPE_PEAK = {
     "float64": "peak_flops_fp64",
     **{t: "peak_flops_fp32" for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                                       "uint64")},
+    # matmuls of float8 operands (FP8 tensor cores where the device has them)
+    **{t: "peak_flops_fp8" for t in ("float8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                     "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4")},
 }
 
 
@@ -100,6 +103,11 @@ class DeviceSpec:
     peak_flops_fp64: float | None = None
     """FP64 peak of matrix work (FP64 tensor cores where the device has them, as cuBLAS's DGEMM uses), FLOP/s; None
     where it is not known (float64 work is then refused)."""
+    peak_flops_fp8: float | None = None
+    """FP8 tensor-core peak, dense, FLOP/s (matmuls whose operands are float8: e4m3, e5m2); None where the device has
+    no FP8 tensor cores: XLA then converts the operands to a 16-bit type and the matmul runs at the bf16 peak."""
+    peak_ops_int8: float | None = None
+    """INT8 tensor-core peak, dense, operations/s (matmuls of int8 operands); None: they run at the fp32 rate."""
     fused_attention: bool = True
     """Whether ``jax.nn.dot_product_attention`` runs as one fused (flash) kernel, with no ``s x s`` scores in memory
     (cuDNN's on GPUs); where not, its equations are priced, and its scores kept, as written."""
@@ -129,12 +137,15 @@ class DeviceSpec:
         if not isinstance(self.fused_attention, bool):
             raise TypeError(f"DeviceSpec({self.name!r}).fused_attention must be True or False, got "
                             f"{self.fused_attention!r}.")
-        if self.peak_flops_fp64 is not None:
-            value = self._number("peak_flops_fp64", "a positive number of FLOP/s or None", "peak_flops_fp64=67e12")
+        for field, example in (("peak_flops_fp64", "67e12"), ("peak_flops_fp8", "1979e12"),
+                               ("peak_ops_int8", "1979e12")):
+            if getattr(self, field) is None:
+                continue
+            value = self._number(field, "a positive number per second or None", f"{field}={example}")
             if not value > 0:
-                raise ValueError(f"DeviceSpec({self.name!r}).peak_flops_fp64 must be a positive number of FLOP/s or "
-                                 f"None, got {value!r}; pass e.g. peak_flops_fp64=67e12.")
-            object.__setattr__(self, "peak_flops_fp64", float(value))
+                raise ValueError(f"DeviceSpec({self.name!r}).{field} must be a positive number per second or "
+                                 f"None, got {value!r}; pass e.g. {field}={example}.")
+            object.__setattr__(self, field, float(value))
         for field in _EFFICIENCY_FIELDS:
             value = self._number(field, "a fraction in (0, 1]", f"{field}=0.8")
             if not 0 < value <= 1:
@@ -161,14 +172,18 @@ class DeviceSpec:
 
     def peak_flops(self, dtype: Any = "bfloat16") -> float:
         """Peak FLOP/s for ``dtype``: bfloat16/float16 -> tensor cores, ``"tf32"`` -> TF32 tensor cores,
-        float32 -> CUDA cores (pass ``"tf32"`` when float32 matmuls may use TF32), integers/bool -> fp32 rate."""
+        float32 -> CUDA cores (pass ``"tf32"`` when float32 matmuls may use TF32), integers/bool -> fp32 rate,
+        float8 (``"float8"`` or a float8 dtype) -> FP8 tensor cores, or the bf16 peak on a device without them (XLA
+        converts the operands). The matmul rate of int8 operands is :attr:`peak_ops_int8`."""
         name = _dtype_name(dtype)
         field = _DTYPE_PEAK.get(name)
+        if field == "peak_flops_fp8" and self.peak_flops_fp8 is None:
+            field = "peak_flops_bf16"
         if field is None or getattr(self, field) is None:
             raise ValueError(
                 f"DeviceSpec({self.name!r}) has no peak rate for dtype {name!r}; use one of "
                 f"{', '.join(sorted(k for k, f in _DTYPE_PEAK.items() if getattr(self, f) is not None))}, or give "
-                f"the device one: get_device({self.name!r}).with_overrides(peak_flops_fp64=...)."
+                f"the device one: get_device({self.name!r}).with_overrides({field or 'peak_flops_fp64'}=...)."
             )
         return getattr(self, field)
 
@@ -215,12 +230,14 @@ class DeviceSpec:
 
 # Datasheets cited below:
 # [A100]  NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100/): BF16 312 TFLOPS dense
-#         (624 sparse), TF32 156 dense, FP32 19.5, FP64 Tensor Core 19.5 (FP64 9.7); 40GB HBM2 at 1,555 GB/s,
+#         (624 sparse), TF32 156 dense, FP32 19.5, FP64 Tensor Core 19.5 (FP64 9.7), INT8 624 TOPS dense (1,248
+#         sparse), no FP8; 40GB HBM2 at 1,555 GB/s,
 #         80GB HBM2e at 2,039 GB/s (SXM);
 #         NVLink 600 GB/s (bidirectional, i.e. 300 GB/s each way).
 # [DGXA100] NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 VPI, 200 Gb/s HDR InfiniBand, one per GPU.
 # [H100]  NVIDIA H100 Tensor Core GPU datasheet, SXM column: BF16 1,979 TFLOPS *with sparsity* -> 989 dense,
-#         TF32 989 sparse -> 494.5 dense, FP32 67, FP64 Tensor Core 67 (FP64 34); 80GB HBM3 at 3.35 TB/s;
+#         TF32 989 sparse -> 494.5 dense, FP32 67, FP64 Tensor Core 67 (FP64 34), FP8 3,958 TFLOPS sparse -> 1,979
+#         dense, INT8 3,958 TOPS sparse -> 1,979 dense; 80GB HBM3 at 3.35 TB/s;
 #         NVLink 900 GB/s (bidirectional).
 # [DGXH100] NVIDIA DGX H100 datasheet: 8x single-port ConnectX-7, 400 Gb/s NDR InfiniBand, one per GPU.
 # [H200]  NVIDIA H200 datasheet, SXM column: same compute as H100 SXM; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
@@ -229,7 +246,8 @@ class DeviceSpec:
 #         2.25 PFLOPS BF16 dense per GPU; 1,440 GB HBM3e total (180 GB per GPU) at 64 TB/s (8 TB/s per GPU;
 #         the HGX B200 page lists 7.7 TB/s); NVLink 5 at 14.4 TB/s total (1.8 TB/s bidirectional per GPU);
 #         networking 8x single-port ConnectX-7 VPI at up to 400 Gb/s (ConnectX-8 at 800 Gb/s is DGX B300, not B200).
-#         HGX B200 per-GPU table: TF32 2.2 PFLOPS sparse -> 1.1 dense, FP32 75 TFLOPS, FP64/FP64 Tensor Core 37.
+#         HGX B200 per-GPU table: TF32 2.2 PFLOPS sparse -> 1.1 dense, FP32 75 TFLOPS, FP64/FP64 Tensor Core 37,
+#         FP8/FP6 Tensor Core 9 PFLOPS sparse -> 4.5 dense, INT8 Tensor Core 9 POPS sparse -> 4.5 dense.
 # [MAMF]  Maximum achievable bf16 matmul FLOPS, best shape, measured with mamf-finder.py (Stas Bekman,
 #         github.com/stas00/ml-engineering, compute/accelerator): A100 SXM 267.9/312 = 85.9%,
 #         H100 SXM 794.5/989 = 80.3%, B200 SXM 1745/2250 = 77.6%. Training shapes are rarely the best shape,
@@ -259,6 +277,7 @@ _A100_COMMON = dict(
     peak_flops_tf32=156e12,  # [A100]
     peak_flops_fp32=19.5e12,  # [A100]
     peak_flops_fp64=19.5e12,  # [A100] FP64 Tensor Core
+    peak_ops_int8=624e12,  # [A100] INT8 Tensor Core 1,248 TOPS sparse (no FP8 tensor cores: fp8 runs at bf16)
     intra_node_bandwidth=300e9,  # [A100] NVLink3 600 GB/s bidirectional
     inter_node_bandwidth=25e9,  # [DGXA100] HDR 200 Gb/s per GPU
     matmul_efficiency=0.80,  # [MAMF] 85.9%
@@ -273,6 +292,8 @@ _HOPPER_COMPUTE = dict(
     peak_flops_tf32=494.5e12,  # [H100]
     peak_flops_fp32=67e12,  # [H100]
     peak_flops_fp64=67e12,  # [H100] FP64 Tensor Core (H200: the same die)
+    peak_flops_fp8=1979e12,  # [H100] FP8 Tensor Core 3,958 TFLOPS sparse
+    peak_ops_int8=1979e12,  # [H100] INT8 Tensor Core 3,958 TOPS sparse
     intra_node_bandwidth=450e9,  # [H100] NVLink4 900 GB/s bidirectional
     inter_node_bandwidth=50e9,  # [DGXH100] NDR 400 Gb/s per GPU
     matmul_efficiency=0.75,  # [MAMF] 80.3%
@@ -322,6 +343,8 @@ _TABLE = (
         peak_flops_tf32=1.1e15,  # [B200] HGX B200: 2.2 PF sparse
         peak_flops_fp32=75e12,  # [B200] HGX B200
         peak_flops_fp64=37e12,  # [B200] HGX B200 FP64/FP64 Tensor Core
+        peak_flops_fp8=4.5e15,  # [B200] HGX B200 FP8/FP6 Tensor Core 9 PFLOPS sparse
+        peak_ops_int8=4.5e15,  # [B200] HGX B200 INT8 Tensor Core 9 POPS sparse
         hbm_bandwidth=8e12,  # [B200] 64 TB/s / 8
         memory_capacity=180 * 10**9,  # [B200] 1,440 GB / 8
         intra_node_bandwidth=900e9,  # [B200] NVLink5 1.8 TB/s bidirectional

@@ -103,6 +103,10 @@ def matmul_dtype(eqn) -> str:
     ``Precision.HIGHEST`` (XLA's default precision lets cuBLAS use TF32 tensor cores for float32 on Ampere and
     later)."""
     dts = [str(a.aval.dtype) for a in eqn.invars if hasattr(a, "aval")]
+    if dts and all(d.startswith("float8") for d in dts):
+        return "float8"  # FP8 tensor cores
+    if dts and all(d in ("int8", "uint8") for d in dts):
+        return "int8"  # integer tensor cores
     widest = max(dts, key=lambda d: np.dtype(d).itemsize if d in ("float16", "bfloat16", "float32", "float64")
                  else 0, default="float32")
     if widest in ("bfloat16", "float16"):

@@ -10,8 +10,8 @@ import hashlib
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core import (FUSED_ATTENTION_SCOPE, eqn_signature, inner_jaxpr, literal_signature, name_stack,
-                         structure_signature)
+from autopp.core import (FUSED_ATTENTION_SCOPE, differentiable_vars, eqn_signature, inner_jaxpr, literal_signature,
+                         name_stack, structure_signature)
 from autopp.profiler._costs import aval_bytes
 
 __all__ = ["LayerAnalysis", "Unit", "canonical_form", "param_flow"]
@@ -167,6 +167,8 @@ class LayerAnalysis:
         for a in self.outvar_set:
             last_use[a] = n
         self.dep = dep
+        # batch values that carry a cotangent (they depend on a parameter), the others the batch's data itself
+        self.diffable = differentiable_vars(jaxpr, param_invars)
         self.is_batch = is_batch
         self.last_use = last_use
         self.param_nbytes: dict[int, int] = {}
@@ -248,14 +250,20 @@ class LayerAnalysis:
 
         return canonical_form(eqns, ids[k1:k2], self.kind, escapes_of)
 
-    def fingerprint_of_key(self, key) -> str:
-        fp = self._fp_memo.get(key)
+    def fingerprint_of_key(self, key, data_inputs: tuple = ()) -> str:
+        """The fingerprint of a canonical key; ``data_inputs``: the positions of the external inputs that are the
+        batch's data (read without a cotangent: no input gradient), which make a layer another program."""
+        fp = self._fp_memo.get((key, data_inputs))
         if fp is None:
             items, esc = key
             strs = self.sig_interner.strs
-            text = repr(([(strs[s], r) for s, r in items], esc))
-            fp = self._fp_memo[key] = hashlib.sha256(text.encode()).hexdigest()[:16]
+            text = repr(([(strs[s], r) for s, r in items], esc)) + (f"data{data_inputs}" if data_inputs else "")
+            fp = self._fp_memo[(key, data_inputs)] = hashlib.sha256(text.encode()).hexdigest()[:16]
         return fp
+
+    def data_inputs(self, ext) -> tuple[int, ...]:
+        """Positions, among a unit's external inputs ``ext`` (in first-use order), of the batch's data."""
+        return tuple(k for k, v in enumerate(ext) if v in self.dep and v not in self.diffable)
 
     # -- repeat detection --------------------------------------------------------------------------
 

@@ -338,8 +338,9 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
                         d[key] = b
                         fallback += b
                 defined.update(e.outvars)
-            key, _, _ = an.canon(k1, k2)
-            fp = an.fingerprint_of_key(key)
+            key, ext, _ = an.canon(k1, k2)
+            # a layer reading the batch's data has no input gradient: another program than one reading activations
+            fp = an.fingerprint_of_key(key, an.data_inputs(ext))
             act = activation_bytes(fp, an.forward, an.bidx[k1:k2], an.kind, int(fallback))
             if u.kind == "block":
                 name = f"block {block_no}"

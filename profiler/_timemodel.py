@@ -152,14 +152,18 @@ class KernelTimeModel:
     (CUDA cores; None: ``flops_per_s``)."""
     attention_flops_per_s: float | None = None
     """Achievable FLOP/s of a fused (flash) attention kernel in bf16/fp16 (None: ``flops_per_s``)."""
+    fp8_flops_per_s: float | None = None
+    """Achievable FLOP/s of matmuls of float8 operands (None: ``half_flops_per_s``, as XLA converts them)."""
+    int8_ops_per_s: float | None = None
+    """Achievable operations/s of matmuls of int8 operands on integer tensor cores (None: ``fp32_flops_per_s``)."""
 
     def __post_init__(self):
         for f in ("flops_per_s", "bytes_per_s", "transcendentals_per_s", "matmul_floor_s", "fused_floor_s",
                   "matmul_floor_flops", "half_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
-                  "attention_flops_per_s"):
+                  "attention_flops_per_s", "fp8_flops_per_s", "int8_ops_per_s"):
             v = getattr(self, f)
             if v is None and f in ("half_flops_per_s", "tf32_flops_per_s", "fp32_flops_per_s",
-                                   "attention_flops_per_s"):
+                                   "attention_flops_per_s", "fp8_flops_per_s", "int8_ops_per_s"):
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or (
                     v == 0 and f.endswith("per_s")):
@@ -178,7 +182,9 @@ class KernelTimeModel:
                    matmul_floor_s=spec.kernel_launch_floor, fused_floor_s=spec.kernel_launch_floor,
                    half_flops_per_s=spec.peak_flops("bfloat16") * eff,
                    tf32_flops_per_s=spec.peak_flops("tf32") * eff, fp32_flops_per_s=spec.peak_flops_fp32 * eff,
-                   attention_flops_per_s=spec.peak_flops("bfloat16") * spec.attention_efficiency)
+                   attention_flops_per_s=spec.peak_flops("bfloat16") * spec.attention_efficiency,
+                   fp8_flops_per_s=spec.peak_flops("float8") * eff,
+                   int8_ops_per_s=(spec.peak_ops_int8 or spec.peak_flops_fp32) * eff)
 
     def matmul_rate(self, dtype: str | None) -> float:
         """FLOP/s of a matmul whose operands are ``dtype`` (``tf32``: float32 allowed to use TF32)."""
@@ -186,7 +192,11 @@ class KernelTimeModel:
             return self.half_flops_per_s or self.flops_per_s
         if dtype in ("tf32",):
             return self.tf32_flops_per_s or self.flops_per_s
-        if dtype in ("float32", "float64", "int32", "int8"):
+        if dtype == "float8":
+            return self.fp8_flops_per_s or self.half_flops_per_s or self.flops_per_s
+        if dtype == "int8":
+            return self.int8_ops_per_s or self.fp32_flops_per_s or self.flops_per_s
+        if dtype in ("float32", "float64", "int32"):
             return self.fp32_flops_per_s or self.flops_per_s
         return self.flops_per_s
 

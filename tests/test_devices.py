@@ -12,7 +12,8 @@ import pytest
 from autopp.profiler._cluster import Cluster, table_kind
 from autopp.profiler._costs import OpCost, eqn_cost
 from autopp.profiler._devices import DEVICE_KINDS, DeviceSpec, get_device
-from autopp.profiler._timemodel import COLLECTIVE_KINDS, collective_time, op_time
+from autopp.profiler._kernels import matmul_dtype
+from autopp.profiler._timemodel import COLLECTIVE_KINDS, KernelTimeModel, collective_time, op_time
 
 GB = 1e9
 TB = 1e12
@@ -155,6 +156,12 @@ def test_table_has_required_kinds():
     ("H100", "peak_flops_fp64", 67 * TB),
     ("H200", "peak_flops_fp64", 67 * TB),
     ("B200", "peak_flops_fp64", 37 * TB),  # HGX B200: FP64/FP64 Tensor Core
+    ("H100", "peak_flops_fp8", 3958 * TB / 2),  # datasheet: FP8 3,958 TFLOPS with sparsity
+    ("H200", "peak_flops_fp8", 3958 * TB / 2),
+    ("B200", "peak_flops_fp8", 9e15 / 2),  # HGX B200 per GPU: FP8/FP6 9 PFLOPS sparse
+    ("A100-80GB", "peak_ops_int8", 1248 * TB / 2),  # INT8 1,248 TOPS sparse
+    ("H100", "peak_ops_int8", 3958 * TB / 2),
+    ("B200", "peak_ops_int8", 9e15 / 2),
 ])
 def test_datasheet_values(kind, field, value):
     assert getattr(DEVICE_KINDS[kind], field) == pytest.approx(value, rel=1e-3)
@@ -364,3 +371,23 @@ def test_float64_has_a_rate_where_the_device_states_one():
     assert toy.with_overrides(peak_flops_fp64=5e11).peak_flops("float64") == 5e11
     with pytest.raises(ValueError, match="peak_flops_fp64 must be a positive number"):
         toy.with_overrides(peak_flops_fp64=-1.0)
+
+
+@pytest.mark.parametrize("kind, dtype, rate", [
+    ("H100", jnp.float8_e4m3fn, 1979 * TB), ("H100", jnp.float8_e5m2, 1979 * TB), ("H100", jnp.int8, 1979 * TB),
+    ("A100-80GB", jnp.float8_e4m3fn, 312 * TB),  # no FP8 tensor cores: XLA converts to 16 bits, the bf16 rate
+    ("A100-80GB", jnp.int8, 624 * TB), ("cpu", jnp.int8, None)])
+def test_low_precision_matmuls_run_at_their_tensor_core_rate(kind, dtype, rate):
+    """float8 and int8 matmuls (a trial's fp8 training step and int8 quantized training) were priced at the fp32
+    CUDA-core rate, 32x too slow on H100: slower than plain float32, steering the planner away from fp8."""
+    m = k = n = 4096
+    eqn = jax.make_jaxpr(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                                          preferred_element_type=jnp.float32))(
+        jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)).jaxpr.eqns[0]
+    spec = get_device(kind)
+    tm = KernelTimeModel.from_device(spec, "float32")
+    cost = eqn_cost(eqn)
+    assert cost.flops == 2 * m * n * k
+    rate = rate or spec.peak_flops_fp32  # a device without integer tensor cores: the fp32 rate
+    assert tm.kernel_time("matmul", cost, matmul_dtype(eqn), floor=False) == pytest.approx(
+        max(cost.flops / (rate * spec.matmul_efficiency), cost.bytes_accessed / tm.bytes_per_s), rel=1e-9)
