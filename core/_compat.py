@@ -38,6 +38,17 @@ def register_fallback_lowering(primitive, impl) -> None:
     mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=primitive.multiple_results))
 
 
+def refuse_batching(primitive, message: str) -> None:
+    """Make ``jax.vmap`` of ``primitive`` raise ``ValueError(message)`` instead of JAX's "Batching rule ... not
+    implemented"."""
+    from jax._src.interpreters import batching
+
+    def rule(*args, **params):
+        raise ValueError(message)
+
+    batching.primitive_batchers[primitive] = rule
+
+
 def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 

@@ -69,6 +69,8 @@ class GradSpec:
     aux_tree: Any
     grad_tree: Any  # tree of the gradients (args[argnums]); an integer leaf (allow_int) gets float0 zeros
     name: str
+    fn_name: str = ""
+    """The differentiated function's ``__name__`` (``dloss``), for messages."""
     loss_fn: Callable | None = None
     """The flattened loss (``flat_args -> [loss, *aux_leaves]``) when it closes over nothing traced in the step
     (``num_lifted == 0``): the loss alone can then be traced again at other shapes (the microbatch forward) without
@@ -118,6 +120,11 @@ value_and_grad_p.multiple_results = True
 value_and_grad_p.def_impl(_vag_impl)
 value_and_grad_p.def_abstract_eval(_vag_abstract_eval)
 _compat.register_fallback_lowering(value_and_grad_p, _vag_impl)
+_compat.refuse_batching(value_and_grad_p, (
+    "autopp.parallelize: autopp.grad / autopp.value_and_grad is called under jax.vmap in the step; the pipelined "
+    "gradient is one call at the top level of the step. Per-task or per-example gradients (MAML, a gradient "
+    "penalty) are jax.grad's, inside the loss; a vmap over microbatches to accumulate gradients is what autopp does "
+    "itself (pass the whole batch, with num_microbatches=)."))
 
 
 def _as_tuple_argnums(argnums, num_args: int) -> tuple[int, ...]:
@@ -229,6 +236,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         aux_tree=aux_tree,
         grad_tree=grad_tree,
         name=name,
+        fn_name=getattr(fun, "__name__", ""),
         loss_fn=flat_fun if not lifted_vars else None,
     )
     outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)

@@ -120,6 +120,12 @@ class TracedStep:
         return h.hexdigest()[:16]
 
 
+def _grad_call_name(spec) -> str:
+    """``autopp.value_and_grad(dloss)``: the marker and the loss function it differentiates, as the user wrote them."""
+    name = getattr(spec, "fn_name", None)
+    return f"{spec.name}({name})" if name and name != "<lambda>" else spec.name
+
+
 def _inline_calls(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
     """Inline nested plain calls (``jit``) so that the gradient equation sits at top level."""
     if not any(_compat.call_body(e) is not None for e in closed.jaxpr.eqns):
@@ -341,14 +347,13 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
     if len(grads) > 1:
         raise ValueError(
             f"{who}: the step takes {len(grads)} gradients with autopp.grad / autopp.value_and_grad "
-            f"({', '.join(closed.jaxpr.eqns[i].params['spec'].name for i in grads)}); exactly one is supported. A call "
-            "inside a loop (lax.scan, fori_loop, a Python for loop) counts once per iteration: call it once, at the top "
-            "level of the step; a loop that accumulates gradients over microbatches is what autopp does itself (drop "
-            "it and pass the whole batch, with num_microbatches= if you want a count). Combine the losses into one "
-            "function, or take the others with jax.grad on the whole "
-            "batch; the pipelined loss may read their results only if they do not depend on the batch (a "
-            "discriminator updated before the generator's loss reads it does: let it read the one from before the "
-            "update)."
+            f"({', '.join(_grad_call_name(closed.jaxpr.eqns[i].params['spec']) for i in grads)}); exactly one is "
+            "supported. A call inside a loop (lax.scan, fori_loop, a Python for loop) counts once per iteration: call "
+            "it once, at the top level of the step; a loop that accumulates gradients over microbatches is what "
+            "autopp does itself (drop it and pass the whole batch, with num_microbatches= if you want a count). "
+            "Combine the losses into one function, or take the others with jax.grad on the whole batch: the "
+            "pipelined loss may read what they compute (a GAN: the discriminator's step by jax.grad, then the "
+            "generator's by autopp.value_and_grad, its loss reading the updated discriminator)."
         )
     closed, zeroed = freeze_zero_gradients(closed, grads[0])  # stop_gradient'ed or dropped weights: frozen
     traced = TracedStep(

@@ -85,7 +85,22 @@ def test_two_gradients_rejected(mlp_setup):
         return autopp.grad(model.loss)(params, batch), autopp.value_and_grad(model.loss)(params, batch)
 
     with pytest.raises(ValueError, match=r"(?s)takes 2 gradients with autopp.grad / autopp.value_and_grad "
-                                         r"\(autopp.grad, autopp.value_and_grad\); exactly one is supported"):
+                                         r"\(autopp.grad\(loss\), autopp.value_and_grad\(loss\)\); exactly one is "
+                                         r"supported.*jax.grad on the whole batch: the pipelined loss may read"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_a_gradient_under_vmap_is_refused_with_the_fix(mlp_setup):
+    """autopp.grad under jax.vmap in a parallelized step raised JAX's "Batching rule for 'autopp_value_and_grad' not
+    implemented" (a user trial); outside parallelize it is jax.grad, and vmaps as that."""
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        halves = jax.tree.map(lambda a: a.reshape(2, a.shape[0] // 2, *a.shape[1:]), batch)
+        return jax.tree.map(lambda g: g.mean(0), jax.vmap(lambda b: autopp.grad(model.loss)(params, b))(halves))
+
+    jax.jit(step)(state[0], batch)
+    with pytest.raises(ValueError, match=r"called under jax.vmap in the step.*num_microbatches="):
         autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
 
 
