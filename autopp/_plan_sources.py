@@ -121,8 +121,8 @@ def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core
             f"{_WHO}: the loss {mixing_summary(mixing)}. Each of the {num_microbatches} microbatches' losses sees "
             "only its own examples, so the loss and gradients differ from plain jax.jit's over the whole batch (they "
             "are gradient accumulation's). For jit's values use num_microbatches=1 (a stage's data-parallel devices "
-            "then compute over the whole batch, as jit does), or compute such values in the step, outside the loss, "
-            "and pass them in.", stacklevel=user_stacklevel())
+            "then compute over the whole batch, as jit does), or compute such values (statistics, random draws) in "
+            "the step, outside the loss, and pass them in.", stacklevel=user_stacklevel())
     given, kind = config.loss_reduction, kinds[0]
     if kind == "ratio":
         if given == "sum":

@@ -29,7 +29,7 @@ from jax.extend import core as jex_core
 
 from autopp.core._compat import user_line
 
-__all__ = ["ORDER", "PAIRS", "SPREAD", "mixing_summary", "output_reductions"]
+__all__ = ["DRAWS", "ORDER", "PAIRS", "SPREAD", "mixing_summary", "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
@@ -60,7 +60,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     a sum over them, ``"ratio"`` for a sum divided by another, ``"max"`` / ``"min"`` for a maximum / minimum over
     them, None when none can be shown. ``mixing``: a list to which the equations that make one example's value
     depend on other examples of the batch are appended, as ``(why, equation)`` (``why``: :data:`PAIRS`,
-    :data:`SPREAD` or :data:`ORDER`): there each microbatch's loss differs from the whole batch's by more than how
+    :data:`SPREAD`, :data:`ORDER` or :data:`DRAWS`): there each microbatch's loss differs from the whole batch's by more than how
     its examples are combined. ``whole`` and ``micro``: the same loss traced at the whole batch
     and at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split."""
     _MIXING.events = mixing
@@ -109,12 +109,15 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
 
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere)
-PAIRS, SPREAD, ORDER = "pairs", "spread", "order"
+PAIRS, SPREAD, ORDER, DRAWS = "pairs", "spread", "order", "draws"
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
     ORDER: "orders its examples (a sort or a cumulative sum along the batch)",
+    DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
+           "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
 
 
@@ -134,8 +137,10 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     """Whether an equation makes one example's value depend on other examples of the batch: it pairs examples (an
     axis per example on both sides: in-batch similarities, pairwise distances), spreads a statistic over the batch's
     examples back over them (batch normalisation, a softmax over the batch), or orders them (a sort or cumulative
-    sum along the batch)."""
+    sum along the batch), or draws numbers for each example from a key every microbatch reads whole."""
     dependent = [(st, ax) for st, ax in ins if st is not None and st[2]]
+    if me.primitive.name in _RANDOM:
+        return DRAWS if any(out_axes) and not dependent else None
     if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
         return PAIRS
     if any(out_axes) and any(isinstance(st[0], int) and st[0] >= 1 for st, _ in dependent):

@@ -248,17 +248,23 @@ def _mixing_losses():
         s = (p["embed"][b["x"]].mean(1) @ p["w"]).sum(1)
         return (jnp.sort(s) * jnp.linspace(0, 1, s.shape[0])).mean()
 
+    def noised(p, b, key):
+        x = p["embed"][b["x"]].mean(1)
+        return ((jnp.tanh((x + jax.random.normal(key, x.shape)) @ p["w"]) @ p["head"]) ** 2).mean()
+
     return {"in-batch negatives": (clip, "pairs its examples"), "batch normalisation": (batch_norm, "spreads a statistic"),
-            "a ranking over the batch": (ranked, "orders its examples")}
+            "a ranking over the batch": (ranked, "orders its examples"),
+            "noise from one key": (noised, "draws random numbers for its examples from a key")}
 
 
 @pytest.mark.parametrize("name", list(_mixing_losses()))
 def test_a_loss_that_mixes_its_examples_warns_where(name):
     """CLIP's in-batch negatives, BatchNorm and batch-hard mining ran per microbatch silently (a trial: CLIP's loss
-    2.00 for jit's 3.92, a batch-hard triplet loss 0 with no gradient at all): a warning names what mixes the
-    examples and the line; with one microbatch the step is jit's."""
+    2.00 for jit's 3.92, a batch-hard triplet loss 0 with no gradient at all), and a diffusion model's noise drawn
+    in the loss from a key it was passed was the same for every microbatch: a warning names what mixes the examples
+    and the line; with one microbatch the step is jit's."""
     loss, words = _mixing_losses()[name]
-    step = _step(loss)
+    step = _step(loss, (lambda b: (jax.random.key(3),)) if name == "noise from one key" else (lambda b: ()))
     with pytest.warns(UserWarning, match=rf"(?s)the loss {words}.* at .*test_loss_reduction.py.*num_microbatches=1"):
         (p_jit, l_jit), (p_pp, l_pp) = _run(step)
     assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)  # per microbatch: not jit's

@@ -6,6 +6,7 @@ once more."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -263,7 +264,10 @@ def test_flax_nn_scan_with_dropout_draws_each_layer_s_randomness_as_jit_does():
     got = want = (params, tx.init(params))
     for i in range(3):
         key = jax.random.key(10 + i)
-        *got, _ = pipelined(*got, key, {"x": x, "y": y})
+        with warnings.catch_warnings(record=True) as seen:  # every microbatch draws its dropout from the same key
+            warnings.simplefilter("always")
+            *got, _ = pipelined(*got, key, {"x": x, "y": y})
+        assert i or any("draws random numbers for its examples from a key" in str(w.message) for w in seen)
         *want, _ = jax.jit(reference)(*want, key, {"x": x, "y": y})
     assert_trees_close(tuple(got), tuple(want), rtol=1e-6, atol=1e-6)
 
