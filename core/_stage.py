@@ -422,6 +422,15 @@ class StagePrograms:
 
         input_ids = eqns_needed(jaxpr, ct_out)
         weight_ids = eqns_needed(jaxpr, acc_out, exclude=frozenset(input_ids))
+        # equations kept for their effects alone (jax.debug.print in a custom_vjp's backward): with the input gradient,
+        # or with the weight gradient on a stage that sends no input gradient (the runtime then runs no input pass)
+        effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and i not in input_ids and i not in weight_ids]
+        if effects:
+            needed = eqns_needed(jaxpr, [a for i in effects for a in jaxpr.eqns[i].invars], exclude=frozenset(input_ids))
+            if ct_out:
+                input_ids = sorted(set(input_ids) | set(needed) | set(effects))
+            else:
+                weight_ids = sorted(set(weight_ids) | set(needed) | set(effects))
         made_by_input = {o for i in input_ids for o in jaxpr.eqns[i].outvars}
         used_by_weight = []
         for i in weight_ids:
