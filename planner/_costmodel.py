@@ -430,7 +430,7 @@ class StepModel:
         worst = max(range(P), key=lambda g: mem[g])
         # the breakdown is the busiest device group's (its parts then add up to no more than the step)
         busiest = max(members, key=lambda mine: sum(compute[c] + tp[c] + fsdp_exposed[c] for c in mine))
-        comp = M * sum(compute[c] for c in busiest)
+        comp = M * sum(compute[c] for c in busiest) + shift  # (the parameter-only work once per step is compute)
         tp_s = M * sum(tp[c] for c in busiest)
         fsdp_s = M * sum(fsdp_exposed[c] for c in busiest)
         dev = cluster.device

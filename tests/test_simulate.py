@@ -140,6 +140,29 @@ def test_one_stage_breakdown_adds_up_exactly(over):
         assert e.tp_comm_s == 0
 
 
+def test_parameter_work_once_per_step_is_compute_not_bubble():
+    """Weight normalisation in the loss reads only parameters: it runs once per step. A one-stage plan reported it as
+    pipeline bubble (a trial's one-stage U-Net plan: "bubble 5.5e-05")."""
+    d = 1024
+
+    def loss(p, x):
+        h = x.astype(jnp.bfloat16)
+        for w in p:
+            h = jnp.tanh(h @ (w / jnp.sqrt((w * w).sum(0, keepdims=True))).astype(jnp.bfloat16))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def step(p, x):
+        return autopp.grad(loss)(p, x)
+
+    prof = profile(step, [jax.ShapeDtypeStruct((d, d), jnp.float32)] * 4, jax.ShapeDtypeStruct((1, 64, d),
+                                                                                             jnp.float32),
+                   cluster="1x8xH100")
+    e = simulate(prof, "1x8xH100", global_batch=64, tp=1, pp=1, dp=8, microbatch_size=2)
+    assert e.bubble_s == 0 and e.step_time_s == pytest.approx(_parts(e), rel=1e-9)
+    norms = 4 * d * d * 4 * 2 / prof.time_model.bytes_per_s  # each weight read and written once, at least
+    assert e.compute_s > norms
+
+
 @pytest.mark.parametrize("over", [dict(), dict(tp=1, pp=4, dp=4, schedule="gpipe"), dict(schedule="zb-h1"),
                                   dict(tp=1, pp=2, dp=8, schedule="interleaved-1f1b", virtual_stages=2),
                                   dict(tp=1, pp=2, dp=8, fsdp=4, microbatch_size=1), dict(tp=4, pp=4, dp=1),
