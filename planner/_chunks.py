@@ -167,18 +167,24 @@ def live_microbatches(name: str, chunks: int, M: int, v: int, P: int) -> tuple[f
 
 def chunk_split(profile: Profile, chunks: int) -> list[tuple[int, int]] | None:
     """The equal split of a profile's layers into ``chunks`` model chunks: the repeated blocks evenly (what precedes
-    them with the first chunk, what follows with the last), or the layers evenly when there are no blocks. None when
-    the blocks do not divide evenly."""
+    them with the first chunk, what follows with the last), or the layers evenly when there are no blocks. Blocks
+    that do not divide evenly give the middle chunks one more each first: the first chunk also holds the embedding,
+    the last the head (Llama 3 405B's 126 layers over 16 stages: Meta gave its first and last stages one layer fewer).
+    None when there are fewer blocks than chunks."""
     layers = profile.layers
     blocks = [l.index for l in layers if l.name.startswith("block")]
     if blocks:
-        if len(blocks) % chunks:
+        if len(blocks) < chunks:
             return None
-        per = len(blocks) // chunks
-        out = []
+        base, extra = divmod(len(blocks), chunks)
+        counts = [base] * chunks
+        for c in (list(range(1, chunks - 1)) + [0, chunks - 1] if chunks > 2 else list(range(chunks)))[:extra]:
+            counts[c] += 1
+        out, at = [], 0
         for c in range(chunks):
-            first = 0 if c == 0 else blocks[c * per]
-            last = len(layers) - 1 if c == chunks - 1 else blocks[(c + 1) * per] - 1
+            first = 0 if c == 0 else blocks[at]
+            at += counts[c]
+            last = len(layers) - 1 if c == chunks - 1 else blocks[at] - 1
             out.append((first, last))
         return out
     return even_layers(len(layers), chunks)

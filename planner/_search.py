@@ -165,7 +165,7 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                 for schedule in (screen_schedules if pp > 1 else ("1f1b",)):
                     vs = [1]
                     if schedule == "interleaved-1f1b":
-                        vs = [v for v in range(2, max_virtual_stages + 1) if blocks % (pp * v) == 0 and M % pp == 0]
+                        vs = [v for v in range(2, max_virtual_stages + 1) if pp * v <= blocks and M % pp == 0]
                     if schedule == "dualpipev" and M < 2 * pp:
                         continue
                     for v in vs:

@@ -154,9 +154,8 @@ def check_layout(prof: Profile, cluster: Cluster, *, global_batch: int, tp: int,
     if split is None:
         blocks = sum(1 for l in prof.layers if l.name.startswith("block"))
         what = f"{blocks} blocks" if blocks else f"{len(prof.layers)} layers"
-        raise ValueError(f"{who}: the model's {what} do not split into pp*virtual_stages = {pp}*{v} = {chunks} equal "
-                         f"stages; choose pp*virtual_stages among {', '.join(map(str, divisors(blocks or len(prof.layers))))}"
-                         " (plan_model also finds uneven splits).")
+        raise ValueError(f"{who}: the model's {what} cannot fill pp*virtual_stages = {pp}*{v} = {chunks} stages (each "
+                         f"needs one); choose pp*virtual_stages <= {blocks or len(prof.layers)}.")
     return layout, split
 
 
