@@ -49,6 +49,17 @@ def refuse_batching(primitive, message: str) -> None:
     batching.primitive_batchers[primitive] = rule
 
 
+def refuse_checkify(primitive, message: str) -> None:
+    """Make ``jax.experimental.checkify.checkify`` of a function that binds ``primitive`` raise
+    ``ValueError(message)`` (checkify cannot see inside it: its checks would be lost silently)."""
+    from jax._src import checkify
+
+    def rule(error, enabled_errors, *invals, **params):
+        raise ValueError(message)
+
+    checkify.error_checks[primitive] = rule
+
+
 def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 

@@ -120,6 +120,12 @@ value_and_grad_p.multiple_results = True
 value_and_grad_p.def_impl(_vag_impl)
 value_and_grad_p.def_abstract_eval(_vag_abstract_eval)
 _compat.register_fallback_lowering(value_and_grad_p, _vag_impl)
+_CHECKIFY = (
+    "autopp.parallelize: checkify does not see inside the loss given to autopp.value_and_grad / autopp.grad, which "
+    "autopp traces and splits into stages itself: its checks there (checkify.check, debug_check, the automatic NaN "
+    "and index checks) would be lost. Check in the step, outside the gradient (on the loss, the gradients or the "
+    "batch), or print from the loss with jax.debug.print.")
+_compat.refuse_checkify(value_and_grad_p, _CHECKIFY)
 _compat.refuse_batching(value_and_grad_p, (
     "autopp.parallelize: autopp.grad / autopp.value_and_grad is called under jax.vmap in the step; the pipelined "
     "gradient is one call at the top level of the step. Per-task or per-example gradients (MAML, a gradient "
@@ -209,7 +215,12 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         return [loss, *aux_leaves]
 
     all_args, flat_args, arg_mask = flat_args, [flat_args[i] for i in dynamic], [arg_mask[i] for i in dynamic]
-    closed = drop_sharding_constraints(jax.make_jaxpr(flat_fun)(*flat_args))
+    try:
+        closed = drop_sharding_constraints(jax.make_jaxpr(flat_fun)(*flat_args))
+    except ValueError as e:
+        if "checkify.check which was not functionalized" in str(e):
+            raise ValueError(_CHECKIFY) from None
+        raise
     aux_tree = flat_fun.aux_tree
     jaxpr = closed.jaxpr
     # Values the loss closes over that belong to the surrounding trace become explicit inputs.
