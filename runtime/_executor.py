@@ -24,6 +24,7 @@ from autopp.runtime import _passes
 from autopp.runtime._executable import Executable
 from autopp.runtime._meshes import MESH_AXES, StageMeshes
 from autopp.runtime._passes import Compiler
+from autopp.runtime._placement import conds_as_selects
 from autopp.runtime._rows import hold_by_rows, lay_out_row_inputs, row_outputs, row_sharding
 from autopp.runtime._segments import segment_stages
 from autopp.runtime._pipeline_config import PipelineConfig
@@ -66,6 +67,8 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
             param_specs = [None if ps is None else {rows.forward_position(int(k)): v for k, v in ps.items()
                                                     if rows.forward_position(int(k)) is not None}
                            for ps in param_specs]
+    if split.num_stages > 1:  # an update under lax.cond, each parameter's part on its stage
+        traced = conds_as_selects(traced)
     config = PipelineConfig(num_microbatches=num_microbatches, loss_reduction=loss_reduction, schedule=schedule,
                             recompute=recompute, param_specs=None if param_specs is None else tuple(param_specs),
                             zero1=bool(zero1), sequence_vars=frozenset(sequence_vars),
