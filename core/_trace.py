@@ -604,7 +604,41 @@ def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tra
                 "under jax.jit." if same_shape else "")
         )
     _refuse_reads_past_rows(mb_forward, traced, num_microbatches, who)
+    _refuse_batch_positions(mb_forward, traced, who)
     return mb_forward
+
+
+def _refuse_batch_positions(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep, who: str) -> None:
+    """Positions of the batch's examples the step makes from its size alone (``permutation(key, B)`` for mixup) that
+    the loss gathers the batch's rows by: split into microbatches like the batch, each microbatch's positions still
+    count the whole batch's examples, so it reads clamped rows, silently unlike jit. Refused, naming the line."""
+    jaxpr = mb_forward.jaxpr
+    made = {v for k, v in enumerate(jaxpr.invars) if k in traced.shape_batched
+            and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.integer)}
+    rows = {v for v, mb in zip(jaxpr.invars, traced.microbatched_grad_inputs) if mb} - made
+    for e in jaxpr.eqns:
+        ins = [a for a in e.invars if not isinstance(a, jex_core.Literal)]
+        if e.primitive.name == "gather" and ins and ins[0] in rows and len(ins) > 1 and ins[1] in made \
+                and 0 in e.params["dimension_numbers"].start_index_map:
+            k = next(k for k, v in enumerate(jaxpr.invars) if v in made and v in _ancestors(jaxpr, ins[1]))
+            made_at = {v: q for q in traced.jaxpr.jaxpr.eqns for v in q.outvars}.get(traced.grad_eqn.invars[k])
+            raise ValueError(
+                f"{who}: the loss gathers the batch's examples by positions the step makes from the batch's size "
+                f"(loss input #{k - traced.spec.num_lifted}, {jaxpr.invars[k].aval.str_short()}"
+                f"{', made at ' + _compat.user_line(made_at) if made_at is not None else ''}; a permutation for "
+                "mixup, say): split into microbatches like the batch, each microbatch's positions still count the "
+                "whole batch's examples, so it would read other rows, unlike jax.jit. Mix the examples in the step "
+                "before the loss, or draw the positions inside the loss from the microbatch's own size.")
+        for v in e.outvars:  # positions carried through casts, negative-index wrapping and broadcasts
+            if any(a in made for a in ins) and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.integer):
+                made.add(v)
+            elif any(a in rows for a in ins):
+                rows.add(v)
+
+
+def _ancestors(jaxpr, var) -> set:
+    return set(jaxpr.invars) & ({var} | {a for i in eqns_needed(jaxpr, [var]) for a in jaxpr.eqns[i].invars
+                                          if not isinstance(a, jex_core.Literal)})
 
 
 def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: TracedStep, num_microbatches: int,

@@ -736,3 +736,29 @@ def test_an_update_under_lax_cond_runs_on_each_parameter_s_stage(name):
         assert got[0][k].devices() == {jax.devices()[int(k[1])]}, k  # on its own stage's device
     for a, c in zip(jax.tree.leaves(autopp.gather(got)), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-6)
+
+
+def test_positions_made_from_the_batch_size_that_gather_its_rows_are_refused():
+    """Mixup inside the loss with a permutation the step made from the batch's size: split by rows like the batch,
+    each microbatch's positions counted the whole batch's examples and read clamped rows (a trial: loss 2.445 for
+    jit's 2.421, silently). Refused with the line and the fix; mixing in the step before the loss runs as jit."""
+    def loss(p, x, y, perm):
+        mixed = 0.6 * x + 0.4 * x[perm]
+        return jnp.mean((jnp.tanh(mixed @ p) - y) ** 2)
+
+    def in_loss(p, batch):
+        perm = jax.random.permutation(jax.random.key(3), batch["x"].shape[0])
+        return autopp.grad(loss)(p, batch["x"], batch["y"], perm)
+
+    def in_step(p, batch):
+        perm = jax.random.permutation(jax.random.key(3), batch["x"].shape[0])
+        mixed = 0.6 * batch["x"] + 0.4 * batch["x"][perm]
+        return autopp.grad(lambda p, x, y: jnp.mean((jnp.tanh(x @ p) - y) ** 2))(p, mixed, batch["y"])
+
+    p = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    batch = {"x": jax.random.normal(jax.random.key(1), (16, 8)), "y": jax.random.normal(jax.random.key(2), (16, 8))}
+    with pytest.raises(ValueError, match=r"gathers the batch's examples by positions the step makes .*int32\[4\], "
+                                         r"made at .*test_step_semantics.py.*Mix the examples in the step"):
+        autopp.parallelize(in_loss, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(p, batch)
+    got = autopp.parallelize(in_step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(p, batch)
+    np.testing.assert_allclose(got, jax.jit(in_step)(p, batch), rtol=1e-6, atol=1e-6)
