@@ -296,18 +296,19 @@ def _stage_recompute(config: ParallelizeConfig, num_chunks: int) -> tuple[str, .
 
 def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, layouts, recompute
                  ) -> tuple[StagePlan, ...]:
-    """One :class:`StagePlan` per stage of ``split``: devices, mesh, equations, FLOPs, owned parameter bytes (of a
-    stacked parameter read by rows, a scan's, the rows the stage reads)."""
+    """One :class:`StagePlan` per stage of ``split``: devices, mesh, equations, FLOPs, the bytes of the parameters it
+    holds (each it reads, a shared block on every stage that reads it; of a stacked parameter read by rows, a
+    scan's, the rows the stage reads)."""
     spec, fwd = traced.spec, forward.jaxpr
     position = {v: k for k, v in enumerate(fwd.invars)}
-    users: dict[int, int] = {}
+    users: dict[int, set] = collections.defaultdict(set)  # parameter -> the stages that read (and hold) it
     rows: dict[tuple[int, int], set] = collections.defaultdict(set)  # (stage, parameter) -> rows it reads
     whole: set[int] = set()  # parameters read other than by rows
     for s, ids in enumerate(split.stage_eqns):
         for i in ids:
             for pos, a in enumerate(fwd.eqns[i].invars):
                 if not isinstance(a, jex_core.Literal) and a in position:
-                    users.setdefault(position[a], s)
+                    users[position[a]].add(s)
                     row = row_slice(fwd.eqns[i]) if pos == 0 else None
                     if row is None:
                         whole.add(position[a])
@@ -317,7 +318,7 @@ def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, 
     stages = []
     for s, ids in enumerate(split.stage_eqns):
         owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items()
-                    if st == s and spec.diff_mask[k] and k not in stacked)
+                    if s in st and spec.diff_mask[k] and k not in stacked)
         owned += sum(aval_bytes(fwd.invars[k].aval) * len(rows[(s, k)]) // fwd.invars[k].aval.shape[0]
                      for k in stacked if spec.diff_mask[k])
         end = split.stage_starts[s + 1] if s + 1 < len(split.stage_starts) else len(fwd.eqns)

@@ -42,7 +42,8 @@ class StagePlan:
     """Forward FLOPs of one data replica's microbatch on this stage (the whole microbatch's over the stage's data
     degree)."""
     param_bytes: int
-    """Bytes of the parameters this stage owns."""
+    """Bytes of the parameters this stage holds: each it reads (a block shared across depth, a tied embedding, on
+    every stage that reads it, as the runtime keeps a copy and a gradient there)."""
     cut_bytes_after: int
     """Activation bytes a data replica sends to later stages per microbatch (0 for the last stage)."""
     layers: tuple[int, int] | None = None

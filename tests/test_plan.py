@@ -230,3 +230,25 @@ def _a_plan(num_stages):
     return autopp.parallelize(make_step(model, tx), num_stages=num_stages, num_microbatches=2,
                               devices=jax.devices()[:num_stages]).plan_for(params, tx.init(params),
                                                                           model.batch(jax.random.key(1), 8))
+
+
+def test_a_block_shared_across_depth_counts_on_every_stage_that_holds_it():
+    """One block's weights applied at every depth (ALBERT): each stage keeps a copy and a gradient for it, as
+    memory_report shows; the plan's parameter bytes said 0 for every stage but the first (a trial), unlike the
+    planner's own plans."""
+    import jax.numpy as jnp
+
+    w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
+
+    def loss(p, x):
+        for _ in range(8):
+            x = jnp.tanh(x @ p["shared"])
+        return jnp.mean(x ** 2)
+
+    def step(p, x):
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, autopp.grad(loss)(p, x))
+
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    plan = autopp.parallelize(step, num_stages=4, num_microbatches=2, devices=jax.devices()[:4]).plan_for({"shared": w},
+                                                                                                          x)
+    assert [st.param_bytes for st in plan.stages] == [w.nbytes] * 4
