@@ -5,6 +5,7 @@ schedule IR, per-stage programs, and the plan and estimate types."""
 from autopp.core._compat import (
     CALL_PRIMITIVE_NAMES,
     FUSED_ATTENTION_SCOPE,
+    InternalFloatingPointError,
     SUPPORTED_JAX,
     bind_eqn,
     call_body,

@@ -38,6 +38,17 @@ def register_fallback_lowering(primitive, impl) -> None:
     mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=primitive.multiple_results))
 
 
+def _internal_floating_point_error():
+    from jax._src.api_util import InternalFloatingPointError
+
+    return InternalFloatingPointError
+
+
+InternalFloatingPointError = _internal_floating_point_error()
+"""What a compiled program raises under ``jax_debug_nans`` (``.name``, ``.ty``); ``jax.jit`` turns it into a
+``FloatingPointError`` naming the operation."""
+
+
 def refuse_batching(primitive, message: str) -> None:
     """Make ``jax.vmap`` of ``primitive`` raise ``ValueError(message)`` instead of JAX's "Batching rule ... not
     implemented"."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from autopp.core import InternalFloatingPointError
 from autopp.profiler import aval_bytes
 
 from autopp.runtime._passes import _Deferred
@@ -38,13 +39,18 @@ def _observed(fn, k, on_dispatch):
 
 
 def _issue(env: list, steps) -> None:
-    """The run loop."""
-    for fn, ins, outs, frees in steps:
-        res = fn(*[env[i] for i in ins])
-        for o, r in zip(outs, res):
-            env[o] = r
-        for f in frees:
-            env[f] = None
+    """The run loop. A task that raises is named on the exception (``autopp_task``: its index)."""
+    k = -1
+    try:
+        for k, (fn, ins, outs, frees) in enumerate(steps):
+            res = fn(*[env[i] for i in ins])
+            for o, r in zip(outs, res):
+                env[o] = r
+            for f in frees:
+                env[f] = None
+    except Exception as e:
+        e.autopp_task = k
+        raise
 
 
 class Executable:
@@ -102,7 +108,15 @@ class Executable:
         if on_dispatch is not None:
             steps = [(_observed(fn, k, on_dispatch), ins, outs, frees)
                      for k, (fn, ins, outs, frees) in enumerate(steps)]
-        _issue(env, steps)
+        try:
+            _issue(env, steps)
+        except InternalFloatingPointError as e:  # jax_debug_nans: JAX's internal exception, said as jit says it
+            task = self.description[e.autopp_task] if 0 <= getattr(e, "autopp_task", -1) < len(self.description) \
+                else e.name
+            raise FloatingPointError(
+                f"invalid value ({e.ty}) encountered in {task} (autopp.parallelize, jax_debug_nans: the outputs of "
+                "every stage's programs are checked, so a NaN that the loss masks later, with jnp.where, raises too; "
+                "run the step with jax.jit to find the operation that made it).") from None
         if self._deferred:
             self.resolve()
         return [fn(env) for fn in self.output_fns]

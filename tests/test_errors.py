@@ -437,3 +437,25 @@ def test_checkify_of_a_step_is_refused_where_it_cannot_see(mlp_setup, check):
     with pytest.raises(ValueError, match=r"checkify does not see inside the loss .* Check in the step"):
         autopp.parallelize(checkify.checkify(step, errors=errors), num_stages=2,
                            devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_debug_nans_raises_a_floating_point_error_naming_the_task(mlp_setup):
+    """With jax_debug_nans a NaN in a stage's program leaked JAX's internal exception (``InternalFloatingPointError
+    ('jit', 'nan')``, no FloatingPointError subclass, naming nothing: a trial); it is jit's exception type, naming
+    the pipeline's task."""
+    model, _, state, batch = mlp_setup
+
+    def loss(params, batch):
+        return model.loss(params, batch) + jnp.log(batch["x"][0, 0] - 1e9)  # nan: the log of a negative number
+
+    def step(params, batch):
+        return autopp.grad(loss)(params, batch)
+
+    pipelined = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])
+    jax.block_until_ready(pipelined(state[0], batch))  # built (and compiled) before the check is on
+    jax.config.update("jax_debug_nans", True)
+    try:
+        with pytest.raises(FloatingPointError, match=r"invalid value \(nan\) encountered in .*jax_debug_nans"):
+            jax.block_until_ready(pipelined(state[0], batch))
+    finally:
+        jax.config.update("jax_debug_nans", False)
