@@ -354,14 +354,14 @@ class Plan:
             lines[0] += f", cluster {self.cluster['num_nodes']}x{self.cluster['devices_per_node']}x" \
                         f"{self.cluster['device']['name']}"
         lines.append(f"{'stage':>5}  {'devices':<16} {'layout':<22} {'layers':>9} {'equations':>11}  "
-                     f"{'recompute':<9}  {'GFLOP/mb':>10}  {'params MB':>10}  {'sends MB/mb':>11}")
+                     f"{'recompute':<9}  {'fwd GFLOP/mb':>12}  {'params MB':>10}  {'sends MB/mb':>11}")
         for s in self.stages:
             eq = "-" if s.equations is None else f"{s.equations[0]}-{s.equations[1]}"
             layers = "-" if s.layers is None else f"{s.layers[0]}-{s.layers[1]}"
             layout = " ".join(f"{k}={v}" for k, v in s.mesh_shape.items() if v > 1) or "1 device"
             lines.append(
                 f"{s.index:>5}  {id_ranges(s.devices):<16} {layout:<22} {layers:>9} {eq:>11}  {s.recompute:<9}  "
-                f"{s.flops / 1e9:>10.4g}  {s.param_bytes / 1e6:>10.4g}  {s.cut_bytes_after / 1e6:>11.4g}"
+                f"{s.flops / 1e9:>12.4g}  {s.param_bytes / 1e6:>10.4g}  {s.cut_bytes_after / 1e6:>11.4g}"
             )
         if self.predicted is not None:
             e = self.predicted
@@ -372,8 +372,9 @@ class Plan:
                          if rest > 0.005 * div else "")
             fdiv, fname = unit(e.tflops_per_gpu * 1e12, "flop")
             lines.append(
-                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu * 1e12 / fdiv:.4g} {fname}/s per device, "
-                f"MFU {'-' if e.mfu is None else f'{100 * e.mfu:.1f}%'}, "
+                f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu * 1e12 / fdiv:.4g} {fname}/s per device "
+                f"executed (recomputation included), MFU {'-' if e.mfu is None else f'{100 * e.mfu:.1f}%'} (model "
+                "FLOPs), "
                 f"peak memory {e.peak_memory_bytes_per_gpu / div:.2f} {name} per device "
                 f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / div:.2f}, "
                 f"optimizer state {e.optimizer_bytes / div:.2f}, activations {e.activation_bytes / div:.2f}"
