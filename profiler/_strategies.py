@@ -588,6 +588,10 @@ def _gather_strategies(eqn, t, strategies, add):
     for d in dn.collapsed_slice_dims:  # the indexed dimension split: each device gathers its rows, zeros elsewhere
         if _splittable(os_, d, t) and slice_sizes[d] == 1:
             add(PARTIAL, [d, REPLICATED], True)
+    # a batched gather (vmap of dynamic_slice, a per-example crop): each example's slice from its own operand
+    for ob, ib in zip(getattr(dn, "operand_batching_dims", ()), getattr(dn, "start_indices_batching_dims", ())):
+        if ib in idx_dims and _splittable(os_, ob, t) and _splittable(is_, ib, t):
+            add(batch_out[idx_dims.index(ib)], [ob, ib], True)
     return strategies
 
 
@@ -612,6 +616,11 @@ def _scatter_strategies(eqn, t, strategies, add):
         for d in dn.inserted_window_dims:  # the table's indexed dimension split: each device adds its rows
             if _splittable(os_, d, t):
                 add(d, [lit(operand, d), REPLICATED, lit(updates, REPLICATED)], True)
+    # a batched scatter (vmap of dynamic_update_slice, a per-example cutmix): each example's update into its own
+    scatter_upd = [d for d in range(len(us)) if d not in window]
+    for ob, ib in zip(getattr(dn, "operand_batching_dims", ()), getattr(dn, "scatter_indices_batching_dims", ())):
+        if ib < len(scatter_upd) and _splittable(os_, ob, t) and _splittable(is_, ib, t):
+            add(ob, [lit(operand, ob), ib, lit(updates, scatter_upd[ib])], True)
     return strategies
 
 
