@@ -372,6 +372,13 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         traced = dataclasses.replace(traced, shape_batched=grows, whole_batch_arrays=stays)
     if not any(traced.microbatched_grad_inputs):
         last = len(args) - 1
+        fixed = [traced.grad_eqn.invars[k].aval.str_short() for k in traced.whole_batch_arrays]
+        if fixed:  # read from the batch, but not growing with it
+            raise ValueError(
+                f"{who}: the loss reads values the step computes from the batch that keep their size when the batch "
+                f"grows ({', '.join(fixed[:4])}: a fixed number of examples, x[:8] or top_k(..., 8)), so there is no "
+                "batch axis to split into microbatches. Slice a fraction of the batch (x[: x.shape[0] // 2]), or give "
+                "the step only the examples the loss trains on.")
         raise ValueError(
             f"{who}: the loss reads nothing from the batch argument(s) batch_argnums={batch_argnums} "
             f"(args[{'], args['.join(map(str, batch_argnums))}]), so there is nothing to split into microbatches. "

@@ -459,3 +459,15 @@ def test_debug_nans_raises_a_floating_point_error_naming_the_task(mlp_setup):
             jax.block_until_ready(pipelined(state[0], batch))
     finally:
         jax.config.update("jax_debug_nans", False)
+
+
+def test_a_fixed_number_of_the_batch_s_examples_is_refused_for_what_it_is(mlp_setup):
+    """A loss on the first 8 examples (x[:8]) keeps its size whatever the batch: it was refused as reading nothing
+    from the batch, with advice to change batch_argnums, which was right (a trial)."""
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        return autopp.grad(model.loss)(params, jax.tree.map(lambda a: a[:2], batch))
+
+    with pytest.raises(ValueError, match=r"keep their size when the batch grows .*Slice a fraction of the batch"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
