@@ -282,10 +282,11 @@ def _dot(me, ins, dep):
 
 
 def _scatter_add(me, ins, dep):
-    (so, bo, do), _ = ins[0]
+    (so, bo, do), oa = ins[0]
     (su, bu, du), ua = ins[2]
-    # updates with a batch axis added into an array without one (a count per class): their examples are added up
-    s = su + int(bool(du and ua and not do))
+    # updates with a batch axis added into an array without one (a count per class): their examples are added up; an
+    # array with one (a batched scatter, vmap of segment_sum: zeros per example) keeps them apart
+    s = su + int(bool(du and ua and not do and not oa))
     if s > 1 or (do and (so, bo) != (s, bu)):
         return None
     return (s, bu, dep)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from autopp.core import InternalFloatingPointError
 from autopp.profiler import aval_bytes
@@ -51,6 +52,33 @@ def _issue(env: list, steps) -> None:
     except Exception as e:
         e.autopp_task = k
         raise
+
+
+class _Invalid(Exception):
+    """A task's output holds a NaN (or an inf) under ``jax_debug_nans`` (``jax_debug_infs``)."""
+
+
+def _checked(fn, k):
+    """``fn`` that checks its outputs as ``jax_debug_nans`` / ``jax_debug_infs`` ask (JAX checks a program it calls
+    itself, not every executable autopp runs: one loaded from the compilation cache went unchecked)."""
+    def run(*xs):
+        res = fn(*xs)
+        for r in res:
+            if isinstance(r, jax.Array) and r.is_fully_addressable and jnp.issubdtype(r.dtype, jnp.inexact):
+                if jax.config.jax_debug_nans and bool(jnp.isnan(r).any()):
+                    raise _Invalid("nan")
+                if jax.config.jax_debug_infs and bool(jnp.isinf(r).any()):
+                    raise _Invalid("inf")
+        return res
+    return run
+
+
+def _invalid_value(kind: str, labels, k: int, fallback: str) -> FloatingPointError:
+    task = labels[k] if 0 <= k < len(labels) else fallback
+    return FloatingPointError(
+        f"invalid value ({kind}) encountered in {task} (autopp.parallelize, jax_debug_nans: the outputs of every "
+        "stage's programs are checked, so a NaN that the loss masks later, with jnp.where, raises too; run the step "
+        "with jax.jit to find the operation that made it).")
 
 
 class Executable:
@@ -108,15 +136,14 @@ class Executable:
         if on_dispatch is not None:
             steps = [(_observed(fn, k, on_dispatch), ins, outs, frees)
                      for k, (fn, ins, outs, frees) in enumerate(steps)]
+        checking = jax.config.jax_debug_nans or jax.config.jax_debug_infs
         try:
-            _issue(env, steps)
-        except InternalFloatingPointError as e:  # jax_debug_nans: JAX's internal exception, said as jit says it
-            task = self.description[e.autopp_task] if 0 <= getattr(e, "autopp_task", -1) < len(self.description) \
-                else e.name
-            raise FloatingPointError(
-                f"invalid value ({e.ty}) encountered in {task} (autopp.parallelize, jax_debug_nans: the outputs of "
-                "every stage's programs are checked, so a NaN that the loss masks later, with jnp.where, raises too; "
-                "run the step with jax.jit to find the operation that made it).") from None
+            _issue(env, [(_checked(fn, k), ins, outs, frees) for k, (fn, ins, outs, frees) in enumerate(steps)]
+                   if checking else steps)
+        except InternalFloatingPointError as e:  # JAX's own check of a program's outputs, said as jit says it
+            raise _invalid_value(e.ty, self.description, getattr(e, "autopp_task", -1), e.name) from None
+        except _Invalid as e:
+            raise _invalid_value(e.args[0], self.description, e.autopp_task, "") from None
         if self._deferred:
             self.resolve()
         return [fn(env) for fn in self.output_fns]
