@@ -62,8 +62,8 @@ class Estimate:
     ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``), over step time and GPU count."""
     mfu: float | None
     """Model FLOPs utilisation: model FLOPs (forward + backward, no recomputation; causal attention counted whole,
-    as Megatron-LM's and PaLM's formulas count it) / (step time x GPUs x the device's dense bf16 peak); None on the host CPU, whose table entry is a conservative default, not a datasheet
-    peak."""
+    as Megatron-LM's and PaLM's formulas count it) / (step time x GPUs x the device's dense bf16 peak); None on the
+    host CPU, whose table entry is a conservative default, not a datasheet peak."""
     peak_memory_bytes_per_gpu: int
     """Bytes of device memory the most loaded GPU needs (weights, gradients, optimizer state, activations)."""
     fits: bool

@@ -60,9 +60,9 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     a sum over them, ``"ratio"`` for a sum divided by another, ``"max"`` / ``"min"`` for a maximum / minimum over
     them, None when none can be shown. ``mixing``: a list to which the equations that make one example's value
     depend on other examples of the batch are appended, as ``(why, equation)`` (``why``: :data:`PAIRS`,
-    :data:`SPREAD`, :data:`ORDER` or :data:`DRAWS`): there each microbatch's loss differs from the whole batch's by more than how
-    its examples are combined. ``whole`` and ``micro``: the same loss traced at the whole batch
-    and at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split."""
+    :data:`SPREAD`, :data:`ORDER` or :data:`DRAWS`): there each microbatch's loss differs from the whole batch's
+    by more than how its examples are combined. ``whole`` and ``micro``: the same loss traced at the whole batch and
+    at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split."""
     _MIXING.events = mixing
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
@@ -199,7 +199,8 @@ def _extreme(name: str, states: list, n_out: int) -> list:
         return [None] * n_out
     kind = kinds.pop()
     first = states[0][1] == kind
-    if (name in _KEEPS_ORDER or name == "add" or name == "sub" and first
+    alone = sum(st[1] == kind for st in states) == 1  # a constant added to it (not another maximum)
+    if (name in _KEEPS_ORDER or name == "add" and alone or name == "sub" and first and alone
             or name in ("max", "reduce_max") and kind == _MAX or name in ("min", "reduce_min") and kind == _MIN):
         return [(1, kind, True)] + [(0, 0, False)] * (n_out - 1)
     return [None] * n_out

@@ -426,7 +426,8 @@ class StagePrograms:
         # or with the weight gradient on a stage that sends no input gradient (the runtime then runs no input pass)
         effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and i not in input_ids and i not in weight_ids]
         if effects:
-            needed = eqns_needed(jaxpr, [a for i in effects for a in jaxpr.eqns[i].invars], exclude=frozenset(input_ids))
+            reads = [a for i in effects for a in jaxpr.eqns[i].invars]
+            needed = eqns_needed(jaxpr, reads, exclude=frozenset(input_ids))
             if ct_out:
                 input_ids = sorted(set(input_ids) | set(needed) | set(effects))
             else:

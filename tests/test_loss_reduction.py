@@ -60,6 +60,8 @@ def _losses():
                                              "min"),
         "a maximum over examples, negated": (lambda x, w: -x.max(), (), None),
         "a maximum over examples, squared": (lambda x, w: x.max() ** 2, (), None),
+        "a maximum less a minimum": (lambda x, w: x.max() - x.min(), (), None),
+        "a maximum less another": (lambda x, w: x.max() - (2 * x).max(), (), None),
         "a batch statistic broadcast back": (lambda x, w: ((x - x.mean(0)) ** 2).mean(), (), None),
         # a segment sum per example (vmap: a graph per example) adds no examples together (it read as a batch sum)
         "a per-example segment sum": (lambda x, w: (jax.vmap(lambda r: jax.ops.segment_sum(r, jnp.arange(T) % 3, 3))(x)
