@@ -261,6 +261,13 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
                          sharding_max_gap=max((x[4] for x in sm.solve_stats), default=0.0))
     plan = to_plan(sm, best.layout, global_batch, best.split, best.recompute, best.evaluation, stats)
     _warn_batch_caps_data(global_batch, n, best.layout, who)
+    if best.layout.schedule not in schedules and not any(o[0][0].pipeline > 1 for o in families):  # one stage left
+        warnings.warn(
+            f"{who}: no pipelined layout could use schedules={tuple(schedules)!r}, so the plan has one stage: "
+            "interleaved-1f1b needs the microbatches per pipeline a multiple of the pipeline degree and at least "
+            "two blocks per device group; dualpipev at least twice as many microbatches as device groups; every "
+            "schedule a pipeline degree the blocks fill. Add '1f1b' or 'zb-h1', or a larger global batch.",
+            stacklevel=3)
     return plan if loss_reduction == "mean" else dataclasses.replace(plan, loss_reduction=loss_reduction)
 
 

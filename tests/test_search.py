@@ -463,3 +463,12 @@ def test_a_step_whose_microbatch_work_does_not_grow_with_its_size_is_planned_wit
     assert planned.predicted.step_time_s < small.predicted.step_time_s / 2
     gpt = _traced(MODEL, CLUSTER)
     assert _with_larger_microbatches(step_model(gpt, CLUSTER, (), 0.0), 4096) == DEFAULT_MICROBATCH_SIZES
+
+
+def test_schedules_no_pipeline_can_use_are_said_so():
+    """schedules=("dualpipev",) with too few microbatches for any pipeline, or interleaving that no pipeline degree
+    allows, silently gave a one-stage plan (a trial: Llama-3-405B planned at 19% MFU without a word)."""
+    prof = GPTConfig(layers=4, hidden=64, heads=4, seq=32, vocab=128, dtype="bfloat16")
+    with pytest.warns(UserWarning, match=r"no pipelined layout could use schedules=\('dualpipev',\).*one stage"):
+        plan = plan_model(prof, "1x8xH100", global_batch=8, schedules=("dualpipev",), tensor_degrees=(1,))
+    assert plan.num_stages == 1
