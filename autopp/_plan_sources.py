@@ -137,7 +137,8 @@ def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core
             warnings.warn(
                 f"{_WHO}: the loss divides a sum over its examples by another sum over them (a masked token mean, "
                 "sum(nll * mask) / mask.sum()); each microbatch's ratio is averaged, which is not plain jax.jit's "
-                "whole-batch ratio when microbatches hold different numbers of counted tokens. For jit's value, "
+                "whole-batch ratio when microbatches hold different numbers of counted tokens (and NaN for one that "
+                "holds none). For jit's value, "
                 "compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
                 "mask.sum())); to keep the average of microbatch ratios (gradient accumulation's), pass "
                 "loss_reduction='mean'.", stacklevel=user_stacklevel())
