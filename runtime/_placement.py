@@ -204,11 +204,16 @@ def place_outer(
                           out_locs=out_locs)
 
 
-def _has_loops_or_effects(closed) -> bool:
+_NOT_BOTH = frozenset({"while", "dot_general", "conv_general_dilated"})
+
+
+def _not_both(closed) -> bool:
+    """Whether computing a branch that is not taken would cost or do too much: effects, loops that might not end on
+    the other branch's values, matmuls (an evaluation every k steps would run every step)."""
     for e in closed.jaxpr.eqns:
-        if e.effects or e.primitive.name == "while":
+        if e.effects or e.primitive.name in _NOT_BOTH:
             return True
-        if any(_has_loops_or_effects(sub if isinstance(sub, jex_core.ClosedJaxpr) else jex_core.ClosedJaxpr(sub, ()))
+        if any(_not_both(sub if isinstance(sub, jex_core.ClosedJaxpr) else jex_core.ClosedJaxpr(sub, ()))
                for sub in jex_core.jaxprs_in_params(e.params)):
             return True
     return False
@@ -219,14 +224,14 @@ def conds_as_selects(traced: TracedStep) -> TracedStep:
     skipped on a non-finite gradient, ``optax.apply_if_finite``) computed as both branches and a select: one
     equation reading every parameter's gradient ran whole on one stage, which then held every parameter and its
     state (a user trial: 4.8x the peak memory of stage 0). As equations of their own, each parameter's part runs on
-    its stage. Branches with effects or loops stay a cond (both would run, or might not end)."""
+    its stage. Branches with effects, loops or matmuls stay a cond (:func:`_not_both`)."""
     jaxpr = traced.jaxpr.jaxpr
     derived = set(traced.grad_eqn.outvars)
     conds = set()
     for i, e in enumerate(jaxpr.eqns):
         if i > traced.grad_index and any(not isinstance(a, jex_core.Literal) and a in derived for a in e.invars):
             derived.update(e.outvars)
-            if e.primitive.name == "cond" and not any(_has_loops_or_effects(b) for b in e.params["branches"]):
+            if e.primitive.name == "cond" and not any(_not_both(b) for b in e.params["branches"]):
                 conds.add(i)
     if not conds:
         return traced

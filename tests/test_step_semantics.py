@@ -818,3 +818,24 @@ def test_the_planner_times_layers_without_running_the_user_s_prints():
     jax.block_until_ready(pipelined(p, b))
     jax.effects_barrier()
     assert len(seen) == 3 * plan.num_microbatches
+
+
+def test_a_cond_whose_branch_multiplies_matrices_stays_a_cond():
+    """Both branches of a cond after the gradient are computed only when that is cheap: one that evaluates the model
+    every k steps (a matmul) would run it every step; it stays one cond, and the step is jit's."""
+    from autopp.core import trace_step
+    from autopp.runtime._placement import conds_as_selects
+
+    def step(p, count, x):
+        g = autopp.grad(lambda p, x: jnp.mean(jnp.tanh(x @ p) ** 2))(p, x)
+        new = p - 0.1 * g
+        probe = jax.lax.cond(count % 10 == 0, lambda: jnp.mean(x @ new), lambda: 0.0)
+        return new, probe
+
+    args = (jnp.eye(4), jnp.int32(0), jnp.ones((8, 4)))
+    traced = trace_step(step, args, (2,))
+    assert conds_as_selects(traced) is traced
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2],
+                             batch_argnums=2)(*args)
+    for a, b in zip(jax.tree.leaves(autopp.gather(got)), jax.tree.leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
