@@ -373,8 +373,8 @@ class Plan:
             fdiv, fname = unit(e.tflops_per_gpu * 1e12, "flop")
             lines.append(
                 f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu * 1e12 / fdiv:.4g} {fname}/s per device "
-                f"executed (recomputation included), MFU {'-' if e.mfu is None else f'{100 * e.mfu:.1f}%'} (model "
-                "FLOPs), "
+                f"executed (recomputation included), MFU "
+                f"{'-' if e.mfu is None else f'{100 * e.mfu:.1f}% (model FLOPs)'}, "
                 f"peak memory {e.peak_memory_bytes_per_gpu / div:.2f} {name} per device "
                 f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / div:.2f}, "
                 f"optimizer state {e.optimizer_bytes / div:.2f}, activations {e.activation_bytes / div:.2f}"
