@@ -98,6 +98,9 @@ class LayerProgram:
     region_work: tuple[float, ...]
     """Per attention region, the fraction of its ``s x s`` score blocks a flash kernel computes (1 full, 0.5 causal,
     less for a sliding window: :func:`autopp.profiler._kernels.attention_work`)."""
+    batch_dim_of: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Per variable of :attr:`batch_vars`, the dimension that carries the batch (data parallelism's, never the
+    tensor axis's: a split of it there would depend on the batch the step was traced at)."""
 
 
 def _float(aval) -> bool:
@@ -149,11 +152,11 @@ def layer_program(closed: jex_core.ClosedJaxpr, input_kinds: Sequence[str],
     dims = list(input_batch_dims or ()) + [None] * len(kinds)
     starts = {v: (d if d is not None and d < len(v.aval.shape) else 0) for v, k, d in zip(pj.invars, kinds, dims)
               if k in ("batch", "data") and getattr(v.aval, "shape", ())}
-    sized = batch_sized_vars(pj, starts, {ct: pj.outvars[k] for ct, k in zip(cts, ct_outputs)})
+    sized = batch_dims(pj, starts, {ct: pj.outvars[k] for ct, k in zip(cts, ct_outputs)})
     return LayerProgram(closed=prog, num_inputs=n_in, input_kinds=kinds, ct_outputs=ct_outputs,
                         num_outputs=len(jaxpr.outvars), grad_inputs=tuple(diff), backward_eqns=frozenset(backward),
                         batch_vars=frozenset(sized), dependent_eqns=frozenset(dependent), attention_regions=regions,
-                        region_work=tuple(work))
+                        region_work=tuple(work), batch_dim_of=sized)
 
 
 def batch_sized_vars(jaxpr, starts: dict, ct_of: dict) -> set:

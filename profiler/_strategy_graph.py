@@ -122,7 +122,16 @@ def build_graph(program: LayerProgram, t: int, boundary_in: int = REPLICATED,
     grad_of_input = {program.grad_inputs[k]: j.outvars[program.num_outputs + k]
                      for k in range(len(program.grad_inputs))}
 
+    # the values' batch dimensions that are the batch's own (not merged with another: tokens of a flattened
+    # batch x sequence split by sequence positions, whatever the batch)
+    sizes = [_shape(v)[program.batch_dim_of[v]] for v, kind in zip(j.invars[:n_in], program.input_kinds)
+             if kind in ("batch", "data") and v in program.batch_dim_of]
+    batch = min(sizes, default=None)
+    bdim = {v: d for v, d in program.batch_dim_of.items() if _shape(v)[d] == batch}
+
     def new(kind, eqns, invars, outvars, strategies, backward=False, ref=None):
+        if kind in ("op", "group", "attention"):
+            strategies = _off_batch(invars, outvars, strategies, bdim)
         node = OpNode(len(nodes), kind, tuple(eqns), tuple(invars), tuple(outvars), strategies, backward, ref)
         nodes.append(node)
         for v in outvars:
@@ -370,6 +379,22 @@ def _group_strategies(j, members: tuple[int, ...], ext_in: list, outs: list, t: 
         if cand not in found:
             found.append(cand)
     return found
+
+
+def _off_batch(invars, outvars, strategies: list[Strategy], bdim: dict) -> list[Strategy]:
+    """``strategies`` without those that split a value along its batch dimension: over a tensor group every device
+    takes the whole microbatch (splitting it is data parallelism, the data axis's), and whether the batch dimension
+    divides by the tensor degree depends only on the batch the step was traced at (a user trial's MoE traced at batch
+    4 was planned otherwise than at batch 1, with a split its microbatches of 2 cannot take)."""
+    if not bdim:
+        return strategies
+
+    def splits_batch(st: Strategy) -> bool:
+        outs = st.outs if st.outs is not None else (st.out,) * len(outvars)
+        pairs = list(zip(invars, st.ins)) + list(zip(outvars, outs))
+        return any(r is not None and r >= 0 and not isinstance(v, Literal) and bdim.get(v) == r for v, r in pairs)
+
+    return [st for st in strategies if not splits_batch(st)] or strategies[:1]
 
 
 def _var_strategies(eqn, strategies: list[Strategy]) -> list[Strategy]:
