@@ -39,6 +39,7 @@ from autopp.core._jaxpr import (
     scale_batch_independent_terms,
     slice_jaxpr,
     structure_signature,
+    without_host_prints,
 )
 from autopp.core._trace import (
     TracedStep,

@@ -346,3 +346,16 @@ def structure_signature(eqn) -> str:
 def inner_jaxpr(j) -> jex_core.Jaxpr:
     """The open jaxpr of a (closed) jaxpr parameter."""
     return j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
+
+
+def without_host_prints(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
+    """``closed`` without its ``jax.debug.print`` / ``jax.debug.callback`` equations (they return nothing): timing a
+    layer on random inputs must not run the user's callbacks on them (a user trial saw prints of made-up values and
+    counters advanced by the planner). Ones nested in a ``custom_vjp``'s backward still run."""
+    eqns = [e for e in closed.jaxpr.eqns if not (e.primitive.name == "debug_callback" and not e.outvars)]
+    if len(eqns) == len(closed.jaxpr.eqns):
+        return closed
+    j = closed.jaxpr
+    effects = set().union(*(e.effects for e in eqns))
+    return jex_core.ClosedJaxpr(new_jaxpr(j.constvars, j.invars, j.outvars, eqns, effects, "measured layer"),
+                                closed.consts)

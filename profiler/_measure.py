@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp.core import new_jaxpr
+from autopp.core import without_host_prints
 from autopp.profiler._costs import OpCost
 from autopp.profiler._layer_stage import layer_graph, layer_stage_programs
 
@@ -47,19 +47,6 @@ def _example(aval, key):
     return jnp.zeros(aval.shape, aval.dtype)
 
 
-def _without_host_prints(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
-    """``closed`` without its ``jax.debug.print`` / ``jax.debug.callback`` equations (they return nothing): timing a
-    layer on random inputs must not run the user's callbacks on them (a user trial saw prints of made-up values and
-    counters advanced by the planner). Ones nested in a ``custom_vjp``'s backward still run."""
-    eqns = [e for e in closed.jaxpr.eqns if not (e.primitive.name == "debug_callback" and not e.outvars)]
-    if len(eqns) == len(closed.jaxpr.eqns):
-        return closed
-    effects = set().union(*(e.effects for e in eqns)) if eqns else set()
-    j = closed.jaxpr
-    return jex_core.ClosedJaxpr(new_jaxpr(j.constvars, j.invars, j.outvars, eqns, effects, "measured layer"),
-                                closed.consts)
-
-
 def _median_time(call, repeats: int) -> float:
     """Median seconds of ``call()`` (which returns what to wait for), after two warm-up calls (the first compiles)."""
     jax.block_until_ready(call())
@@ -83,7 +70,7 @@ def measure_layer(closed: jex_core.ClosedJaxpr, diff: Sequence[bool] | None = No
     output's cotangent is ones.
     """
     device = device or jax.local_devices()[0]
-    closed = _without_host_prints(closed)
+    closed = without_host_prints(closed)  # timed on random inputs: not the user's prints
     invars = closed.jaxpr.invars
     if diff is None:
         diff = [jnp.issubdtype(v.aval.dtype, jnp.floating) for v in invars]
