@@ -50,7 +50,10 @@ def _issue(env: list, steps) -> None:
             for f in frees:
                 env[f] = None
     except Exception as e:
-        e.autopp_task = k
+        try:
+            e.autopp_task = k
+        except AttributeError:  # (an exception type that takes no attributes)
+            pass
         raise
 
 
@@ -143,7 +146,7 @@ class Executable:
         except InternalFloatingPointError as e:  # JAX's own check of a program's outputs, said as jit says it
             raise _invalid_value(e.ty, self.description, getattr(e, "autopp_task", -1), e.name) from None
         except _Invalid as e:
-            raise _invalid_value(e.args[0], self.description, e.autopp_task, "") from None
+            raise _invalid_value(e.args[0], self.description, getattr(e, "autopp_task", -1), "") from None
         if self._deferred:
             self.resolve()
         return [fn(env) for fn in self.output_fns]
