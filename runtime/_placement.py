@@ -207,16 +207,11 @@ def place_outer(
 _NOT_BOTH = frozenset({"while", "dot_general", "conv_general_dilated"})
 
 
-def _not_both(closed) -> bool:
+def _not_both(jaxpr: jex_core.Jaxpr) -> bool:
     """Whether computing a branch that is not taken would cost or do too much: effects, loops that might not end on
     the other branch's values, matmuls (an evaluation every k steps would run every step)."""
-    for e in closed.jaxpr.eqns:
-        if e.effects or e.primitive.name in _NOT_BOTH:
-            return True
-        if any(_not_both(sub if isinstance(sub, jex_core.ClosedJaxpr) else jex_core.ClosedJaxpr(sub, ()))
-               for sub in jex_core.jaxprs_in_params(e.params)):
-            return True
-    return False
+    return any(e.effects or e.primitive.name in _NOT_BOTH or any(map(_not_both, jex_core.jaxprs_in_params(e.params)))
+               for e in jaxpr.eqns)
 
 
 def conds_as_selects(traced: TracedStep) -> TracedStep:
@@ -231,7 +226,7 @@ def conds_as_selects(traced: TracedStep) -> TracedStep:
     for i, e in enumerate(jaxpr.eqns):
         if i > traced.grad_index and any(not isinstance(a, jex_core.Literal) and a in derived for a in e.invars):
             derived.update(e.outvars)
-            if e.primitive.name == "cond" and not any(_not_both(b) for b in e.params["branches"]):
+            if e.primitive.name == "cond" and not any(_not_both(b.jaxpr) for b in e.params["branches"]):
                 conds.add(i)
     if not conds:
         return traced
