@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
 import os
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar, overload
 
@@ -20,7 +22,7 @@ from autopp._config import ParallelizeConfig
 from autopp._plan_sources import source_plan
 from autopp._progress import phase
 from autopp.core import (Plan, Schedule, TracedStep, check_array_leaves, is_tracer, is_weak,
-                         normalize_batch_argnums, outside_the_context_mesh, trace_step)
+                         normalize_batch_argnums, outside_the_context_mesh, trace_step, user_stacklevel)
 from autopp.runtime import Executable, build_executable
 
 _P = ParamSpec("_P")
@@ -135,7 +137,7 @@ class Parallelized(Generic[_P, _R]):
             ph.done("traced the step")
         plan, forward, reductions = source_plan(self.config, self._step_fn, args, traced)
         with phase(f"compiling the {plan.num_stages}-stage pipeline") as ph:
-            donated = _donated_leaves(args, self.config.donate_argnums)
+            donated = _usable_donations(_donated_leaves(args, self.config.donate_argnums), traced)
             exe = build_executable(traced, plan, forward, self.config.devices, donated=donated,
                                    output_reductions=reductions)
             ph.done(f"built {exe.num_programs} program(s) for {plan.num_stages} stage(s); they compile in the "
@@ -325,6 +327,30 @@ def _donated_leaves(args: tuple, donate_argnums: tuple[int, ...]) -> frozenset[i
             out.update(range(start, start + n))
         start += n
     return frozenset(out)
+
+
+def _usable_donations(donated: frozenset[int], traced) -> frozenset[int]:
+    """The donated leaves whose buffers a result of the step can take, as ``jax.jit`` decides: each donated input, in
+    order, takes a result of its shape and dtype that no earlier one took. The others are left to the caller, with
+    jit's warning (a step that returns no new parameters: deleting them would lose them)."""
+    if not donated:
+        return donated
+    free = collections.Counter((a.shape, a.dtype) for a in traced.jaxpr.out_avals)
+    in_avals = traced.jaxpr.in_avals
+    usable, unusable = set(), []
+    for i in sorted(donated):
+        key = (in_avals[i].shape, in_avals[i].dtype)
+        if free[key] > 0:
+            free[key] -= 1
+            usable.add(i)
+        else:
+            unusable.append(in_avals[i].str_short())
+    if unusable:
+        warnings.warn(f"autopp.parallelize: some donated buffers were not usable (no result of the step has their "
+                      "shape and dtype), so they are left to the caller, as jax.jit leaves them: "
+                      f"{', '.join(unusable)}. Donate only arguments the step returns new values of (donate_argnums).",
+                      stacklevel=user_stacklevel())
+    return frozenset(usable)
 
 
 def _leaf_signature(x) -> tuple:

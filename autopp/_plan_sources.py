@@ -16,10 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import math
 import re
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from jax.extend import core as jex_core
 
 from autopp._config import ParallelizeConfig
+from autopp._microbatches import batch_size, counted_once, microbatch_forward, reductions, retracer
 from autopp._progress import phase
 from autopp.core import (
     SCHEDULE_NAMES,
@@ -35,14 +34,8 @@ from autopp.core import (
     StagePlan,
     TracedStep,
     batch_dependent_vars,
-    check_batch_divisible,
     get_schedule,
-    mixing_summary,
-    output_reductions,
     row_slice,
-    scale_batch_independent_terms,
-    trace_microbatch_forward,
-    user_line,
     user_stacklevel,
 )
 from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
@@ -61,139 +54,8 @@ class Sourced(NamedTuple):
     forward: jex_core.ClosedJaxpr
     """The loss's forward traced at microbatch size: the program the plan's equations index."""
     output_reductions: tuple = ()
-    """Per output of the loss: ``"mean"``, ``"sum"`` or None, as its program shows (:func:`_reductions`)."""
-
-
-def batch_size(traced: TracedStep) -> int:
-    """The traced step's batch size (the common divisor of its batch leaves' leading dimensions)."""
-    sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
-    return math.gcd(*sizes) if sizes else 1
-
-
-def _forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
-    check_batch_divisible(traced, num_microbatches)
-    forward = trace_microbatch_forward(step_fn, args, traced, num_microbatches)
-    if num_microbatches > 1:
-        _warn_rows_not_examples(traced)
-    return forward
-
-
-def _warn_rows_not_examples(traced: TracedStep) -> None:
-    """Loss inputs the step computes from the batch are split by rows into microbatches; say so where autopp cannot
-    follow the batch's examples to their rows (a concatenation along the batch axis, a transpose then a flattening,
-    a statistic over part of the batch): each microbatch then reads rows that are not its examples' (a user trial:
-    ``concatenate([y, -y])`` read by its first rows, 1.2 against jit's 0.71). Followed as a batch split over devices
-    would be (:func:`autopp.profiler.batch_dims`)."""
-    from autopp.profiler import batch_dims
-
-    outer = traced.jaxpr.jaxpr
-    batch_leaves = {v for v, b in zip(outer.invars, traced.batch_mask) if b}
-    loose = [k for k, (a, mb) in enumerate(zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs))
-             if mb and a not in batch_leaves and k not in traced.shape_batched]
-    if not loose:
-        return
-    before_gradient = types.SimpleNamespace(eqns=outer.eqns[:traced.grad_index])
-    dims = batch_dims(before_gradient, {v: 0 for v in batch_leaves if getattr(v.aval, "shape", ())})
-    lost = [k for k in loose if dims.get(traced.grad_eqn.invars[k]) != 0]
-    if lost:
-        shapes = ", ".join(f"#{k} {traced.grad_eqn.invars[k].aval.str_short()}" for k in lost[:4])
-        warnings.warn(
-            f"{_WHO}: loss input(s) {shapes} that the step computes from the batch are split into microbatches by "
-            "rows, but autopp cannot follow the batch's examples to those rows (a concatenation or a reshape along "
-            "the batch axis, a transpose, a statistic over part of the batch): a microbatch then reads rows that are "
-            "not its own examples', unlike jax.jit. Compute such values inside the loss, or keep the batch axis "
-            "first and per example.", stacklevel=user_stacklevel())
-
-
-def _reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.ClosedJaxpr,
-                num_microbatches: int) -> tuple[str, tuple]:
-    """(how the microbatches' losses combine, per output of the loss how its values combine or None). Read off the
-    loss's program (:func:`autopp.core.output_reductions`: a mean over its examples, or a sum) where it shows it;
-    else the reduction given (or the replayed plan's); else ``"mean"``. A reduction given that the program
-    contradicts would return ``num_microbatches`` times (or a ``num_microbatches``-th of) plain jit's loss, and
-    is refused."""
-    n_out = len(forward.jaxpr.outvars)
-    mixing: list = []
-    kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, num_microbatches,
-                               mixing) if num_microbatches > 1 else (None,) * n_out)
-    if mixing:  # one warning for a loss whose examples' values depend on other examples of the batch
-        warnings.warn(
-            f"{_WHO}: the loss {mixing_summary(mixing)}. Each of the {num_microbatches} microbatches' losses sees "
-            "only its own examples, so the loss and gradients differ from plain jax.jit's over the whole batch (they "
-            "are gradient accumulation's). For jit's values use num_microbatches=1 (a stage's data-parallel devices "
-            "then compute over the whole batch, as jit does), or compute such values (statistics, random draws) in "
-            "the step, outside the loss, and pass them in.", stacklevel=user_stacklevel())
-    given, kind = config.loss_reduction, kinds[0]
-    if kind == "ratio":
-        if given == "sum":
-            raise ValueError(
-                f"{_WHO}: loss_reduction='sum', but the loss divides a sum over its examples by another sum over them "
-                f"(a masked token mean, sum(nll * mask) / mask.sum()): adding the {num_microbatches} microbatches' "
-                f"ratios gives about {num_microbatches}x plain jax.jit's loss and gradients. For jit's whole-batch "
-                "value, compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, "
-                "batch, mask.sum()), then 'sum' is right); to average the microbatches' ratios, pass "
-                "loss_reduction='mean'.")
-        if given is None:
-            warnings.warn(
-                f"{_WHO}: the loss divides a sum over its examples by another sum over them (a masked token mean, "
-                "sum(nll * mask) / mask.sum()); each microbatch's ratio is averaged, which is not plain jax.jit's "
-                "whole-batch ratio when microbatches hold different numbers of counted tokens (and NaN for one that "
-                "holds none). For jit's value, "
-                "compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
-                "mask.sum())); to keep the average of microbatch ratios (gradient accumulation's), pass "
-                "loss_reduction='mean'.", stacklevel=user_stacklevel())
-        kind = None
-    elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
-        kind = None
-    ratios = [k for k in range(1, n_out) if kinds[k] == "ratio"]
-    if ratios:
-        names = ", ".join(traced.spec.aux_names[k - 1] for k in ratios)
-        warnings.warn(
-            f"{_WHO}: {names} divide(s) a sum over the loss's examples by another sum over them (a masked "
-            "accuracy); each microbatch's ratio is averaged, which is not plain jax.jit's whole-batch ratio when "
-            "microbatches hold different counts. For jit's value, return the numerator and the denominator as two "
-            "aux values (each a sum: they are added up) and divide them after the step.", stacklevel=user_stacklevel())
-    # the loss: a mean or a sum, or the reduction given; an aux value: also a maximum or minimum, and a ratio averaged
-    kinds = (None if kinds[0] in ("ratio", "max", "min") else kinds[0],) + tuple(
-        "mean" if k == "ratio" else k for k in kinds[1:])
-    if kind is not None and given is not None and kind != given:
-        how = ("it divides by its own number of examples, as jnp.mean does" if kind == "mean" else
-               "it adds its examples up and divides by nothing that depends on its own batch size")
-        wrong = (f"{num_microbatches}x" if given == "sum" else f"1/{num_microbatches} of")
-        raise ValueError(
-            f"{_WHO}: loss_reduction={given!r}, but the loss is a {kind} over its examples ({how}): "
-            f"{'adding' if given == 'sum' else 'averaging'} the {num_microbatches} microbatches' losses would give "
-            f"{wrong} plain jax.jit's loss and gradients. "
-            + (f"The plan says loss_reduction {given!r}: make it again with plan_model(..., loss_reduction={kind!r}) "
-               f"(autopp plan --loss-reduction {kind})." if config.source == "replay" else
-               f"Drop loss_reduction= (it is read off the loss) or pass loss_reduction={kind!r}."))
-    reduction = given or kind or "mean"
-    whole = traced.whole_batch_grad_inputs
-    if whole and reduction == "mean" and kind is None and num_microbatches > 1:  # (one microbatch: both are jit's)
-        made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}
-        where = "; ".join(f"{traced.grad_eqn.invars[k].aval.str_short()} made at {user_line(made[v])}"
-                          if v in made else traced.grad_eqn.invars[k].aval.str_short()
-                          for k in whole for v in [traced.grad_eqn.invars[k]])
-        raise ValueError(
-            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch ({where}; e.g. a "
-            "token count that normalises the loss), and its program does not "
-            "show whether it is a mean or a sum over its examples. Every microbatch's loss reads the step's value: "
-            "when that value normalises the loss (sum(nll * mask) / mask.sum() over the whole batch), the step's loss "
-            "is the sum of the microbatch losses, so pass loss_reduction=\"sum\"; when the loss averages its "
-            "examples anyway (a temperature, a key), pass loss_reduction=\"mean\"."
-            + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
-               "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
-    return reduction, kinds
-
-
-def _counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
-                  loss_reduction: str) -> jex_core.ClosedJaxpr:
-    """``forward`` as the pipeline runs it: with ``loss_reduction="sum"``, the loss's terms that read no batch input (a
-    weight penalty) scaled by ``1 / num_microbatches``, so that the microbatches' losses add up to the step's (the
-    same equations, so a split of ``forward`` splits it)."""
-    if loss_reduction == "sum" and num_microbatches > 1:
-        forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches)
-    return forward
+    """Per output of the loss: ``"mean"``, ``"sum"`` or None, as its program shows
+    (:func:`autopp._microbatches.reductions`)."""
 
 
 def _profile(step_fn: Callable, args: tuple, traced: TracedStep, config: ParallelizeConfig, **kwargs) -> Profile:
@@ -340,9 +202,9 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     given), the model split into ``num_stages * virtual_stages`` stages balanced by FLOPs."""
     num_mb = _microbatches_for(config, traced)
     name, sched = _schedule_for(config, num_mb)
-    forward = _forward(step_fn, args, traced, num_mb)
-    reduction, kinds = _reductions(config, traced, forward, num_mb)
-    forward = _counted_once(forward, traced, num_mb, reduction)
+    forward = microbatch_forward(step_fn, args, traced, num_mb)
+    reduction, kinds = reductions(config, traced, forward, num_mb, retracer(step_fn, args, traced))
+    forward = counted_once(forward, traced, num_mb, reduction)
     groups = config.group_devices(sched.num_ranks)
     rank_of = sched.stage_to_rank()
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
@@ -396,8 +258,8 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
             f"{traced.plan_fingerprint}): the computation, shapes or dtypes differ (the batch size, a layer, the "
             "optimizer; constants such as the learning rate may differ). Make a new plan with step.plan_for(...) for "
             "these arguments.")
-    forward = _forward(step_fn, args, traced, plan.num_microbatches)
-    _, kinds = _reductions(config, traced, forward, plan.num_microbatches)
+    forward = microbatch_forward(step_fn, args, traced, plan.num_microbatches)
+    _, kinds = reductions(config, traced, forward, plan.num_microbatches, retracer(step_fn, args, traced))
     by_layers = not all(st.equations is not None for st in plan.stages)
     layer_equations = plan.layer_equations
     if by_layers or (plan.sequence_parallel and not layer_equations):
@@ -414,7 +276,7 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
             layer_equations = tuple((a, b - 1) for a, b in ranges)
     starts = (_stage_starts(ranges, traced, forward, [st.layers[0] for st in plan.stages], prof) if by_layers
               else [st.equations[0] for st in plan.stages])
-    forward = _counted_once(forward, traced, plan.num_microbatches, plan.loss_reduction)
+    forward = counted_once(forward, traced, plan.num_microbatches, plan.loss_reduction)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     by_id = {d.id: d for d in config.devices}
     stage_devices = [[by_id[i] for i in st.devices] for st in plan.stages]
@@ -507,11 +369,11 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     local, config = _plan_local(config, prof, batch_size(traced))
     planning_s = time.perf_counter() - t0
     sched = get_schedule(local.schedule, local.num_stages, local.num_microbatches)
-    forward = _forward(step_fn, args, traced, local.num_microbatches)
+    forward = microbatch_forward(step_fn, args, traced, local.num_microbatches)
     ranges = _layer_ranges(prof, traced, forward)
     starts = _stage_starts(ranges, traced, forward, [first for first, _ in local.stage_layers], prof)
-    reduction, kinds = _reductions(config, traced, forward, local.num_microbatches)
-    forward = _counted_once(forward, traced, local.num_microbatches, reduction)
+    reduction, kinds = reductions(config, traced, forward, local.num_microbatches, retracer(step_fn, args, traced))
+    forward = counted_once(forward, traced, local.num_microbatches, reduction)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     per = local.devices_per_stage
     stage_devices = [config.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]

@@ -22,10 +22,12 @@ from autopp.core._compat import (
     new_jaxpr,
     prng_impl,
     register_fallback_lowering,
+    remat_refuses,
     retarget,
     serialize_compiled,
     same_shard_positions,
     user_line,
+    weak_typed,
 )
 from autopp.core._grad import GradSpec, grad, marking_gradients, value_and_grad, value_and_grad_p
 from autopp.core._jaxpr import (
@@ -39,6 +41,7 @@ from autopp.core._jaxpr import (
     scale_batch_independent_terms,
     slice_jaxpr,
     structure_signature,
+    warn_unrecomputable,
     without_host_prints,
 )
 from autopp.core._trace import (
@@ -87,7 +90,7 @@ from autopp.core._plan import (
     id_ranges,
     split_summary,
 )
-from autopp.core._reduction import ORDER, PAIRS, SPREAD, mixing_summary, output_reductions
+from autopp.core._reduction import ORDER, PAIRS, SPREAD, STRUCTURE, mixing_by_output, mixing_summary, output_reductions
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import ScanRun, find_scan_runs, read_rows, reroll_scans, row_slice
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs

@@ -211,6 +211,24 @@ def same_shard_positions(source, dest, shape) -> bool:
         return False
 
 
+def remat_refuses(effects) -> list:
+    """The effects among ``effects`` that ``jax.checkpoint`` cannot recompute (an ``io_callback``'s), as JAX decides."""
+    from jax._src import effects as jax_effects
+
+    return list(jax_effects.remat_allowed_effects.filter_not_in(effects))
+
+
+def weak_typed(x):
+    """``x`` (a ``jax.Array``) as JAX's weak-typed array of the same buffers (what a value computed from a Python
+    scalar is under ``jax.jit``), without a copy; ``x`` itself if it is weak already or no ``jax.Array``."""
+    from jax._src import array
+
+    if not isinstance(x, array.ArrayImpl) or x.weak_type:
+        return x
+    return array.ArrayImpl(x.aval.update(weak_type=True), x.sharding, x._arrays, committed=x._committed,
+                           _skip_checks=True)
+
+
 def copy_shards(xs, shardings) -> list:
     """Copy each array's shards to the devices of its destination sharding, position by position (the
     shardings must satisfy :func:`same_shard_positions`): the runtime call ``jax.device_put`` ends in."""

@@ -3,7 +3,9 @@ equation."""
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -11,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._compat import new_jaxpr
+from autopp.core._compat import bind_eqn, new_jaxpr, remat_refuses, user_line
+from autopp.core._warn import user_stacklevel
 
 Literal = jex_core.Literal
 
@@ -224,6 +227,7 @@ def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]
     if run is None:
         def run(vals):
             return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
+    refused = recompute != "none" and warn_unrecomputable(closed, recompute)
 
     def f(*xs):
         def of_diff(diff_vals):
@@ -234,12 +238,27 @@ def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]
             chosen = outs if diff_outputs is None else [outs[k] for k in diff_outputs]
             return chosen, outs
 
-        if recompute != "none":
+        if recompute != "none" and not refused:
             of_diff = jax.checkpoint(of_diff, policy=policy)
         _, vjp_fn, outs = jax.vjp(of_diff, [xs[i] for i in diff_positions], has_aux=True)
         return outs, jax.tree_util.Partial(_call_vjp, vjp_fn)
 
     return f
+
+
+def warn_unrecomputable(closed: jex_core.ClosedJaxpr, recompute: str) -> bool:
+    """Whether ``closed`` has effects ``jax.checkpoint`` cannot recompute (an ``io_callback``); if so, say that it
+    keeps its activations instead of the ``recompute`` asked for."""
+    refused = remat_refuses(closed.effects)
+    if refused:
+        eqn = next((e for e in closed.jaxpr.eqns if remat_refuses(e.effects)), None)
+        warnings.warn(
+            f"autopp: recompute={recompute!r} leaves a stage's activations kept, because it calls an io_callback"
+            f"{'' if eqn is None else ' at ' + user_line(eqn)}, which JAX cannot recompute (its effect would run "
+            "twice): the stage runs as with recompute='none' and holds more memory than planned. Move the "
+            "io_callback out of the loss (return the value as aux), or use jax.debug.callback.",
+            stacklevel=user_stacklevel())
+    return bool(refused)
 
 
 def _call_vjp(vjp_fn, cotangents):
@@ -349,13 +368,35 @@ def inner_jaxpr(j) -> jex_core.Jaxpr:
 
 
 def without_host_prints(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
-    """``closed`` without its ``jax.debug.print`` / ``jax.debug.callback`` equations (they return nothing): timing a
-    layer on random inputs must not run the user's callbacks on them (a user trial saw prints of made-up values and
-    counters advanced by the planner). Ones nested in a ``custom_vjp``'s backward still run."""
+    """``closed`` without its ``jax.debug.print`` / ``jax.debug.callback`` equations (they return nothing), and with
+    zeros for its ``io_callback`` results: timing a layer on random inputs must not run the user's callbacks on them
+    (user trials saw prints of made-up values, counters advanced and logs written by the planner). Ones nested in a
+    ``custom_vjp``'s backward still run."""
     eqns = [e for e in closed.jaxpr.eqns if not (e.primitive.name == "debug_callback" and not e.outvars)]
-    if len(eqns) == len(closed.jaxpr.eqns):
-        return closed
     j = closed.jaxpr
+    if any(e.primitive.name == "io_callback" for e in eqns):  # its results (zeros here) feed the layer: traced again
+        return jax.make_jaxpr(functools.partial(_zeros_for_io_callbacks, eqns, j, closed.consts))(
+            *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in j.invars))
+    if len(eqns) == len(j.eqns):
+        return closed
     effects = set().union(*(e.effects for e in eqns))
     return jex_core.ClosedJaxpr(new_jaxpr(j.constvars, j.invars, j.outvars, eqns, effects, "measured layer"),
                                 closed.consts)
+
+
+def _zeros_for_io_callbacks(eqns, jaxpr, consts, *args):
+    """``jaxpr`` evaluated with ``eqns`` (its equations less some), an ``io_callback``'s results zeros."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(a):
+        return a.val if isinstance(a, jex_core.Literal) else env[a]
+
+    for eqn in eqns:
+        if eqn.primitive.name == "io_callback":
+            outs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+        else:
+            outs = bind_eqn(eqn, [read(a) for a in eqn.invars])
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(a) for a in jaxpr.outvars]

@@ -29,10 +29,11 @@ from jax.extend import core as jex_core
 
 from autopp.core._compat import user_line
 
-__all__ = ["DRAWS", "ORDER", "PAIRS", "SPREAD", "mixing_summary", "output_reductions"]
+__all__ = ["DRAWS", "ORDER", "PAIRS", "SPREAD", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
+STRUCTURE = -1  # in output_reductions' undetermined list: the programs at the two batch sizes differ in structure
 
 # elementwise or layout operations that carry their operand's (s, b) unchanged
 _CARRY = frozenset({
@@ -55,24 +56,36 @@ class _Mismatch(Exception):
 
 
 def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
-                      num_microbatches: int, mixing: list | None = None) -> tuple[str | None, ...]:
+                      num_microbatches: int, mixing: list | None = None,
+                      undetermined: list | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
     a sum over them, ``"ratio"`` for a sum divided by another, ``"max"`` / ``"min"`` for a maximum / minimum over
     them, None when none can be shown. ``mixing``: a list to which the equations that make one example's value
     depend on other examples of the batch are appended, as ``(why, equation)`` (``why``: :data:`PAIRS`,
     :data:`SPREAD`, :data:`ORDER` or :data:`DRAWS`): there each microbatch's loss differs from the whole batch's
     by more than how its examples are combined. ``whole`` and ``micro``: the same loss traced at the whole batch and
-    at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split."""
-    _MIXING.events = mixing
+    at one of ``num_microbatches`` microbatches; ``microbatched``: per input, whether it is split. Each mixing entry
+    also names the equation of ``micro``'s own program that holds it (its index there: an equation inside a call, a
+    scan or a branch is found where that is). ``undetermined``: a list to which the positions of the outputs that
+    depend on the split inputs but are none of those combinations are appended (a logarithm of a mean, a median, one
+    example's value): their microbatches' values combine to no value over the whole batch; :data:`STRUCTURE` where
+    the two programs differ in structure (a loop over the examples unrolled: nothing can be said of any output)."""
+    _MIXING.events, _MIXING.depth = mixing, 0
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
                        [(0, 0, bool(m)) for m in microbatched], num_microbatches)
-    except _Mismatch:
+    except _Mismatch:  # (whether an output depends on the batch is not known either)
+        if undetermined is not None:
+            undetermined.append(STRUCTURE)
         return (None,) * len(micro.jaxpr.outvars)
     finally:
         _MIXING.events = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min"}
-    return tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
+    kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
+    if undetermined is not None:
+        undetermined.extend(k for k, (st, kind) in enumerate(zip(states, kinds)) if kind is None
+                            and (st is None or st[2]))
+    return kinds
 
 
 def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, in_states: list,
@@ -85,6 +98,9 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     for wv, mv, wc, mc in zip(w.constvars, m.constvars, w_consts, m_consts):
         env[mv] = (_const_state(wc, mc, M), _batch_axes(wv, mv))
 
+    top = _MIXING.depth == 0
+    _MIXING.depth += 1
+
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
             if not isinstance(wa, jex_core.Literal):
@@ -92,7 +108,9 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             return _const_state(wa.val, ma.val, M), ()
         return env[ma]
 
-    for we, me in zip(w.eqns, m.eqns):
+    for at, (we, me) in enumerate(zip(w.eqns, m.eqns)):
+        if top:
+            _MIXING.top = at
         if we.primitive is not me.primitive or len(we.invars) != len(me.invars) or len(we.outvars) != len(me.outvars):
             raise _Mismatch
         ins = [read(a, b) for a, b in zip(we.invars, me.invars)]
@@ -104,18 +122,20 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         if events is not None:
             why = _mixes(me, ins, out_axes)
             if why:
-                events.append((why, me))
+                events.append((why, me, _MIXING.top))
+    _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
 
 
-_MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere)
+_MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
+# how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
 PAIRS, SPREAD, ORDER, DRAWS = "pairs", "spread", "order", "draws"
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
-    ORDER: "orders its examples (a sort or a cumulative sum along the batch)",
+    ORDER: "orders its examples (a sort, a scan or a cumulative sum along the batch, a shifted slice of it)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
@@ -125,12 +145,40 @@ def mixing_summary(mixing: list) -> str:
     """What the equations :func:`output_reductions` found mixing examples do, and where the user's code made them
     (two places at most per kind)."""
     seen: dict[str, list[str]] = {}
-    for why, eqn in mixing:
+    for why, eqn, *_ in mixing:
         lines = seen.setdefault(why, [])
         line = user_line(eqn)
         if line not in lines and len(lines) < 2:
             lines.append(line)
     return "; ".join(f"{_MIXING_KINDS[why]} at {', '.join(lines)}" for why, lines in seen.items())
+
+
+def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, list]:
+    """The entries of ``mixing`` (from :func:`output_reductions` of ``micro``) that each output of ``micro`` depends
+    on, by output position (an output that depends on none is left out)."""
+    jaxpr = micro.jaxpr
+    need: dict = {}  # var -> bit mask of the outputs it reaches
+    for k, v in enumerate(jaxpr.outvars):
+        if not isinstance(v, jex_core.Literal):
+            need[v] = need.get(v, 0) | 1 << k
+    reach = [0] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        mask = 0
+        for v in eqn.outvars:
+            mask |= need.get(v, 0)
+        reach[i] = mask
+        if mask:
+            for v in eqn.invars:
+                if not isinstance(v, jex_core.Literal):
+                    need[v] = need.get(v, 0) | mask
+    out: dict[int, list] = {}
+    for entry in mixing:
+        mask = reach[entry[2]]
+        for k in range(len(jaxpr.outvars)):
+            if mask >> k & 1:
+                out.setdefault(k, []).append(entry)
+    return out
 
 
 def _mixes(me, ins: list, out_axes: list) -> str | None:
@@ -148,6 +196,13 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
     if along is not None and any(along in ax for _, ax in dependent):
         return ORDER
+    if me.primitive.name == "slice" and dependent:  # a window of the batch that keeps its axis: x[1:] - x[:-1], a
+        (_, ax), = ins[:1]  # roll, the strided halves of an associative scan
+        shape, strides = me.invars[0].aval.shape, me.params.get("strides") or ()
+        for d in set(ax) & set(out_axes[0]):
+            if (me.params["start_indices"][d] != 0 or me.params["limit_indices"][d] != shape[d]
+                    or (strides and strides[d] != 1)):
+                return ORDER
     return None
 
 
@@ -183,7 +238,7 @@ def _const_state(wval, mval, M: int):
 
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
-_EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN}
+_EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN, "reduce_or": _MAX, "reduce_and": _MIN}  # (any, all)
 # what keeps a maximum over examples the maximum of the microbatches' values: relabelling, slicing, widening
 _KEEPS_ORDER = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims",
                           "transpose", "copy", "copy_p", "slice", "pjit_sharding", "sharding_constraint",
@@ -268,8 +323,12 @@ def _rule(we, me, ins: list, M: int) -> list:
     sub = _sub_jaxprs(we, me)
     if sub is not None:
         return sub(ins, M)
-    if all(st[:2] == (0, 0) for st in states):
-        return [(0, 0, dep)] * n_out  # a per-example (or batch-independent) operation
+    if all(st[:2] == (0, 0) for st in states):  # a per-example (or batch-independent) operation; one whose result
+        # lost the batch axes of an input that depends on the batch combined its examples somehow (a custom kernel,
+        # a callback): how, nothing shows
+        batched = any(st[2] and ax for st, ax in ins)
+        return [None if batched and not _batch_axes(wv, mv) else (0, 0, dep)
+                for wv, mv in zip(we.outvars, me.outvars)]
     return [None] * n_out
 
 
@@ -285,9 +344,10 @@ def _dot(me, ins, dep):
 def _scatter_add(me, ins, dep):
     (so, bo, do), oa = ins[0]
     (su, bu, du), ua = ins[2]
-    # updates with a batch axis added into an array without one (a count per class): their examples are added up; an
-    # array with one (a batched scatter, vmap of segment_sum: zeros per example) keeps them apart
-    s = su + int(bool(du and ua and not do and not oa))
+    # updates with a batch axis added into an array without one (a count per class, whether the batch decides the
+    # updates or only where they go: .at[label].add(1.0)): their examples are added up; an array with one (a batched
+    # scatter, vmap of segment_sum: zeros per example) keeps them apart
+    s = su + int(bool(ua and not do and not oa))
     if s > 1 or (do and (so, bo) != (s, bu)):
         return None
     return (s, bu, dep)

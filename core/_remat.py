@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 import jax
 from jax.extend import core as jex_core
 
+from autopp.core._compat import remat_refuses
 from autopp.core._jaxpr import slice_jaxpr
 
 Literal = jex_core.Literal
@@ -81,6 +82,8 @@ def layer_checkpointed(closed: jex_core.ClosedJaxpr, starts: Collection,
             if scan is not None:
                 res = _checkpointed_scan(scan, [read(v) for v in scan.invars])
                 res = [res[scan.outvars.index(v)] for v in outs]
+            elif remat_refuses(sub.effects):  # an io_callback: run once and kept, as JAX cannot recompute it
+                res = evaluate(sub, [read(v) for v in ins])
             else:
                 res = jax.checkpoint(lambda *xs, sub=sub: evaluate(sub, list(xs)))(*[read(v) for v in ins])
             env.update(zip(outs, res))

@@ -371,6 +371,22 @@ def _shard_map(eqn) -> OpCost:
     return OpCost(inner.flops, inner.transcendentals, inner.bytes_accessed, _out_bytes(eqn))
 
 
+def _pallas_call(eqn) -> OpCost:
+    """A Pallas kernel: the user's ``cost_estimate`` where given; else its body's arithmetic once per grid point, and
+    its operands and results moved through device memory once (the body's reads and writes of its blocks are
+    on-chip)."""
+    est = eqn.params.get("cost_estimate")
+    if est is not None:
+        return OpCost(float(est.flops), float(est.transcendentals), int(est.bytes_accessed), _out_bytes(eqn))
+    grid = tuple(getattr(eqn.params.get("grid_mapping"), "grid", ()) or ())
+    if not all(isinstance(g, int) for g in grid):
+        _warn_once("pallas_call grid", "autopp cost model: a Pallas kernel's grid is not static; counting its body "
+                                       "once.", stacklevel=3)
+        grid = ()
+    inner = jaxpr_cost(_sub(eqn.params["jaxpr"])).scale(math.prod(grid))
+    return OpCost(inner.flops, inner.transcendentals, _io_bytes(eqn), _out_bytes(eqn))
+
+
 def _value_and_grad(eqn) -> OpCost:
     """``autopp.value_and_grad``'s marker: the loss forward (held in ``spec.forward``), forward + backward."""
     inner = jaxpr_cost(eqn.params["spec"].forward.jaxpr).scale(_VALUE_AND_GRAD_FACTOR)
@@ -390,6 +406,9 @@ _RULES.update({
     "approx_top_k": _top_k, "random_gamma": _random_gamma, "name": _tag, "fft": _fft,
     # host callbacks (jax.debug.print, pure_callback, io_callback): no device arithmetic, their operands cross
     "debug_callback": _zero_flop, "debug_print": _zero_flop, "pure_callback": _zero_flop, "io_callback": _zero_flop,
+    # a Pallas kernel, and the loads and stores of references (a kernel's blocks, mutable arrays): no arithmetic
+    "pallas_call": _pallas_call, "get": _zero_flop, "swap": _zero_flop,
+    "addupdate": lambda e: _arith(e, math.prod(e.invars[1].aval.shape)),  # (ref += value: one add per element)
 })
 del _names, _rule, _n
 

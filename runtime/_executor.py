@@ -10,6 +10,7 @@ compilation after the first call, no host synchronisation; a buffer is dropped r
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp.core import RECOMPUTE_MODES, Plan, Schedule, TracedStep, batch_dependent_vars
+from autopp.core import RECOMPUTE_MODES, Plan, Schedule, TracedStep, batch_dependent_vars, weak_typed
 from autopp.profiler import split_at
 
 from autopp.runtime import _passes
@@ -176,6 +177,10 @@ def build_split_executable(traced, forward, split, stage_devices, *, num_microba
     program = _passes.localize(program, meshes.devices)
     program = _passes.insert_frees(program)
     program = _passes.compile(program, compiler)
+    weak = [a.weak_type for a in traced.jaxpr.out_avals]
+    if any(weak):  # a value computed from a Python scalar comes back weak-typed, as from jax.jit
+        program = dataclasses.replace(program, outputs=tuple(
+            (lambda env, fn=fn: weak_typed(fn(env))) if w else fn for fn, w in zip(program.outputs, weak)))
     return Executable(program, traced.out_tree)
 
 

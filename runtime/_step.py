@@ -16,7 +16,8 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
 from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradient_not_split, constant_outputs,
-                         eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program)
+                         eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program,
+                         warn_unrecomputable)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -184,8 +185,10 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                 f"autopp.parallelize: {names[k - 1]} has dtype {dt} and depends on the batch; aux values are "
                 f"{'averaged' if config.reduction(k) == 'mean' else 'summed'} over microbatches, which needs a "
                 + ("number. Return the key from the step outside the gradient." if key else "floating dtype. "
-                   "Return it as a float (e.g. .astype(jnp.float32)): a count comes back as its mean over the "
-                   "microbatches."))
+                   "A count over the examples (a sum, a bincount) is added up and a flag over them (jnp.any, "
+                   "jnp.all) combined as jit does, but this value is neither. Return it per example (leading "
+                   "dimension the batch's: the microbatches' values are concatenated) and reduce it in the step after "
+                   "the gradient; or, for the average of the microbatches' values, as a float (.astype(jnp.float32))."))
     graphs = stage_graphs(forward, split.stage_eqns, diff_mask, out_stage)
     invar_pos = {v: k for k, v in enumerate(fwd.invars)}
     users: dict[int, list[int]] = collections.defaultdict(list)
@@ -620,6 +623,7 @@ class StepBuilder:
         batch_dependent = batch_dependent_vars(fwd.jaxpr, mb_mask)
         recompute = st.config.recompute[0]
         by_layer = layer_checkpointed(fwd, layer_starts_of(st)) if recompute == "full" else None
+        unrecomputable = recompute == "selective" and warn_unrecomputable(fwd, recompute)
 
         def accumulate(*invals):
             stacked = [x.reshape((M, x.shape[0] // M) + x.shape[1:]) for x, mb in zip(invals, mb_mask) if mb]
@@ -635,7 +639,7 @@ class StepBuilder:
                     outs = by_layer(v) if by_layer else jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
                     return outs[0], outs[1:]
 
-                if recompute == "selective":
+                if recompute == "selective" and not unrecomputable:
                     loss_of = jax.checkpoint(loss_of, policy=RECOMPUTE_POLICIES[recompute])
                 (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)([vals[i] for i in diff_idx])
                 combined = [combine[k](c, a) for k, c, a in zip(kept, carry[1], [aux[k - 1] for k in kept])]

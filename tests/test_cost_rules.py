@@ -454,6 +454,31 @@ def test_labels_and_host_callbacks_are_priced_without_a_warning():
     assert {"debug_callback", "pure_callback"} <= set(costs) and has_cost_rule("io_callback")
 
 
+def test_a_gridded_pallas_kernel_is_priced_for_every_grid_point():
+    """A tiled Pallas matmul (grid of 4 row blocks) was priced as one tile, with its block loads and stores at a FLOP
+    per element (a trial: 72,704 forward FLOPs for the hand count's 2 * 32 * 64 * 64 = 262,144). Its body counts once
+    per grid point, loads and stores are free, and a kernel's own ``cost_estimate`` is taken as given."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+    def matmul(x, w, **kw):
+        rows, whole = pl.BlockSpec((8, 64), lambda i: (i, 0)), pl.BlockSpec((64, 64), lambda i: (0, 0))
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype), grid=(4,),
+                              in_specs=[rows, whole], out_specs=rows, interpret=True, **kw)(x, w)
+
+    x, w = jnp.ones((32, 64)), jnp.ones((64, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cost = jaxpr_cost(jax.make_jaxpr(matmul)(x, w).jaxpr)
+    assert cost.flops == 2 * 32 * 64 * 64
+    assert cost.bytes_accessed == 4 * (32 * 64 + 64 * 64 + 32 * 64)  # operands and result, once through memory
+    given = pl.CostEstimate(flops=123, transcendentals=4, bytes_accessed=567)
+    cost = jaxpr_cost(jax.make_jaxpr(functools.partial(matmul, cost_estimate=given))(x, w).jaxpr)
+    assert (cost.flops, cost.transcendentals, cost.bytes_accessed) == (123, 4, 567)
+
+
 def test_a_histogram_is_priced_without_a_warning():
     """``jnp.histogram`` (a metric in a user's aux, trial S) compares with ``lt_to``, which had no rule: priced as the
     comparison it is, by the same rule as ``lt`` (no floating-point arithmetic, as XLA counts it)."""

@@ -277,3 +277,104 @@ def test_a_loss_that_mixes_its_examples_warns_where(name):
     outs = [fn(params, TX.init(params), _batch(0)) for fn in (
         jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2]))]
     _assert_equal(outs[0], outs[1])
+
+
+def test_counts_and_flags_over_the_examples_combine_as_jit_s():
+    """A trial's confusion counts written as scatter-adds (``.at[label].add(1.0)``, ``jnp.bincount``, a segment sum of
+    ones) came back averaged over the microbatches (8 for jit's 32), and flags over the examples (``jnp.any``,
+    ``jnp.all``) were refused with advice (a float cast) that gave 0.75 for jit's True. Counts are added up, flags
+    combined by or / and."""
+    C = 4
+
+    def loss(p, b):
+        nll = _nll(p, b)
+        pred = jnp.argmax(nll, axis=1) % C  # an int per example, decided by the batch
+        return nll.mean(), {"at_add": jnp.zeros(C).at[pred].add(1.0), "bincount": jnp.bincount(pred, length=C),
+                            "segment_sum": jax.ops.segment_sum(jnp.ones(pred.shape[0]), pred, num_segments=C),
+                            "any": (nll > 4.2).any(), "all": (nll > 0.5).all(), "none": (nll > 99.0).any()}
+
+    (p_jit, (l_jit, a_jit)), (p_pp, (l_pp, a_pp)) = _run(_step(loss, has_aux=True))
+    assert a_jit["any"] and not a_jit["none"] and float(a_jit["at_add"].sum()) == B  # (the flags differ over examples)
+    assert {k: v.dtype for k, v in a_pp.items()} == {k: v.dtype for k, v in a_jit.items()}
+    _assert_equal((l_jit, a_jit), (l_pp, a_pp))
+    _assert_equal(p_jit, p_pp)
+
+
+def test_an_aux_value_no_combination_of_the_microbatches_gives_is_named():
+    """Perplexity (exp of a mean), a top-k over the batch and one example's value came back as the average of the
+    microbatches' values with no word (a trial: perplexity 5.04e6 for jit's 6.59e5), and a statistic over the batch
+    only an aux used warned that the loss and gradients differ (they do not). Both warnings name the aux."""
+    def loss(p, b):
+        nll = _nll(p, b)
+        return nll.mean(), {"ppl": jnp.exp(nll.mean()), "first": nll[0, 0], "top": jax.lax.top_k(nll.sum(1), 2)[0],
+                            "acc": (nll < 3.0).mean()}
+
+    with pytest.warns(UserWarning, match=r"aux\['first'\], aux\['ppl'\], aux\['top'\] depend\(s\) on the batch"):
+        (p_jit, (l_jit, a_jit)), (p_pp, (l_pp, a_pp)) = _run(_step(loss, has_aux=True))
+    assert not np.isclose(float(a_jit["ppl"]), float(a_pp["ppl"]), rtol=1e-3)
+    _assert_equal((p_jit, l_jit, a_jit["acc"]), (p_pp, l_pp, a_pp["acc"]))
+
+    def spread(p, b):
+        nll = _nll(p, b)
+        return nll.mean(), nll.sum(1).std()
+
+    with pytest.warns(UserWarning, match=r"(?s)aux spreads a statistic.*the loss and gradients do not") as record:
+        (p_jit, _), (p_pp, _) = _run(_step(spread, has_aux=True))
+    assert not any("the loss spreads" in str(w.message) for w in record)
+    _assert_equal(p_jit, p_pp)
+
+
+def test_a_summed_loss_is_read_as_a_sum_with_one_example_per_microbatch():
+    """At one example per microbatch JAX writes ``h @ h.transpose(0, 2, 1)`` without the batch axis (``jnp.matmul``
+    drops one of size 1), so the two programs did not compare and the default averaged a summed loss: 1/16 of jit's
+    loss and gradients, silently (a trial's two-tower model and VLM). The programs read are now at two examples."""
+    def loss(p, b):
+        h = p["embed"][b["x"]] @ p["w"]
+        h = jax.nn.softmax(h @ h.transpose(0, 2, 1), -1) @ h
+        return ((h.mean(1) @ p["head"] - 1.0) ** 2).sum()
+
+    step = _step(loss)
+    params = _params(jax.random.key(0))
+    outs = []
+    for fn in (jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=B, devices=jax.devices()[:2])):
+        state = (params, TX.init(params))
+        *state, out = fn(*state, _batch(0))
+        outs.append((autopp.gather(state[0]), out))
+    _assert_equal(outs[0], outs[1], tol=2e-5)
+
+
+def test_a_loss_whose_combination_cannot_be_read_is_averaged_with_a_warning():
+    """A sum over the examples made inside a custom kernel (a trial's Pallas cross-entropy) was averaged with no word:
+    a quarter of jit's loss and gradients. Where the program does not show a mean or a sum (here a callback that
+    adds the examples up, and a root of a sum), the default still averages, and says so with the fix; an aux value
+    alike (a count from a callback came back as the microbatches' mean, a quarter of jit's)."""
+    def callback_sum(p, b):
+        per = _nll(p, b).sum(1)
+        total = jax.pure_callback(lambda v: np.asarray(v.sum(), np.float32), jax.ShapeDtypeStruct((), jnp.float32),
+                                  jax.lax.stop_gradient(per))
+        return per.mean(), {"total": total}
+
+    for loss, has_aux in ((lambda p, b: jnp.sqrt((_nll(p, b) ** 2).sum()), False), (callback_sum, True)):
+        with pytest.warns(UserWarning, match=r"does not show whether it is a mean or a sum|aux\['total'\] depend"):
+            _run(_step(loss, has_aux=has_aux))
+    (p_jit, l_jit), (p_pp, l_pp) = _run(_step(lambda p, b: jnp.sqrt((_nll(p, b) ** 2).sum())), loss_reduction="sum")
+    assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-3)  # neither combination is jit's: only a warning helps
+
+
+def test_a_recurrence_along_the_batch_axis_is_named():
+    """Time-major data ([time, batch, ...]) scanned over time, axis 0, which autopp splits: each microbatch is a
+    stretch of time from the initial state, and the loss differs from jit's with no word (a trial's GRU and SSM:
+    1.599 for jit's 1.748). Unrolled, the programs at the two batch sizes differ; a warning says what that means."""
+    def recurrence(p, b):
+        x = p["embed"][b["x"]].mean(1)
+        h = jax.lax.scan(lambda c, xt: (jnp.tanh(c @ p["w"] + xt),) * 2, jnp.zeros(x.shape[1:]), x)[1]
+        return ((h @ p["head"]) ** 2).mean()
+
+    def prefix(p, b):
+        x = p["embed"][b["x"]].mean(1) @ p["w"]
+        return ((jax.lax.associative_scan(jnp.add, jnp.tanh(x)) @ p["head"]) ** 2).mean()
+
+    for loss in (recurrence, prefix):
+        with pytest.warns(UserWarning, match=r"(?s)loops over the batch axis.*time-major|orders its examples"):
+            (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss))
+        assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)

@@ -63,6 +63,31 @@ def test_a_weakly_typed_learning_rate_keeps_bfloat16_parameters(lr):
     assert len(pipelined._cache) == 1
 
 
+def test_a_learning_rate_fed_back_between_steps_stays_weak_and_keeps_the_parameters_dtype():
+    """A learning rate decayed in the step and fed back (``lr * 0.9``, the first call given the Python float 0.1)
+    came back strongly typed float32 from autopp (a trial), so from the second step on the bf16 parameters became
+    float32 (twice the memory, a second build, losses drifting from jit's). It comes back weak, as from jit."""
+
+    def make(vag):
+        def step(p, lr, batch):
+            loss, g = vag(lambda q, b: nll(q, b).mean())(p, batch)
+            return jax.tree.map(lambda a, b: a - lr * b, p, g), lr * 0.9, loss
+        return step
+
+    params = init(jax.random.key(0), jnp.bfloat16)
+    results = []
+    for fn in both(make):
+        state = (params, 0.1)
+        for _ in range(3):
+            *state, loss = fn(*state, BATCH)
+        results.append((state, loss))
+    (want, l_want), (got, l_got) = results
+    assert got[1].weak_type and want[1].weak_type
+    assert {a.dtype for a in jax.tree.leaves(got[0])} == {jnp.dtype(jnp.bfloat16)}
+    assert_trees_close(jax.tree.map(lambda a: a.astype(jnp.float32), (got, l_got)),
+                       jax.tree.map(lambda a: a.astype(jnp.float32), (want, l_want)), rtol=0, atol=2e-2)
+
+
 def test_integer_leaves_under_allow_int_get_float0_gradients():
     """An int32 counter among the differentiated parameters (read by the loss or not): jit's gradient for it is
     float0 zeros, and the float leaves' gradients are the loss's."""

@@ -1,0 +1,215 @@
+"""How a pipelined step's microbatches stand for plain ``jax.jit``'s whole batch: the loss's forward at microbatch
+size, how the microbatches' losses and aux values combine (read off the loss's program, with the warnings where no
+combination gives jit's value), and the loss's terms that count once per step."""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from autopp._config import ParallelizeConfig
+from autopp.core import (
+    STRUCTURE,
+    TracedStep,
+    check_batch_divisible,
+    mixing_by_output,
+    mixing_summary,
+    output_reductions,
+    scale_batch_independent_terms,
+    trace_microbatch_forward,
+    user_line,
+    user_stacklevel,
+)
+
+__all__ = ["batch_size", "counted_once", "microbatch_forward", "reductions", "retracer"]
+
+_WHO = "autopp.parallelize"
+
+
+def batch_size(traced: TracedStep) -> int:
+    """The traced step's batch size (the common divisor of its batch leaves' leading dimensions)."""
+    sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
+    return math.gcd(*sizes) if sizes else 1
+
+
+def microbatch_forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
+    check_batch_divisible(traced, num_microbatches)
+    forward = trace_microbatch_forward(step_fn, args, traced, num_microbatches)
+    if num_microbatches > 1:
+        _warn_rows_not_examples(traced)
+    return forward
+
+
+def retracer(step_fn: Callable, args: tuple, traced: TracedStep) -> Callable[[int], jex_core.ClosedJaxpr]:
+    return lambda k: trace_microbatch_forward(step_fn, args, traced, k)
+
+
+def _warn_rows_not_examples(traced: TracedStep) -> None:
+    """Loss inputs the step computes from the batch are split by rows into microbatches; say so where autopp cannot
+    follow the batch's examples to their rows (a concatenation along the batch axis, a transpose then a flattening,
+    a statistic over part of the batch): each microbatch then reads rows that are not its examples' (a user trial:
+    ``concatenate([y, -y])`` read by its first rows, 1.2 against jit's 0.71). Followed as a batch split over devices
+    would be (:func:`autopp.profiler.batch_dims`)."""
+    from autopp.profiler import batch_dims
+
+    outer = traced.jaxpr.jaxpr
+    batch_leaves = {v for v, b in zip(outer.invars, traced.batch_mask) if b}
+    loose = [k for k, (a, mb) in enumerate(zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs))
+             if mb and a not in batch_leaves and k not in traced.shape_batched]
+    if not loose:
+        return
+    before_gradient = types.SimpleNamespace(eqns=outer.eqns[:traced.grad_index])
+    dims = batch_dims(before_gradient, {v: 0 for v in batch_leaves if getattr(v.aval, "shape", ())})
+    lost = [k for k in loose if dims.get(traced.grad_eqn.invars[k]) != 0]
+    if lost:
+        shapes = ", ".join(f"#{k} {traced.grad_eqn.invars[k].aval.str_short()}" for k in lost[:4])
+        warnings.warn(
+            f"{_WHO}: loss input(s) {shapes} that the step computes from the batch are split into microbatches by "
+            "rows, but autopp cannot follow the batch's examples to those rows (a concatenation or a reshape along "
+            "the batch axis, a transpose, a statistic over part of the batch): a microbatch then reads rows that are "
+            "not its own examples', unlike jax.jit. Compute such values inside the loss, or keep the batch axis "
+            "first and per example.", stacklevel=user_stacklevel())
+
+
+def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.ClosedJaxpr,
+                num_microbatches: int, retrace: Callable[[int], jex_core.ClosedJaxpr] | None = None
+                ) -> tuple[str, tuple]:
+    """(how the microbatches' losses combine, per output of the loss how its values combine or None). Read off the
+    loss's program (:func:`autopp.core.output_reductions`: a mean over its examples, or a sum) where it shows it;
+    else the reduction given (or the replayed plan's); else ``"mean"``. A reduction given that the program
+    contradicts would return ``num_microbatches`` times (or a ``num_microbatches``-th of) plain jit's loss, and
+    is refused. ``retrace(k)``: the loss's forward traced at ``k`` microbatches, read instead of ``forward`` where
+    microbatches hold one example each (at batch 1 JAX writes some programs otherwise: ``jnp.matmul`` drops a batch
+    axis of size 1, so the two programs would not compare)."""
+    n_out = len(forward.jaxpr.outvars)
+    mixing: list = []
+    undetermined: list = []
+    factor = num_microbatches
+    if retrace is not None and num_microbatches > 1 and batch_size(traced) == num_microbatches:
+        factor = max((k for k in range(2, num_microbatches) if num_microbatches % k == 0), default=num_microbatches)
+        forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
+    kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, factor,
+                               mixing, undetermined) if num_microbatches > 1 else (None,) * n_out)
+    names = traced.spec.aux_names
+    if STRUCTURE in undetermined:
+        warnings.warn(
+            f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it: "
+            "it loops over the batch axis (a lax.scan or lax.map along axis 0 of the batch, a Python loop over the "
+            "examples), so how its examples combine cannot be read, and the microbatches' losses are "
+            f"{'added up' if config.loss_reduction == 'sum' else 'averaged'}. If axis 0 of the batch is not its "
+            "examples' (time-major [time, batch, ...] data, scanned over time), each microbatch is a stretch of time "
+            "starting from the initial state, unlike jax.jit: put the examples first (scan over axis 1). A function "
+            "of one example mapped over the batch: write it with jax.vmap.", stacklevel=user_stacklevel())
+    reached = mixing_by_output(mixing, forward) if mixing else {}
+    if 0 in reached:  # one warning for a loss whose examples' values depend on other examples of the batch
+        warnings.warn(
+            f"{_WHO}: the loss {mixing_summary(reached[0])}. Each of the {num_microbatches} microbatches' losses sees "
+            "only its own examples, so the loss and gradients differ from plain jax.jit's over the whole batch (they "
+            "are gradient accumulation's). For jit's values use num_microbatches=1 (a stage's data-parallel devices "
+            "then compute over the whole batch, as jit does), or compute such values (statistics, random draws) in "
+            "the step, outside the loss, and pass them in.", stacklevel=user_stacklevel())
+    in_loss = set(map(id, reached.get(0, [])))
+    aux_mixed = sorted(k for k in reached if k > 0 and not set(map(id, reached[k])) <= in_loss)
+    if aux_mixed:  # mixing that only aux values see: the loss and gradients are jit's
+        events = [e for k in aux_mixed for e in reached[k]]
+        warnings.warn(
+            f"{_WHO}: {', '.join(names[k - 1] for k in aux_mixed)} {mixing_summary(events)}. Each of the "
+            f"{num_microbatches} microbatches computes it over its own examples only, so it differs from plain "
+            "jax.jit's value over the whole batch (the loss and gradients do not). For jit's value, return what it is "
+            "computed from per example (leading dimension the batch's: the microbatches' values are concatenated) and "
+            "compute it in the step after the gradient.", stacklevel=user_stacklevel())
+    given, kind = config.loss_reduction, kinds[0]
+    if kind == "ratio":
+        if given == "sum":
+            raise ValueError(
+                f"{_WHO}: loss_reduction='sum', but the loss divides a sum over its examples by another sum over them "
+                f"(a masked token mean, sum(nll * mask) / mask.sum()): adding the {num_microbatches} microbatches' "
+                f"ratios gives about {num_microbatches}x plain jax.jit's loss and gradients. For jit's whole-batch "
+                "value, compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, "
+                "batch, mask.sum()), then 'sum' is right); to average the microbatches' ratios, pass "
+                "loss_reduction='mean'.")
+        if given is None:
+            warnings.warn(
+                f"{_WHO}: the loss divides a sum over its examples by another sum over them (a masked token mean, "
+                "sum(nll * mask) / mask.sum()); each microbatch's ratio is averaged, which is not plain jax.jit's "
+                "whole-batch ratio when microbatches hold different numbers of counted tokens (and NaN for one that "
+                "holds none). For jit's value, "
+                "compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
+                "mask.sum())); to keep the average of microbatch ratios (gradient accumulation's), pass "
+                "loss_reduction='mean'.", stacklevel=user_stacklevel())
+        kind = None
+    elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
+        kind = None
+    ratios = [k for k in range(1, n_out) if kinds[k] == "ratio"]
+    if ratios:
+        warnings.warn(
+            f"{_WHO}: {', '.join(names[k - 1] for k in ratios)} divide(s) a sum over the loss's examples by another "
+            "sum over them (a masked accuracy); each microbatch's ratio is averaged, which is not plain jax.jit's "
+            "whole-batch ratio when microbatches hold different counts. For jit's value, return the numerator and "
+            "the denominator as two aux values (each a sum: they are added up) and divide them after the step.",
+            stacklevel=user_stacklevel())
+    # the loss: a mean or a sum, or the reduction given; an aux value: also a maximum or minimum, and a ratio averaged
+    kinds = (None if kinds[0] in ("ratio", "max", "min") else kinds[0],) + tuple(
+        "mean" if k == "ratio" else k for k in kinds[1:])
+    if kind is not None and given is not None and kind != given:
+        how = ("it divides by its own number of examples, as jnp.mean does" if kind == "mean" else
+               "it adds its examples up and divides by nothing that depends on its own batch size")
+        wrong = (f"{num_microbatches}x" if given == "sum" else f"1/{num_microbatches} of")
+        raise ValueError(
+            f"{_WHO}: loss_reduction={given!r}, but the loss is a {kind} over its examples ({how}): "
+            f"{'adding' if given == 'sum' else 'averaging'} the {num_microbatches} microbatches' losses would give "
+            f"{wrong} plain jax.jit's loss and gradients. "
+            + (f"The plan says loss_reduction {given!r}: make it again with plan_model(..., loss_reduction={kind!r}) "
+               f"(autopp plan --loss-reduction {kind})." if config.source == "replay" else
+               f"Drop loss_reduction= (it is read off the loss) or pass loss_reduction={kind!r}."))
+    reduction = given or kind or "mean"
+    combined = "sum" if reduction == "sum" else "average"
+    opaque = [names[k - 1] for k in undetermined if k > 0 and k not in aux_mixed  # (per-example values: concatenated)
+              and traced.spec.forward.out_avals[k].shape == forward.out_avals[k].shape
+              and (combined == "sum" or jnp.issubdtype(forward.out_avals[k].dtype, jnp.inexact))]  # (else refused)
+    if opaque:
+        warnings.warn(
+            f"{_WHO}: {', '.join(opaque)} depend(s) on the batch but {'is' if len(opaque) == 1 else 'are'} neither a "
+            "mean, a sum, a maximum nor a minimum over the loss's examples (e.g. exp of a mean loss, a median, one "
+            f"example's value): it comes back as the {combined} of the microbatches' values, which is not plain "
+            "jax.jit's value over the whole batch. For jit's value, return what it is computed from as a mean or sum "
+            "(or per example) and compute it in the step after the gradient (perplexity: jnp.exp(loss)).",
+            stacklevel=user_stacklevel())
+    whole = traced.whole_batch_grad_inputs
+    if 0 in undetermined and 0 not in reached and given is None and not whole:  # (mixing: said above)
+        warnings.warn(
+            f"{_WHO}: the loss's program does not show whether it is a mean or a sum over its examples (an operation "
+            "autopp cannot see into combines them: a custom kernel, a callback; or a function of a mean, such as its "
+            f"square root), so the {num_microbatches} microbatches' losses are averaged (loss_reduction='mean'), "
+            "which is plain jax.jit's loss and gradients only if it is a mean. Pass loss_reduction='sum' if it adds "
+            "its examples up, or loss_reduction='mean' to keep the average.", stacklevel=user_stacklevel())
+    if whole and reduction == "mean" and kind is None and num_microbatches > 1:  # (one microbatch: both are jit's)
+        made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}
+        where = "; ".join(f"{traced.grad_eqn.invars[k].aval.str_short()} made at {user_line(made[v])}"
+                          if v in made else traced.grad_eqn.invars[k].aval.str_short()
+                          for k in whole for v in [traced.grad_eqn.invars[k]])
+        raise ValueError(
+            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch ({where}; e.g. a "
+            "token count that normalises the loss), and its program does not "
+            "show whether it is a mean or a sum over its examples. Every microbatch's loss reads the step's value: "
+            "when that value normalises the loss (sum(nll * mask) / mask.sum() over the whole batch), the step's loss "
+            "is the sum of the microbatch losses, so pass loss_reduction=\"sum\"; when the loss averages its "
+            "examples anyway (a temperature, a key), pass loss_reduction=\"mean\"."
+            + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
+               "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
+    return reduction, kinds
+
+
+def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
+                  loss_reduction: str) -> jex_core.ClosedJaxpr:
+    """``forward`` as the pipeline runs it: with ``loss_reduction="sum"``, the loss's terms that read no batch input (a
+    weight penalty) scaled by ``1 / num_microbatches``, so that the microbatches' losses add up to the step's (the
+    same equations, so a split of ``forward`` splits it)."""
+    if loss_reduction == "sum" and num_microbatches > 1:
+        forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches)
+    return forward
