@@ -5,10 +5,12 @@ Supported JAX range: ``>=0.10,<0.11`` (tested with 0.10.2).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import re
+import threading
 
 import jax
 import numpy as np
@@ -454,6 +456,45 @@ def leaked_tracers(closed) -> list:
     return found
 
 
+_loss_frames = threading.local()  # .stack: (trace frame, positions of the differentiated inputs) per loss traced
+
+
+@contextlib.contextmanager
+def tracing_loss(leaves, differentiated):
+    """While the loss is traced from ``leaves`` (its inputs' tracers, in order; ``differentiated``: per leaf, whether
+    it is a parameter the gradient is taken of), a ``lax.scan`` inside it can tell parameters from data
+    (:func:`_scans_data`)."""
+    frame = next((x._trace.frame for x in leaves if is_tracer(x) and hasattr(getattr(x, "_trace", None), "frame")),
+                 None)
+    stack = _loss_frames.__dict__.setdefault("stack", [])
+    stack.append((frame, frozenset(i for i, d in enumerate(differentiated) if d)))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _scans_data(xs_flat) -> bool:
+    """Whether a ``lax.scan`` in the loss being traced runs over data only: every scanned operand computed from an input
+    of the loss that is not a parameter (a recurrence over time, over examples), none of them a parameter or made
+    from parameters alone (the blocks of a model stacked by layer: those are unrolled, to be split into stages).
+    False where that cannot be told (no loss traced, operands of another trace)."""
+    stack = getattr(_loss_frames, "stack", None)
+    if not stack or not xs_flat or stack[-1][0] is None:
+        return False
+    frame, params = stack[-1]
+    for x in xs_flat:
+        if not is_tracer(x) or getattr(getattr(x, "_trace", None), "frame", None) is not frame:
+            return False
+        try:
+            positions, _ = frame.find_progenitors(x)
+        except Exception:  # noqa: BLE001 - JAX internals changed: unroll, as before
+            return False
+        if not positions or set(positions) <= params:
+            return False
+    return True
+
+
 class replaying_scans:
     """While active (with ``jax.disable_jit``, which unrolls ``lax.scan``), ``lax.scan`` called on a thread inside
     the block traces its body once and replays it per iteration (:func:`_scan_by_replay`): the same equations as
@@ -476,6 +517,9 @@ class replaying_scans:
             @functools.wraps(original[0])
             def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
                 if threading.get_ident() in inside and jax.config.jax_disable_jit:
+                    if _scans_data(jax.tree_util.tree_leaves(xs)):  # over time or examples: kept one scan
+                        with jax.disable_jit(False):
+                            return original[0](f, init, xs, length, reverse, unroll, _split_transpose)
                     out = _scan_by_replay(f, init, xs, length, reverse)
                     if out is not None:
                         return out

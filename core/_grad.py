@@ -188,7 +188,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
     def flat_fun(*leaves):
         full = dict(static)
         full.update(zip(dynamic, leaves))
-        with _not_marking():
+        with _not_marking(), _compat.tracing_loss(leaves, arg_mask):
             out = fun(*jax.tree_util.tree_unflatten(in_tree, [full[i] for i in range(num_leaves)]))
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):

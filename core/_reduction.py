@@ -196,6 +196,10 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
     if along is not None and any(along in ax for _, ax in dependent):
         return ORDER
+    if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
+        xs = ins[me.params["num_consts"] + me.params["num_carry"]:]
+        if any(st is not None and st[2] and 0 in ax for st, ax in xs):
+            return ORDER
     if me.primitive.name == "slice" and dependent:  # a window of the batch that keeps its axis: x[1:] - x[:-1], a
         (_, ax), = ins[:1]  # roll, the strided halves of an associative scan
         shape, strides = me.invars[0].aval.shape, me.params.get("strides") or ()
@@ -390,12 +394,20 @@ def _scan(we, me, ins, M):
     carry = states[nc:nc + ncar]
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states, M)
     if outs[:ncar] != carry:  # a carry that accumulates over iterations: one more pass from the joined states
-        carry = [a if a == b else None for a, b in zip(carry, outs[:ncar])]
+        carry = [_join(a, b) for a, b in zip(carry, outs[:ncar])]
         outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts),
                      states[:nc] + carry + states[nc + ncar:], M)
         if outs[:ncar] != carry:
             return [None] * len(me.outvars)
     return outs
+
+
+def _join(a, b):
+    """The state of a value that is ``a`` or ``b`` (a loop's carry before and after an iteration): the same sum and
+    power of the batch size, depending on the batch if either does (a state carried from zeros); else unknown."""
+    if a is None or b is None or a[:2] != b[:2]:
+        return None
+    return (a[0], a[1], a[2] or b[2])
 
 
 def _cond(we, me, ins, M):
@@ -412,5 +424,9 @@ def _while(we, me, ins, M):
     wb, mb = we.params["body_jaxpr"], me.params["body_jaxpr"]
     states = [st for st, _ in ins]
     carry = states[cn + bn:]
+    outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
+    if outs == carry:
+        return outs
+    carry = [_join(a, b) for a, b in zip(carry, outs)]  # one more pass from the joined states
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
     return [a if a == b else None for a, b in zip(carry, outs)]
