@@ -228,7 +228,7 @@ def _const_state(wval, mval, M: int):
         raise _Mismatch
     if a.dtype == object or not np.issubdtype(a.dtype, np.number):
         return (0, 0, False) if np.array_equal(a, b) else None
-    if np.array_equal(a, b):
+    if np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.inexact)):  # (a NaN literal: a masked fill)
         return (0, 0, False)
     if a.size != 1:
         return None

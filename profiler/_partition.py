@@ -291,7 +291,10 @@ def _uncuttable(calls) -> str:
     if "lax.cond/lax.switch" in calls:
         fixes.append("compute the layers outside the cond and put only what differs between its branches inside "
                      "it (a loss head, say), or select with jnp.where")
-    if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch"}:
+    if "scan" in calls:  # (a scan over data: over stacked parameters it is unrolled, one layer per iteration)
+        fixes.append("write a function of one example mapped over the batch (lax.map) with jax.vmap; a scan over "
+                     "time steps runs whole on one stage, so keep the layers around it outside it")
+    if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch", "scan"}:
         fixes.append("call the layers outside it, one call per layer at most")
     return "To pipeline the model, " + "; ".join(fixes) + "."
 
@@ -329,7 +332,8 @@ def split_stages(
     total = sum(problem.costs)
     heaviest = max(range(len(problem.seq)), key=problem.costs.__getitem__)
     eqn = forward.jaxpr.eqns[problem.seq[heaviest]]
-    if refuse_unbalanced and num_stages > 1 and problem.costs[heaviest] > 0.5 * total and _wraps(eqn):
+    if (refuse_unbalanced and num_stages > 1 and problem.costs[heaviest] > max(0.5, 1.5 / num_stages) * total
+            and _wraps(eqn)):  # (two recurrent layers' scans, 53% and 47% of the work, on two stages: balanced enough)
         name = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
         raise ValueError(
             f"autopp: one {name} call holds {problem.costs[heaviest] / total:.0%} of the loss's work, and a stage "

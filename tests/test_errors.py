@@ -451,7 +451,7 @@ def test_debug_nans_raises_a_floating_point_error_naming_the_task(mlp_setup):
     def step(params, batch):
         return autopp.grad(loss)(params, batch)
 
-    pipelined = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])
+    pipelined = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2], loss_reduction="mean")
     jax.block_until_ready(pipelined(state[0], batch))  # built (and compiled) before the check is on
     jax.config.update("jax_debug_nans", True)
     try:
