@@ -257,3 +257,62 @@ def _summary(plan) -> str:
             f"{plan.microbatch_size}, {plan.schedule}{f' v={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}, "
             f"recompute {sorted({st.recompute for st in plan.stages})}: {e.step_time_s:.3f} s/step, "
             f"{e.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {100 * e.mfu:.1f}%, {e.peak_memory_bytes_per_gpu / 2**30:.1f} GiB")
+
+
+def _lstm_plan_s(steps: int) -> float:
+    """Seconds to profile and plan a 2-layer LSTM (input 256, hidden 1024, batch 64, AdamW) over ``steps`` time steps
+    for 2x8xH100, abstractly."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import autopp
+    from autopp.planner import plan_model
+    from autopp.profiler import profile
+
+    inputs, hidden, batch = 256, 1024, 64
+    tx = optax.adamw(1e-3)
+
+    def loss(p, b):
+        x = b["x"]
+        for layer in p["layers"]:
+            def cell(hc, xt, layer=layer):
+                z = xt @ layer["wx"] + hc[0] @ layer["wh"]
+                i, f, g, o = jnp.split(z, 4, -1)
+                c = jax.nn.sigmoid(f) * hc[1] + jax.nn.sigmoid(i) * jnp.tanh(g)
+                h = jax.nn.sigmoid(o) * jnp.tanh(c)
+                return (h, c), h
+
+            zeros = jnp.zeros((x.shape[0], hidden))
+            _, hs = jax.lax.scan(cell, (zeros, zeros), jnp.swapaxes(x, 0, 1))
+            x = jnp.swapaxes(hs, 0, 1)
+        return jnp.mean((x[:, -1] @ p["out"] - b["y"]) ** 2)
+
+    def train_step(p, o, b):
+        value, grads = autopp.value_and_grad(loss)(p, b)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    sds = jax.ShapeDtypeStruct
+    params = {"layers": [{"wx": sds((inputs if i == 0 else hidden, 4 * hidden), jnp.float32),
+                          "wh": sds((hidden, 4 * hidden), jnp.float32)} for i in range(2)],
+              "out": sds((hidden, 1), jnp.float32)}
+    b = {"x": sds((batch, steps, inputs), jnp.float32), "y": sds((batch, 1), jnp.float32)}
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fp32 pricing advice: the model is float32 on purpose
+        prof = profile(train_step, params, jax.eval_shape(tx.init, params), b, cluster="2x8xH100")
+        plan_model(prof, "2x8xH100", global_batch=1024)
+    return time.perf_counter() - t
+
+
+def test_recurrent_net_planning_time_over_sequence_lengths(benchmark):
+    """A recurrent net's scan over time is one operation of its layer: planning does not grow with the steps (before
+    2026-12-07 every cell was priced, and each layer's sharding ILP covered every step: 21.9 s at 16 steps)."""
+    times = {steps: statistics.median(_lstm_plan_s(steps) for _ in range(3)) for steps in (16, 64)}
+    benchmark.extra_info.update({f"steps_{k}_s": v for k, v in times.items()})
+    print(f"\n[recurrent planning] 2-layer LSTM, 2x8xH100: 16 steps {times[16]:.2f} s, 64 steps {times[64]:.2f} s "
+          f"(ratio {times[64] / times[16]:.2f})")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)

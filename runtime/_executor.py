@@ -135,7 +135,8 @@ def _why_not_by_rows(meshes: StageMeshes):
             return "the stages that read them split parameters over a tensor or FSDP axis"
         if len({d for s in stages for d in meshes.devices[s]}) < sum(len(meshes.devices[s]) for s in stages):
             return ("several of their blocks would share devices (interleaved-1f1b and dualpipev put several model "
-                    "chunks on one device group)")
+                    "chunks on one device group, and a stage whose blocks other work separates runs them as "
+                    "segments of its own: a scan over time unrolled inside each block, say)")
         if row_sharding([meshes.replicated[s] for s in stages]) is None:
             return "the meshes of the stages that read them differ in shape"
         return None
