@@ -153,8 +153,8 @@ def test_batch_leaf_without_a_batch_axis_is_warned_about(mlp_setup):
 
     with pytest.warns(UserWarning, match=r"(?s)different leading dimensions \(args\[1\]\['w'\]: 64, "
                                          r"args\[1\]\['x'\]: 16.*move such a leaf to another argument"):
-        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]).plan_for(state[0],
-                                                                                                        weighted)
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2],
+                           loss_reduction="mean").plan_for(state[0], weighted)
 
 
 def test_step_that_fails_only_at_microbatch_size_says_so(mlp_setup):
