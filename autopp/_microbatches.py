@@ -37,7 +37,8 @@ def batch_size(traced: TracedStep) -> int:
     return math.gcd(*sizes) if sizes else 1
 
 
-def microbatch_forward(step_fn: Callable, args: tuple, traced: TracedStep, num_microbatches: int) -> jex_core.ClosedJaxpr:
+def microbatch_forward(step_fn: Callable, args: tuple, traced: TracedStep,
+                       num_microbatches: int) -> jex_core.ClosedJaxpr:
     check_batch_divisible(traced, num_microbatches)
     forward = trace_microbatch_forward(step_fn, args, traced, num_microbatches)
     if num_microbatches > 1:
