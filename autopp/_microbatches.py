@@ -125,6 +125,16 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "computed from per example (leading dimension the batch's: the microbatches' values are concatenated) and "
             "compute it in the step after the gradient.", stacklevel=user_stacklevel())
     given, kind = config.loss_reduction, kinds[0]
+    if kind == "mixed":
+        raise ValueError(
+            f"{_WHO}: the loss adds a sum over its examples (divided by nothing of its own batch: a token count the "
+            "step computes, say) to a mean over them (a term written with .mean(), such as a z-loss): adding the "
+            f"{num_microbatches} microbatches' losses counts the mean {num_microbatches} times, averaging them "
+            f"divides the sum by {num_microbatches}, so neither loss_reduction gives plain jax.jit's loss and "
+            "gradients. Write both terms alike: the mean as a sum divided by the same count (e.g. "
+            "(z ** 2 * mask).sum() / count), or the sum as a mean.")
+    undetermined = undetermined + [k for k in range(1, n_out) if kinds[k] == "mixed"]  # (an aux: said below)
+    kinds = tuple(None if k == "mixed" else k for k in kinds)
     if kind == "ratio":
         if given == "sum":
             raise ValueError(
@@ -188,8 +198,11 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "autopp cannot see into combines them: a custom kernel, a callback; or a function of a mean, such as its "
             f"square root), so the {num_microbatches} microbatches' losses are averaged (loss_reduction='mean'), "
             "which is plain jax.jit's loss and gradients only if it is a mean. Pass loss_reduction='sum' if it adds "
-            "its examples up, or loss_reduction='mean' to keep the average.", stacklevel=user_stacklevel())
-    if whole and reduction == "mean" and kind is None and num_microbatches > 1:  # (one microbatch: both are jit's)
+            "its examples up (a kernel's sum); loss_reduction='mean' to keep the average, which a mean plus a "
+            "function of means (an MoE load-balancing term, gradient accumulation's meaning) wants.",
+            stacklevel=user_stacklevel())
+    asked = given is None or config.source == "replay" and given == "mean"  # (a plan's default: not the user's word)
+    if whole and asked and kind is None and num_microbatches > 1:  # (one microbatch: both are jit's)
         made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}
         where = "; ".join(f"{traced.grad_eqn.invars[k].aval.str_short()} made at {user_line(made[v])}"
                           if v in made else traced.grad_eqn.invars[k].aval.str_short()

@@ -456,6 +456,15 @@ def leaked_tracers(closed) -> list:
     return found
 
 
+def _exclude_from_user_lines() -> None:
+    """Leave this module's frames out of the source lines JAX reports for equations (``lax.scan`` called through
+    :class:`replaying_scans` names the user's line, not the wrapper's)."""
+    from jax._src import source_info_util
+
+    source_info_util.register_exclusion(__file__)
+
+
+_exclude_from_user_lines()
 _loss_frames = threading.local()  # .stack: (trace frame, positions of the differentiated inputs) per loss traced
 
 
@@ -482,8 +491,12 @@ def _scans_data(xs_flat) -> bool:
     stack = getattr(_loss_frames, "stack", None)
     if not stack or not xs_flat or stack[-1][0] is None:
         return False
+    from jax._src.interpreters import batching
+
     frame, params = stack[-1]
     for x in xs_flat:
+        while isinstance(x, batching.BatchTracer):  # a scan per example under jax.vmap: its batched operand's
+            x = x.val
         if not is_tracer(x) or getattr(getattr(x, "_trace", None), "frame", None) is not frame:
             return False
         try:

@@ -39,10 +39,10 @@ STRUCTURE = -1  # in output_reductions' undetermined list: the programs at the t
 _CARRY = frozenset({
     "neg", "convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy",
     "copy_p", "reduce_precision", "slice", "dynamic_slice", "gather", "rev", "real", "imag", "conj", "pjit_sharding",
-    "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min",
+    "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min", "stop_gradient",
 })
 _ADD = frozenset({"add", "sub", "add_any"})
-_SAME = frozenset({"max", "min", "select_n", "concatenate", "clamp", "pad", "dynamic_update_slice"})
+_SAME = frozenset({"max", "min", "select_n", "concatenate", "stack", "clamp", "pad", "dynamic_update_slice"})
 # operations that mix examples along an axis without adding them up into one value
 _MIX_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
               "sort": "dimension", "argsort": "dimension"}
@@ -59,7 +59,8 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
                       num_microbatches: int, mixing: list | None = None,
                       undetermined: list | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
-    a sum over them, ``"ratio"`` for a sum divided by another, ``"max"`` / ``"min"`` for a maximum / minimum over
+    a sum over them, ``"ratio"`` for a sum divided by another, ``"mixed"`` for a sum plus a mean (no count of
+    microbatches combines those), ``"max"`` / ``"min"`` for a maximum / minimum over
     them, None when none can be shown. ``mixing``: a list to which the equations that make one example's value
     depend on other examples of the batch are appended, as ``(why, equation)`` (``why``: :data:`PAIRS`,
     :data:`SPREAD`, :data:`ORDER` or :data:`DRAWS`): there each microbatch's loss differs from the whole batch's
@@ -80,7 +81,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
         return (None,) * len(micro.jaxpr.outvars)
     finally:
         _MIXING.events = None
-    names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min"}
+    names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
     if undetermined is not None:
         undetermined.extend(k for k, (st, kind) in enumerate(zip(states, kinds)) if kind is None
@@ -148,9 +149,9 @@ def mixing_summary(mixing: list) -> str:
     for why, eqn, *_ in mixing:
         lines = seen.setdefault(why, [])
         line = user_line(eqn)
-        if line not in lines and len(lines) < 2:
+        if line and line not in lines and len(lines) < 2:
             lines.append(line)
-    return "; ".join(f"{_MIXING_KINDS[why]} at {', '.join(lines)}" for why, lines in seen.items())
+    return "; ".join(_MIXING_KINDS[why] + (f" at {', '.join(lines)}" if lines else "") for why, lines in seen.items())
 
 
 def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, list]:
@@ -197,8 +198,9 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     if along is not None and any(along in ax for _, ax in dependent):
         return ORDER
     if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
-        xs = ins[me.params["num_consts"] + me.params["num_carry"]:]
-        if any(st is not None and st[2] and 0 in ax for st, ax in xs):
+        xs = ins[me.params["num_consts"] + me.params["num_carry"]:]  # giving a value per step (a sum carried over
+        ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
+        if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
             return ORDER
     if me.primitive.name == "slice" and dependent:  # a window of the batch that keeps its axis: x[1:] - x[:-1], a
         (_, ax), = ins[:1]  # roll, the strided halves of an associative scan
@@ -241,6 +243,7 @@ def _const_state(wval, mval, M: int):
 
 
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
+_MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
 _EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN, "reduce_or": _MAX, "reduce_and": _MIN}  # (any, all)
 # what keeps a maximum over examples the maximum of the microbatches' values: relabelling, slicing, widening
@@ -274,11 +277,12 @@ def _rule(we, me, ins: list, M: int) -> list:
     dep = any(st[2] for st in states)
     if any(st[1] in (_MAX, _MIN) for st in states):
         return _extreme(name, states, n_out)
-    if any(st[1] == _RATIO for st in states):  # a ratio goes on only scaled by, or added to, a constant
-        constant = all(st[1] == _RATIO or st[:3] == (0, 0, False) for st in states)
-        if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == _RATIO or name in _CARRY):
-            return [(1, _RATIO, True)] + [(0, 0, dep)] * (n_out - 1)
-        return [None] * n_out
+    for odd in (_RATIO, _MIXED):  # a ratio (a mixture) goes on only scaled by, or added to, a constant
+        if any(st[1] == odd for st in states):
+            constant = all(st[1] == odd or st[:3] == (0, 0, False) for st in states)
+            if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == odd or name in _CARRY):
+                return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
+            return [None] * n_out
     if name in _ADD:
         live = [st for st in states if st[2] or st[:2] != (0, 0)]
         keys = {st[:2] for st in live}
@@ -286,6 +290,8 @@ def _rule(we, me, ins: list, M: int) -> list:
             # a batch-independent term added to a sum or a mean (a weight penalty): the dependent part decides
             dependent = {st[:2] for st in live if st[2]}
             keys = dependent if len(dependent) == 1 and all(st[:2] == (0, 0) for st in live if not st[2]) else keys
+            if keys == {(1, 0), (1, -1)} and all(st[2] for st in live):  # a sum plus a mean (a z-loss's .mean())
+                return [(1, _MIXED, True)]
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if name in _SAME:
         data = states[1:] if name == "select_n" else states
@@ -394,18 +400,53 @@ def _scan(we, me, ins, M):
     carry = states[nc:nc + ncar]
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states, M)
     if outs[:ncar] != carry:  # a carry that accumulates over iterations: one more pass from the joined states
+        _look_again(wb, mb, states[:nc], carry, outs[:ncar], states[nc + ncar:], M)
         carry = [_join(a, b) for a, b in zip(carry, outs[:ncar])]
         outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts),
                      states[:nc] + carry + states[nc + ncar:], M)
         if outs[:ncar] != carry:
             return [None] * len(me.outvars)
+    if any(st is not None and st[2] and 0 in ax for st, ax in ins[nc + ncar:]):  # over the examples (chunks of
+        body = mb.jaxpr  # tokens): a carry each iteration adds to sums them up
+        made = {v: e for e in body.eqns for v in e.outvars}
+        outs = list(outs)
+        def source(v):  # through casts (a weakly typed zero's carry is cast to the sum's type)
+            while (not isinstance(v, jex_core.Literal) and v in made
+                   and made[v].primitive.name in ("convert_element_type", "copy", "copy_p")):
+                v = made[v].invars[0]
+            return v
+
+        for k in range(ncar):
+            e = made.get(body.outvars[k])
+            if (e is not None and e.primitive.name in ("add", "add_any")
+                    and any(source(a) is body.invars[nc + k] for a in e.invars if not isinstance(a, jex_core.Literal))
+                    and outs[k] is not None and outs[k][0] == 0):
+                outs[k] = (1, outs[k][1], True)
     return outs
+
+
+def _look_again(wb, mb, before, carry, carried, after, M) -> None:
+    """Where a loop's carry becomes what no state describes (a statistic over the batch carried to the next step, a
+    MAML inner loop's weights), walk its body once more from what the first iteration made of it, for the mixing it
+    shows the second time round (the joined states, unknown, would hide it). Only the mixing is kept."""
+    if getattr(_MIXING, "events", None) is None or all(a is None or _join(a, b) is not None
+                                                       for a, b in zip(carry, carried)):
+        return
+    again = [b if _join(a, b) is None and b is not None else a for a, b in zip(carry, carried)]
+    try:
+        _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), list(before) + again + list(after), M)
+    except _Mismatch:
+        pass
 
 
 def _join(a, b):
     """The state of a value that is ``a`` or ``b`` (a loop's carry before and after an iteration): the same sum and
     power of the batch size, depending on the batch if either does (a state carried from zeros); else unknown."""
-    if a is None or b is None or a[:2] != b[:2]:
+    if a is None or b is None:
+        return None
+    if a[:3] == (0, 0, False):  # a constant start (an accumulator's zeros): what the loop makes of it, checked by the
+        return b                # pass from the joined states (a sum added to: a sum; otherwise unknown)
+    if a[:2] != b[:2]:
         return None
     return (a[0], a[1], a[2] or b[2])
 
@@ -427,6 +468,7 @@ def _while(we, me, ins, M):
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
     if outs == carry:
         return outs
+    _look_again(wb, mb, states[cn:cn + bn], carry, outs, [], M)
     carry = [_join(a, b) for a, b in zip(carry, outs)]  # one more pass from the joined states
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
     return [a if a == b else None for a, b in zip(carry, outs)]

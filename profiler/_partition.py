@@ -292,8 +292,8 @@ def _uncuttable(calls) -> str:
         fixes.append("compute the layers outside the cond and put only what differs between its branches inside "
                      "it (a loss head, say), or select with jnp.where")
     if "scan" in calls:  # (a scan over data: over stacked parameters it is unrolled, one layer per iteration)
-        fixes.append("write a function of one example mapped over the batch (lax.map) with jax.vmap; a scan over "
-                     "time steps runs whole on one stage, so keep the layers around it outside it")
+        fixes.append("map a function of one example over the batch with jax.vmap rather than lax.map; a scan over "
+                     "time steps or inner iterations runs whole on one stage, so keep the layers outside it")
     if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch", "scan"}:
         fixes.append("call the layers outside it, one call per layer at most")
     return "To pipeline the model, " + "; ".join(fixes) + "."

@@ -199,6 +199,15 @@ def test_a_scan_over_time_stays_one_scan_and_is_priced_once_per_step():
                                                               b["x"], p)[0] ** 2)), (stacked, TX.init(stacked), batch),
                         (2,))
     assert "scan" not in [e.primitive.name for e in layers.spec.forward.jaxpr.eqns]  # over layers: unrolled
+
+    def per_example(p, b):  # an Equinox-style cell scanned per example under jax.vmap (was unrolled: 83x jit's first
+        def one(x):         # call in a trial), between layers a stage boundary can cut
+            return lax.scan(lambda h, xt: (jnp.tanh(xt + 0.5 * h),) * 2, jnp.zeros(x.shape[1]), x)[1]
+        return jnp.mean((jax.vmap(one)(b["x"] @ p[0]["wa"]) @ p[1]["wa"]) ** 2)
+
+    vmapped = trace_step(_step(per_example), (params, TX.init(params), batch), (2,))
+    assert [e.primitive.name for e in vmapped.spec.forward.jaxpr.eqns].count("scan") == 1
+    _one_step_equals_jit(_step(per_example), params, batch, num_microbatches=4, atol=1e-6)
     _one_step_equals_jit(step, params, batch, num_microbatches=4, atol=1e-6)
     totals = []
     for T in (8, 32):
