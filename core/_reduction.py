@@ -300,6 +300,9 @@ def _rule(we, me, ins: list, M: int) -> list:
         keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if name in ("mul", "div"):
+        if name == "mul" and any(isinstance(a, jex_core.Literal) and not np.any(np.asarray(a.val))
+                                 for a in me.invars):
+            return [(0, 0, False)]  # a term multiplied by zero (0.0 * extra.sum(), to keep an input read): none
         (s1, b1, _), (s2, b2, _) = states
         if name == "div":
             if s2:  # a ratio of sums (a masked mean inside the loss) is neither
