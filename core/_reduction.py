@@ -413,6 +413,7 @@ def _scan(we, me, ins, M):
         body = mb.jaxpr  # tokens): a carry each iteration adds to sums them up
         made = {v: e for e in body.eqns for v in e.outvars}
         outs = list(outs)
+
         def source(v):  # through casts (a weakly typed zero's carry is cast to the sum's type)
             while (not isinstance(v, jex_core.Literal) and v in made
                    and made[v].primitive.name in ("convert_element_type", "copy", "copy_p")):
