@@ -100,12 +100,13 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     if STRUCTURE in undetermined:
         warnings.warn(
             f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it: "
-            "it loops over the batch axis (a lax.scan or lax.map along axis 0 of the batch, a Python loop over the "
-            "examples), so how its examples combine cannot be read, and the microbatches' losses are "
-            f"{'added up' if config.loss_reduction == 'sum' else 'averaged'}. If axis 0 of the batch is not its "
-            "examples' (time-major [time, batch, ...] data, scanned over time), each microbatch is a stretch of time "
-            "starting from the initial state, unlike jax.jit: put the examples first (scan over axis 1). A function "
-            "of one example mapped over the batch: write it with jax.vmap.", stacklevel=user_stacklevel())
+            "it loops over the batch axis or branches on its size (a lax.fori_loop or Python loop over the examples "
+            "or along axis 0 of the batch, an `if` on x.shape[0]), so how its examples combine cannot be read, and "
+            f"the microbatches' losses are {'added up' if config.loss_reduction == 'sum' else 'averaged'}. If axis 0 "
+            "of the batch is not its examples' (time-major [time, batch, ...] data, looped over time), each "
+            "microbatch is a stretch of time starting from the initial state, unlike jax.jit: put the examples first "
+            "(loop over axis 1). A function of one example applied to each: write it with jax.vmap.",
+            stacklevel=user_stacklevel())
     reached = mixing_by_output(mixing, forward) if mixing else {}
     if 0 in reached:  # one warning for a loss whose examples' values depend on other examples of the batch
         warnings.warn(

@@ -793,24 +793,30 @@ def test_a_per_example_random_crop_in_the_step_is_followed_to_its_rows():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+def _io_logger(logged: list):
+    """``log(h)``: an ``io_callback`` that appends ``h``'s mean to ``logged`` on the host and returns zero."""
+    from jax.experimental import io_callback
+
+    def on_host(v):
+        logged.append(float(v))
+        return np.float32(0)
+
+    return lambda h: io_callback(on_host, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(h.mean()))
+
+
 def test_the_planner_times_layers_without_running_the_user_s_prints():
     """Left to plan, parallelize times each distinct layer on random inputs: the loss's jax.debug.callback ran there
     too (a trial: 14 calls for 4, of made-up values, before the first step), and an io_callback (a trial: 20 calls of
     a logger). The timed layers leave them out (an io_callback's results are zeros there)."""
-    from jax.experimental import io_callback
-
     seen, logged = [], []
-
-    def log(v):
-        logged.append(float(v))
-        return np.float32(0)
+    log = _io_logger(logged)
 
     def loss(p, b):
         h = b["x"]
         for w in p:
             h = jnp.tanh(h @ w)
             jax.debug.callback(lambda v: seen.append(float(v)), h.mean())
-            h = h + io_callback(log, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(h.mean()))
+            h = h + log(h)
         return jnp.mean((h - b["y"]) ** 2)
 
     def step(p, b):
@@ -834,19 +840,14 @@ def test_recomputation_of_a_stage_that_calls_an_io_callback_keeps_it(recompute):
     (NotImplementedError: effects not supported in partial-eval; a trial). JAX cannot recompute it (its effect
     would run twice): that part runs once and keeps its activations, with a warning under "selective" (the whole
     stage is kept), and the step is jit's, the callback called once per layer and microbatch."""
-    from jax.experimental import io_callback
-
     logged = []
-
-    def log(v):
-        logged.append(float(v))
-        return np.float32(0)
+    log = _io_logger(logged)
 
     def loss(p, b):
         h = b["x"]
         for w in p:
             h = jnp.tanh(h @ w)
-            io_callback(log, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(h.mean()))
+            log(h)
         return jnp.mean((h - b["y"]) ** 2)
 
     def make(grad):
