@@ -94,8 +94,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     if retrace is not None and num_microbatches > 1 and batch_size(traced) == num_microbatches:
         factor = max((k for k in range(2, num_microbatches) if num_microbatches % k == 0), default=num_microbatches)
         forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
+    lost: list = []
     kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, factor,
-                               mixing, undetermined) if num_microbatches > 1 else (None,) * n_out)
+                               mixing, undetermined, lost) if num_microbatches > 1 else (None,) * n_out)
     names = traced.spec.aux_names
     if STRUCTURE in undetermined:
         warnings.warn(
@@ -194,10 +195,13 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             stacklevel=user_stacklevel())
     whole = traced.whole_batch_grad_inputs
     if 0 in undetermined and 0 not in reached and given is None and not whole:  # (mixing: said above)
+        first = (mixing_by_output(lost, forward).get(0) or [None])[0] if lost else None
+        where = ("an operation autopp cannot see into combines them: a custom kernel, a callback; or a function of a "
+                 "mean, such as its square root" if first is None else
+                 f"at {user_line(first[1]) or 'an equation of the loss'} it {first[0]}")
         warnings.warn(
-            f"{_WHO}: the loss's program does not show whether it is a mean or a sum over its examples (an operation "
-            "autopp cannot see into combines them: a custom kernel, a callback; or a function of a mean, such as its "
-            f"square root), so the {num_microbatches} microbatches' losses are averaged (loss_reduction='mean'), "
+            f"{_WHO}: the loss's program does not show whether it is a mean or a sum over its examples ({where}), "
+            f"so the {num_microbatches} microbatches' losses are averaged (loss_reduction='mean'), "
             "which is plain jax.jit's loss and gradients only if it is a mean. Pass loss_reduction='sum' if it adds "
             "its examples up (a kernel's sum); loss_reduction='mean' to keep the average, which a mean plus a "
             "function of means (an MoE load-balancing term, gradient accumulation's meaning) wants.",

@@ -35,6 +35,7 @@ from autopp.core._jaxpr import (
     constant_outputs,
     differentiable_vars,
     eqn_signature,
+    eval_closed,
     forward_with_vjp,
     inner_jaxpr,
     literal_signature,

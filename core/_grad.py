@@ -21,7 +21,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._constraints import drop_sharding_constraints
-from autopp.core._jaxpr import sink_parameter_work
+from autopp.core._jaxpr import eval_closed, sink_parameter_work
 
 _state = threading.local()
 
@@ -103,7 +103,7 @@ def _vag_impl(*args, spec: GradSpec):
         vals = list(args)
         for i, v in zip(diff_idx, diff_vals):
             vals[i] = v
-        outs = jax.core.eval_jaxpr(spec.forward.jaxpr, spec.forward.consts, *vals)
+        outs = eval_closed(spec.forward, *vals)
         return outs[0], outs[1:]
 
     (loss, aux), grads = jax.value_and_grad(loss_of_diff, has_aux=True)([args[i] for i in diff_idx])

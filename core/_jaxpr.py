@@ -215,6 +215,20 @@ def slice_jaxpr(closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], outputs, n
     return jex_core.ClosedJaxpr(sub, [const_of[v] for v in consts]), ins, outs
 
 
+def jax_consts(consts: Sequence) -> list:
+    """A closed jaxpr's constants as JAX arrays where JAX keeps them host-side as NumPy arrays (small arrays made
+    in the traced function, ``jnp.array([0., 1.])``): evaluating the jaxpr hands them as they are to a
+    ``custom_vjp``'s backward or a ``custom_jvp``'s rule, where indexing one with a traced index (``ts[i]`` in
+    ``jax.experimental.ode.odeint``'s backward) fails, while under ``jax.jit`` that code sees a traced array.
+    Scalars stay as they are (their weak types with them)."""
+    return [jnp.asarray(c) if isinstance(c, np.ndarray) and c.ndim else c for c in consts]
+
+
+def eval_closed(closed: jex_core.ClosedJaxpr, *args) -> list:
+    """``jax.core.eval_jaxpr`` of a closed jaxpr, its constants as JAX arrays (:func:`jax_consts`)."""
+    return jax.core.eval_jaxpr(closed.jaxpr, jax_consts(closed.consts), *args)
+
+
 def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int],
                      diff_outputs: Sequence[int] | None = None, *, recompute: str = "none", policy=None,
                      run: Callable | None = None):
@@ -226,7 +240,7 @@ def forward_with_vjp(closed: jex_core.ClosedJaxpr, diff_positions: Sequence[int]
     the runtime passes one that applies sharding constraints)."""
     if run is None:
         def run(vals):
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vals)
+            return eval_closed(closed, *vals)
     refused = recompute != "none" and warn_unrecomputable(closed, recompute)
 
     def f(*xs):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 from jax.extend import core as jex_core
@@ -57,7 +58,7 @@ class _Mismatch(Exception):
 
 def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
                       num_microbatches: int, mixing: list | None = None,
-                      undetermined: list | None = None) -> tuple[str | None, ...]:
+                      undetermined: list | None = None, lost: list | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
     a sum over them, ``"ratio"`` for a sum divided by another, ``"mixed"`` for a sum plus a mean (no count of
     microbatches combines those), ``"max"`` / ``"min"`` for a maximum / minimum over
@@ -70,8 +71,11 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     scan or a branch is found where that is). ``undetermined``: a list to which the positions of the outputs that
     depend on the split inputs but are none of those combinations are appended (a logarithm of a mean, a median, one
     example's value): their microbatches' values combine to no value over the whole batch; :data:`STRUCTURE` where
-    the two programs differ in structure (a loop over the examples unrolled: nothing can be said of any output)."""
-    _MIXING.events, _MIXING.depth = mixing, 0
+    the two programs differ in structure (a loop over the examples unrolled: nothing can be said of any output).
+    ``lost``: a list to which the equations of ``micro``'s outermost program where a value depending on the batch
+    stops being any of those combinations are appended, as ``(what it does, equation, its index)``: where a warning
+    about an undetermined loss points."""
+    _MIXING.events, _MIXING.lost, _MIXING.depth = mixing, lost, 0
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
                        [(0, 0, bool(m)) for m in microbatched], num_microbatches)
@@ -80,7 +84,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
             undetermined.append(STRUCTURE)
         return (None,) * len(micro.jaxpr.outvars)
     finally:
-        _MIXING.events = None
+        _MIXING.events = _MIXING.lost = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
     if undetermined is not None:
@@ -124,8 +128,35 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             why = _mixes(me, ins, out_axes)
             if why:
                 events.append((why, me, _MIXING.top))
+        lost = getattr(_MIXING, "lost", None)
+        if (lost is not None and top and any(o is None for o in outs)
+                and all(st is not None for st, _ in ins) and any(st[2] for st, _ in ins)):
+            lost.append((_lost_reason(me, [st for st, _ in ins]), me, at))
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
+
+
+def _lost_reason(eqn, states: list) -> str:
+    """What an equation of the loss's outermost program does where no combination of the examples describes its
+    result any more, for a warning that says where the loss's reduction could not be read."""
+    name = eqn.primitive.name
+    kinds = {st[1] for st in states}
+    if kinds & {_MAX, _MIN}:
+        return ("uses a maximum or minimum over the examples in arithmetic (each microbatch takes its own: for jit's "
+                "value, compute it in the step and pass it to the loss)")
+    if _RATIO in kinds:
+        return "combines a ratio of sums over the examples with other values"
+    if name == "while" or _has_while(eqn):
+        return ("runs a lax.while_loop over values of all the examples together (an adaptive ODE solver's error "
+                "norm, an iterative solver's stopping test)" + ("" if name == "while" else f", inside {name}"))
+    if any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st in states):
+        return f"applies {name} to a sum or mean over the examples"
+    return f"combines the examples through {name}, which autopp cannot see into (a custom kernel, a callback)"
+
+
+def _has_while(eqn) -> bool:
+    return any(e.primitive.name == "while" or _has_while(e)
+               for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
 
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
@@ -192,7 +223,7 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         return DRAWS if any(out_axes) and not dependent else None
     if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
         return PAIRS
-    if any(out_axes) and any(isinstance(st[0], int) and st[0] >= 1 for st, _ in dependent):
+    if any(out_axes) and any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st, _ in dependent):
         return SPREAD
     along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
     if along is not None and any(along in ax for _, ax in dependent):
@@ -249,7 +280,7 @@ _EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN, "reduce_or": _MAX, "reduc
 # what keeps a maximum over examples the maximum of the microbatches' values: relabelling, slicing, widening
 _KEEPS_ORDER = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims",
                           "transpose", "copy", "copy_p", "slice", "pjit_sharding", "sharding_constraint",
-                          "optimization_barrier"})
+                          "optimization_barrier", "stop_gradient", "reduce_precision"})
 
 
 def _extreme(name: str, states: list, n_out: int) -> list:
@@ -268,18 +299,35 @@ def _extreme(name: str, states: list, n_out: int) -> list:
     return [None] * n_out
 
 
+def _whole(x):
+    """A power that :func:`_rule` gives as a fraction (of a square root), as an int where it is one."""
+    return int(x) if isinstance(x, Fraction) and x.denominator == 1 else x
+
+
+# operations whose operands from a position on are indices: where they read decides nothing of how the values they
+# read combine examples (``s[jnp.arange(B), last]`` picks each example's value; the index arithmetic that wraps
+# negative indices, ``i + B``, has no state of its own)
+_INDEX_OPERANDS_FROM = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2, "scatter-add": 1,
+                        "scatter_add": 1, "scatter": 1}
+
+
 def _rule(we, me, ins: list, M: int) -> list:
     name = me.primitive.name
     n_out = len(me.outvars)
+    at = _INDEX_OPERANDS_FROM.get(name)
+    if at is not None:  # an index that depends on the batch still makes the result depend on it
+        ins = [(st, ax) if k < at or (name.startswith("scatter") and k > at) else ((0, 0, st is None or st[2]), ax)
+               for k, (st, ax) in enumerate(ins)]
     states = [st for st, _ in ins]
     if any(st is None for st in states):
         return [None] * n_out
     dep = any(st[2] for st in states)
     if any(st[1] in (_MAX, _MIN) for st in states):
         return _extreme(name, states, n_out)
-    for odd in (_RATIO, _MIXED):  # a ratio (a mixture) goes on only scaled by, or added to, a constant
-        if any(st[1] == odd for st in states):
-            constant = all(st[1] == odd or st[:3] == (0, 0, False) for st in states)
+    for odd in (_RATIO, _MIXED):  # a ratio (a mixture) goes on only scaled by, or added to, a constant (a ratio
+        if any(st[1] == odd for st in states):  # also added to a mean, which averages exactly: BERT's masked-token
+            constant = all(st[1] == odd or st[:3] == (0, 0, False)  # mean plus its next-sentence loss's mean)
+                           or odd == _RATIO and name in _ADD and st[:2] == (1, -1) for st in states)
             if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == odd or name in _CARRY):
                 return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
             return [None] * n_out
@@ -309,10 +357,13 @@ def _rule(we, me, ins: list, M: int) -> list:
                 return [(1, _RATIO, True)] if s1 == 1 and s2 == 1 else [None]
             return [(s1, b1 - b2, dep)]
         return [(s1 + s2, b1 + b2, dep)] if s1 + s2 <= 1 else [None]
-    if name == "integer_pow":
+    if name == "integer_pow":  # (a square root squared, ``jnp.linalg.norm(r) ** 2``, is the sum again)
         s, b, _ = states[0]
         y = me.params["y"]
-        return [(s, b * y, dep)] if s == 0 or y == 1 else [None]
+        return [(_whole(s * y), _whole(b * y), dep)] if s == 0 or y == 1 or s * y == 1 else [None]
+    if name == "sqrt":  # half of what its operand is: a norm over the examples, sqrt(sum(r * r))
+        s, b, _ = states[0]
+        return [(_whole(Fraction(s, 2)), _whole(Fraction(b, 2)), dep)] if isinstance(b, int) else [None]
     if name == "reduce_sum":
         (s, b, _), axes = states[0], ins[0][1]
         if set(me.params["axes"]) & set(axes):

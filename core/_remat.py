@@ -17,7 +17,7 @@ import jax
 from jax.extend import core as jex_core
 
 from autopp.core._compat import remat_refuses
-from autopp.core._jaxpr import slice_jaxpr
+from autopp.core._jaxpr import eval_closed, slice_jaxpr
 
 Literal = jex_core.Literal
 
@@ -41,7 +41,7 @@ def _checkpointed_scan(eqn, invals):
 
     @jax.checkpoint
     def run_body(*args):
-        return jax.core.eval_jaxpr(body.jaxpr, body.consts, *args)
+        return eval_closed(body, *args)
 
     def step(c, x):
         outs = run_body(*consts, *c, *x)
@@ -59,7 +59,7 @@ def layer_checkpointed(closed: jex_core.ClosedJaxpr, starts: Collection,
     evaluates one segment (default ``jax.core.eval_jaxpr``; the runtime's applies its sharding constraints)."""
     if evaluate is None:
         def evaluate(sub, vals):
-            return jax.core.eval_jaxpr(sub.jaxpr, sub.consts, *vals)
+            return eval_closed(sub, *vals)
 
     j = closed.jaxpr
     segments = _segments(j, {s if isinstance(s, int) else id(s) for s in starts})

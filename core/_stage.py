@@ -12,7 +12,7 @@ from jax.extend import core as jex_core
 
 from autopp.core import _compat
 from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars, eqns_needed, forward_with_vjp, slice_jaxpr
+from autopp.core._jaxpr import differentiable_vars, eqns_needed, eval_closed, forward_with_vjp, slice_jaxpr
 from autopp.core._packing import plan_packing
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import reroll_scans
@@ -231,7 +231,7 @@ class StagePrograms:
 
         def evaluate(sub, inputs):
             if not constraints:
-                return jax.core.eval_jaxpr(sub.jaxpr, sub.consts, *inputs)
+                return eval_closed(sub, *inputs)
             return eval_jaxpr_with(sub.jaxpr, sub.consts, inputs, constrain)
 
         if recompute == "full":  # one layer at a time, as Megatron-LM (layers begin at ``layer_starts``)
@@ -298,7 +298,7 @@ class StagePrograms:
         )
 
         def fwd(*inputs):
-            outs = jax.core.eval_jaxpr(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, *inputs)
+            outs = eval_closed(fwd_jaxpr, *inputs)
             return (*outs[:n_out], *packing.pack(outs[n_out:]))
 
         treedef = self._vjp_treedef
@@ -336,7 +336,7 @@ class StagePrograms:
             cts = list(args[num_kept + len(forwarded):num_kept + len(forwarded) + n_ct])
             grad_acc = args[num_kept + len(forwarded) + n_ct:num_kept + len(forwarded) + n_ct + n_acc]
             first = args[-1] if has_flag else None
-            remade = (jax.core.eval_jaxpr(remake.jaxpr, remake.consts, *[fwd_vals[i] for i in remake_from])
+            remade = (eval_closed(remake, *[fwd_vals[i] for i in remake_from])
                       if remake is not None else [])
             leaves = [kept_vals[i] if kind == "kept" else fwd_vals[i] if kind == "input" else remade[i]
                       for kind, i in residual_source]
@@ -455,11 +455,11 @@ class StagePrograms:
         self.num_stash = len(stash)
         stash_sh = tuple(self._residual_sharding(v.aval.shape) for v in stash)
         self._stash_shardings = [(v.aval.shape, sh) for v, sh in zip(stash, stash_sh)]
-        self._bwd_input = jax.jit(lambda *a: tuple(jax.core.eval_jaxpr(input_jaxpr.jaxpr, input_jaxpr.consts, *a)),
+        self._bwd_input = jax.jit(lambda *a: tuple(eval_closed(input_jaxpr, *a)),
                                   out_shardings=self._act_ct_shardings + stash_sh)
         n_w = len(self.weight_args) + len(stash)
         self._bwd_weight = jax.jit(
-            lambda *a: tuple(jax.core.eval_jaxpr(weight_jaxpr.jaxpr, weight_jaxpr.consts, *a)),
+            lambda *a: tuple(eval_closed(weight_jaxpr, *a)),
             out_shardings=self._acc_shardings, donate_argnums=tuple(range(n_w, n_w + n_acc)))
         self._split = True
 

@@ -19,7 +19,7 @@ from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
 from autopp.core._constraints import drop_sharding_constraints
-from autopp.core._jaxpr import eqn_signature, sink_parameter_work
+from autopp.core._jaxpr import eqn_signature, jax_consts, sink_parameter_work
 from autopp.core._zero_grads import freeze_zero_gradients
 
 
@@ -141,7 +141,7 @@ def _inline_calls(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
 def eval_jaxpr_with(jaxpr, consts, args, override: Callable | None = None):
     """Evaluate ``jaxpr`` equation by equation; ``override(index, eqn, invals)`` may return the outputs of an
     equation instead of binding it (None: bind as usual)."""
-    env = dict(zip(jaxpr.constvars, consts))
+    env = dict(zip(jaxpr.constvars, jax_consts(consts)))
     env.update(zip(jaxpr.invars, args))
 
     def read(a):
@@ -304,7 +304,10 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         if is_batch and not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             bad.append(f"  {name}: {type(leaf).__name__} {leaf!r:.60}")
         elif is_batch and np.ndim(leaf) == 0 and not isinstance(leaf, jax.ShapeDtypeStruct):
-            bad.append(f"  {name}: a scalar has no batch dimension to split")
+            key = jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+            bad.append(f"  {name}: a {'PRNG key' if key else 'scalar'} has no batch dimension to split"
+                       + (" (a step that draws its examples from it: draw them before the step and pass them in as "
+                          "its batch)" if key else ""))
     if bad:
         if len(bad) > 8:
             bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
@@ -379,6 +382,13 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
                 f"grows ({', '.join(fixed[:4])}: a fixed number of examples, x[:8] or top_k(..., 8)), so there is no "
                 "batch axis to split into microbatches. Slice a fraction of the batch (x[: x.shape[0] // 2]), or give "
                 "the step only the examples the loss trains on.")
+        if not batch_argnums:
+            raise ValueError(
+                f"{who}: batch_argnums=() names no batch argument, but autopp splits the loss's batch (its examples, "
+                "along axis 0) into microbatches and over data-parallel devices, so the step needs one. A step that "
+                "draws its examples inside from a key (collocation points, noise samples): draw them before the step "
+                "and pass them in as an argument, and name its position in batch_argnums (by default the last "
+                f"argument, {last}).")
         raise ValueError(
             f"{who}: the loss reads nothing from the batch argument(s) batch_argnums={batch_argnums} "
             f"(args[{'], args['.join(map(str, batch_argnums))}]), so there is nothing to split into microbatches. "
@@ -502,6 +512,15 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
     try:
         yield
     except (TypeError, ValueError) as e:
+        sparse = _sparse_batch_leaves(traced) if traced is not None else []
+        if sparse:
+            raise ValueError(
+                f"{who}: the batch holds a sparse array ({', '.join(sparse[:3])}): autopp splits the batch's leaves "
+                f"along axis 0 into num_microbatches={num_microbatches} microbatches, but a sparse array's shape is "
+                "static metadata its leaves (data, indices) do not carry, so a microbatch's part keeps the whole "
+                "batch's shape. Pass its dense form (x.todense()), or its data and indices per example as arrays of "
+                "the batch, building the sparse array inside the loss; or use num_microbatches=1 (data-parallel "
+                "devices split it correctly).") from e
         left_out = misaligned()
         if traced is not None:
             invars = traced.jaxpr.jaxpr.invars
@@ -522,6 +541,26 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
             "without a batch axis (a position table, class weights) belongs in another argument of the step "
             "(batch_argnums names the batch); code that assumes the full batch size should read it from the "
             f"arrays' shapes.{left_out}") from e
+
+
+def _sparse_batch_leaves(traced: TracedStep) -> list[str]:
+    """The batch arguments' sparse arrays (``jax.experimental.sparse``), by type and argument."""
+    found: list[str] = []
+
+    def walk(node, where):
+        data = node.node_data()
+        kind = data[0] if data else None
+        if kind is not None and getattr(kind, "__module__", "").startswith("jax.experimental.sparse"):
+            found.append(f"a {kind.__name__} in {where}")
+            return
+        for child in node.children():
+            walk(child, where)
+
+    args = traced.in_tree.children()
+    for i in traced.batch_argnums:
+        if i < len(args):
+            walk(args[i], f"args[{i}]")
+    return found
 
 
 def check_gradient_not_split(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp.core import TracedStep, eval_jaxpr_with, value_and_grad_p
+from autopp.core import TracedStep, eval_closed, eval_jaxpr_with, value_and_grad_p
 from autopp.profiler import aval_bytes
 
 Literal = jex_core.Literal
@@ -236,7 +236,7 @@ def conds_as_selects(traced: TracedStep) -> TracedStep:
             return None
         index, *ops = invals
         branches = eqn.params["branches"]
-        outs = [jax.core.eval_jaxpr(b.jaxpr, b.consts, *ops) for b in branches]
+        outs = [eval_closed(b, *ops) for b in branches]
         which = jnp.clip(index, 0, len(branches) - 1)
         return [jax.lax.select_n(which, *parts) for parts in zip(*outs)]
 

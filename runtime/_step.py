@@ -16,8 +16,8 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
 from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradient_not_split, constant_outputs,
-                         eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs, twin_program,
-                         warn_unrecomputable)
+                         eval_closed, eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs,
+                         twin_program, warn_unrecomputable)
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
@@ -636,7 +636,7 @@ class StepBuilder:
                     v = list(vals)
                     for i, d in zip(diff_idx, diff_vals):
                         v[i] = d
-                    outs = by_layer(v) if by_layer else jax.core.eval_jaxpr(fwd.jaxpr, fwd.consts, *v)
+                    outs = by_layer(v) if by_layer else eval_closed(fwd, *v)
                     return outs[0], outs[1:]
 
                 if recompute == "selective" and not unrecomputable:

@@ -68,6 +68,16 @@ def _losses():
         # a segment sum per example (vmap: a graph per example) adds no examples together (it read as a batch sum)
         "a per-example segment sum": (lambda x, w: (jax.vmap(lambda r: jax.ops.segment_sum(r, jnp.arange(T) % 3, 3))(x)
                                                     ** 2).mean(), (), "mean"),
+        # user trials: a squared norm over the examples (a PINN's residual) read as no combination (a false warning);
+        # each example's value picked by an index array (the last valid frame of a CTC/RNN-T loss), whose negative
+        # indices JAX wraps with the batch size, likewise; a masked-token ratio plus a mean (BERT's MLM + NSP) read
+        # as no combination instead of a ratio; a sum over examples divided by their maximum length
+        "a squared norm over the examples": (lambda x, w: jnp.linalg.norm(x) ** 2 / x.shape[0], (), "mean"),
+        "each example's value at an index": (lambda x, w: (x[jnp.arange(x.shape[0]), jnp.argmax(x, 1)] ** 2).mean(),
+                                             (), "mean"),
+        "a masked mean plus a mean": (lambda x, w: (x.sum(-1) * (x[:, 0] > 0)).sum() / (x[:, 0] > 0).sum()
+                                      + (x ** 2).mean(), (), "ratio"),
+        "a sum over a maximum": (lambda x, w: (x ** 2).sum() / (jnp.abs(x).max() * x.shape[0]), (), None),
     }
 
 
@@ -259,7 +269,12 @@ def _mixing_losses():
         x = p["embed"][b["x"]].mean(1)
         return ((jnp.tanh((x + jax.random.normal(key, x.shape)) @ p["w"]) @ p["head"]) ** 2).mean()
 
+    def reweighted(p, b):  # a trial's residual-adaptive weights: jax.nn.softmax over the batch of stopped errors,
+        e = ((p["embed"][b["x"]].mean(1) @ p["w"]) ** 2).sum(1)  # whose max went through stop_gradient unread
+        return (jax.nn.softmax(jax.lax.stop_gradient(e)) * e.shape[0] * e).mean()
+
     return {"in-batch negatives": (clip, "pairs its examples"), "batch normalisation": (batch_norm, "spreads a statistic"),
+            "softmax weights over the batch": (reweighted, "spreads a statistic"),
             "a ranking over the batch": (ranked, "orders its examples"),
             "noise from one key": (noised, "draws random numbers for its examples from a key")}
 
@@ -446,4 +461,19 @@ def test_a_statistic_over_the_batch_carried_by_a_scan_is_named():
     with pytest.warns(UserWarning, match=r"the loss spreads a statistic over its examples .* at .*test_loss_reduction"):
         l_pp = pipelined(params, TX.init(params), _batch(0))[2]
     l_jit = jax.jit(step)(params, TX.init(params), _batch(0))[2]
+    assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)
+
+
+def test_a_loss_whose_reduction_cannot_be_read_is_named_where():
+    """A trial's CTC loss normalised by the longest label of its batch, ``sum / (lengths.max() * B)``, was averaged
+    with a warning that blamed a custom kernel or a callback (there was none): it names the line and the maximum,
+    and the fix. Averaged, the loss is not jit's (each microbatch divides by its own maximum)."""
+    def loss(p, b):
+        nll = _nll(p, b)
+        return nll.sum() / (b["mask"].sum(1).max() * nll.shape[0])
+
+    with pytest.warns(UserWarning, match=r"(?s)does not show whether it is a mean or a sum .*test_loss_reduction.py"
+                                         r".* maximum or minimum over the examples .*pass it to the loss") as record:
+        (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss))
+    assert not any("custom kernel" in str(w.message) for w in record)
     assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)

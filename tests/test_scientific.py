@@ -1,0 +1,170 @@
+"""Scientific-ML training steps from a user trial: a neural ODE through ``jax.experimental.ode.odeint``, a
+physics-informed network whose interior and boundary points are batches of different sizes, sparse matrices, and a
+step that draws its points from a key. The truth is plain ``jax.jit`` of the same step (SGD, <= 1e-6)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopp
+from autopp.profiler import profile
+from tests._helpers import assert_trees_close
+
+TX = optax.sgd(0.01)
+
+
+def _sgd_step(loss):
+    def step(p, o, *batch):
+        value, grads = autopp.value_and_grad(loss)(p, *batch)
+        updates, o = TX.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+    return step
+
+
+def _jit_step(step):
+    return jax.jit(lambda p, o, *b: step(p, o, *b))
+
+
+def _mlp(key, sizes):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def _net(p, x):
+    for layer in p[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x @ p[-1]["w"] + p[-1]["b"]
+
+
+@pytest.mark.filterwarnings("ignore:autopp cost model. lax.while_loop trip counts")  # (odeint's loop: said once)
+def test_a_custom_vjp_backward_indexing_a_constant_of_the_loss_runs_on_one_stage():
+    """``odeint``'s backward indexes the time grid with a traced index (``ts[i]`` in a loop). A grid the loss makes
+    (``jnp.array([0., 1.])``) reached it as a NumPy array when autopp evaluated the loss's program, and the step failed
+    with ``TracerArrayConversionError`` on one stage and while profiling (jit runs it); its constants are JAX arrays
+    now. The minimal form (a custom_vjp whose backward does ``ts[i]`` in a fori_loop) equals jit on one and two
+    stages, and an ODE trained through ``odeint`` on one stage equals jit."""
+    @jax.custom_vjp
+    def scale(x, ts):
+        return x * ts[-1]
+
+    def scale_fwd(x, ts):
+        return scale(x, ts), ts
+
+    def scale_bwd(ts, g):
+        s = jax.lax.fori_loop(0, ts.shape[0], lambda i, a: a + 0 * ts[i], ts[-1])
+        return g * s, jnp.zeros_like(ts)
+
+    scale.defvjp(scale_fwd, scale_bwd)
+    p = _mlp(jax.random.key(0), [8, 16, 8])
+
+    def loss(p, batch):
+        x, y = batch
+        h = scale(jnp.tanh(x @ p[0]["w"]), jnp.array([0.5, 2.0]))  # a constant made in the loss
+        return jnp.mean((h @ p[1]["w"] - y) ** 2)
+
+    batch = (jax.random.normal(jax.random.key(1), (8, 8)), jax.random.normal(jax.random.key(2), (8, 8)))
+    step = _sgd_step(loss)
+    want = _jit_step(step)(p, TX.init(p), batch)
+    for stages in (1, 2):
+        got = autopp.parallelize(step, num_stages=stages, num_microbatches=2,
+                                 devices=jax.devices()[:stages])(p, TX.init(p), batch)
+        assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+
+    from jax.experimental.ode import odeint
+
+    q = _mlp(jax.random.key(3), [4, 16, 4])
+
+    def ode_loss(q, batch):
+        x0, y = batch
+        ys = odeint(lambda x, t, q: _net(q, x), x0, jnp.array([0.0, 1.0]), q, rtol=1e-6, atol=1e-6)
+        return jnp.mean((ys[-1] - y) ** 2)
+
+    ode_batch = (jax.random.normal(jax.random.key(4), (8, 4)), jax.random.normal(jax.random.key(5), (8, 4)))
+    step = _sgd_step(ode_loss)
+    want = _jit_step(step)(q, TX.init(q), ode_batch)
+    got = autopp.parallelize(step, num_stages=1, num_microbatches=1, devices=jax.devices()[:1])(q, TX.init(q),
+                                                                                                  ode_batch)
+    assert_trees_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    prof = profile(step, q, TX.init(q), ode_batch)  # (failed the same way while costing the layers)
+    assert prof.total_flops > 0
+
+
+def _pinn():
+    p = _mlp(jax.random.key(0), [2, 16, 16, 1])
+
+    def u(p, x):
+        return _net(p, x[None])[0, 0]
+
+    def loss(p, interior, boundary):
+        lap = jax.vmap(lambda x: jnp.trace(jax.hessian(u, argnums=1)(p, x)))(interior)
+        residual = lap - jnp.sin(interior[:, 0])
+        edge = jax.vmap(lambda x: u(p, x))(boundary)
+        return jnp.mean(residual ** 2) + jnp.mean(edge ** 2)
+
+    interior = jax.random.uniform(jax.random.key(1), (32, 2))
+    boundary = jax.random.uniform(jax.random.key(2), (16, 2)).at[:, 0].set(0.0)
+    return p, loss, interior, boundary
+
+
+def test_a_pinn_with_interior_and_boundary_batches_of_different_sizes_is_planned():
+    """32 interior and 16 boundary points: explicit microbatch counts split both alike, but a planned step was refused
+    ("batch leaves have different leading dimensions": the profile had no batch size to scale costs from). The plan
+    counts the batch in units that split every leaf alike (gcd: 16 units of 2 interior and 1 boundary point), as the
+    runtime splits it; the planned step equals jit."""
+    p, loss, interior, boundary = _pinn()
+    step = _sgd_step(loss)
+    want = _jit_step(step)(p, TX.init(p), interior, boundary)
+    with pytest.warns(UserWarning, match="different leading dimensions"):
+        planned = autopp.parallelize(step, devices=jax.devices()[:2], batch_argnums=(2, 3))
+        got = planned(p, TX.init(p), interior, boundary)
+    assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+    assert 16 % planned.plan_for(p, TX.init(p), interior, boundary).num_microbatches == 0
+
+
+@pytest.mark.filterwarnings("ignore:autopp cost model. no rule for primitive 'bcoo_dot_general'")
+def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole():
+    """A BCOO feature batch split into microbatches failed inside JAX ("indices batch dimensions not compatible",
+    blamed on a leaf without a batch axis): a sparse array's shape is static metadata its leaves do not carry. The
+    refusal names the sparse array and the fixes; with one microbatch the step equals jit."""
+    from jax.experimental import sparse
+
+    p = _mlp(jax.random.key(0), [8, 8, 1])
+    dense = jnp.where(jax.random.uniform(jax.random.key(1), (16, 8)) < 0.3, 1.0, 0.0)
+    x = sparse.BCOO.fromdense(dense, n_batch=1)
+    y = jax.random.normal(jax.random.key(2), (16, 1))
+
+    def loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p[0]["w"] + p[0]["b"])
+        return jnp.mean((h @ p[1]["w"] - y) ** 2)
+
+    step = _sgd_step(loss)
+    with pytest.raises(ValueError, match=r"(?s)batch holds a sparse array \(a BCOO in args\[2\]\).*todense"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(p, TX.init(p), (x, y))
+    want = _jit_step(step)(p, TX.init(p), (x, y))
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(p, TX.init(p), (x, y))
+    assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_step_that_draws_its_points_from_a_key_is_told_how_to_pass_them():
+    """A PINN drawing all its points in the step from a key was refused twice in a circle: the key as the batch
+    ("a scalar has no batch dimension ... set batch_argnums"), then ``batch_argnums=()`` ("pass the batch's position
+    (by default the last argument, 2)", the key again). Both now say to draw the points before the step."""
+    p, loss, _, _ = _pinn()
+
+    def step(p, o, key):
+        interior = jax.random.uniform(key, (32, 2))
+        value, grads = autopp.value_and_grad(loss)(p, interior, interior[:16])
+        updates, o = TX.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    with pytest.raises(TypeError, match="PRNG key has no batch dimension .*draw them before the step"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(p, TX.init(p), jax.random.key(7))
+    with pytest.raises(ValueError, match=r"batch_argnums=\(\) names no batch argument.*draw them before the step"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2], batch_argnums=())(
+            p, TX.init(p), jax.random.key(7))
