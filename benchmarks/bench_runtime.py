@@ -317,6 +317,58 @@ def test_second_process_with_the_compilation_cache(benchmark):
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
+_SMALL_MICROBATCHES = textwrap.dedent("""
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, optax
+    import autopp
+    from autopp.models import GPT, GPTConfig, make_train_step
+    from benchmarks._common import scan_accumulation_step, train_step_fn
+    kind = sys.argv[1]
+    model = GPT(GPTConfig(layers=8, hidden=32, heads=4, seq=16, vocab=128))
+    tx = optax.adamw(1e-4)
+    params = model.init(jax.random.key(0)); opt_state = tx.init(params); batch = model.batch(jax.random.key(1), 16)
+    jax.block_until_ready((params, opt_state, batch))
+    parallelize = autopp.parallelize
+    t = time.perf_counter()
+    if kind == "whole":
+        out = jax.jit(make_train_step(model.loss, tx, value_and_grad=jax.value_and_grad))(params, opt_state, batch)
+    elif kind == "accumulated":
+        out = jax.jit(scan_accumulation_step(model, tx, 4))(params, opt_state, batch)
+    else:
+        step = parallelize(train_step_fn(model, tx), num_stages=4, num_microbatches=4, schedule="1f1b",
+                           devices=jax.devices()[:4])
+        out = step(params, opt_state, batch)
+    jax.block_until_ready(out)
+    print(time.perf_counter() - t, len(jax.tree.leaves(params)))
+""")
+
+
+def test_first_call_in_small_microbatches(benchmark):
+    """A model with many small parameters (the zoo GPT, 8 layers of hidden 32) in microbatches of 4 examples (4
+    stages): autopp's first call against plain jit's of the whole batch and of the same 4 microbatches (a
+    ``lax.scan`` accumulation), fresh processes with empty caches. XLA:CPU compiles small shapes slowly (a user
+    trial's BERT: jit's compilation 2.8 s at batch 16, 18.6 s at batch 4; docs/limits.md)."""
+    import tempfile
+
+    times: dict[str, list] = {"whole": [], "accumulated": [], "autopp": []}
+    for _ in range(2):
+        for kind in times:
+            with tempfile.TemporaryDirectory() as fresh:
+                env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": fresh}
+                out = subprocess.run([sys.executable, "-c", _SMALL_MICROBATCHES, kind], capture_output=True, text=True,
+                                     cwd=ROOT, check=True, env=env)
+            seconds, leaves = out.stdout.strip().splitlines()[-1].split()
+            times[kind].append(float(seconds))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    benchmark.extra_info.update(med)
+    print(f"\n[first call, small microbatches] GPT 8 layers of hidden 32 ({leaves} parameter leaves), 4 stages x 4 "
+          f"microbatches of 4: autopp {med['autopp']:.2f} s, plain jit of the whole batch {med['whole']:.2f} s "
+          f"({med['autopp'] / med['whole']:.2f}x), plain jit of the same 4 microbatches {med['accumulated']:.2f} s "
+          f"({med['autopp'] / med['accumulated']:.2f}x)")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
 _DATA_SCAN = textwrap.dedent("""
     import os, sys, time, statistics
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -30,7 +30,8 @@ from jax.extend import core as jex_core
 
 from autopp.core._compat import user_line
 
-__all__ = ["DRAWS", "ORDER", "PAIRS", "SPREAD", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
+__all__ = ["DRAWS", "ORDER", "PAIRS", "POSITIONS", "SPREAD", "STRUCTURE", "mixing_by_output", "mixing_summary",
+           "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
@@ -105,6 +106,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
 
     top = _MIXING.depth == 0
     _MIXING.depth += 1
+    positions: set = set()  # values computed from the examples' positions (jnp.arange along the batch axis)
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -125,7 +127,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             env[mv] = (st, axes)
         events = getattr(_MIXING, "events", None)
         if events is not None:
-            why = _mixes(me, ins, out_axes)
+            why = _mixes(me, ins, out_axes) or _by_position(me, ins, out_axes, positions)
             if why:
                 events.append((why, me, _MIXING.top))
         lost = getattr(_MIXING, "lost", None)
@@ -134,6 +136,29 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             lost.append((_lost_reason(me, [st for st, _ in ins]), me, at))
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
+
+
+def _by_position(me, ins: list, out_axes: list, positions: set) -> str | None:
+    """Follow the values made from the examples' positions in the batch (``jnp.arange`` along the batch axis: a
+    microbatch numbers its own examples from 0); :data:`POSITIONS` where one indexes an array that is not split with
+    the batch (a row weight passed whole, read as ``w[jnp.arange(B)]``; document ids ``seg + 5 * arange(B)`` summed
+    into a fixed number of segments). Indexing the batch's own arrays by them (``s[jnp.arange(B), last]``) is each
+    example's own row."""
+    name = me.primitive.name
+    if name == "iota":
+        if me.params.get("dimension") in out_axes[0]:
+            positions.update(me.outvars)
+        return None
+    read = [k for k, a in enumerate(me.invars) if not isinstance(a, jex_core.Literal) and a in positions]
+    if not read:
+        return None
+    at = _INDEX_OPERANDS_FROM.get(name)
+    if at is None:  # arithmetic on positions: still positions
+        positions.update(me.outvars)
+        return None
+    indexes = [k for k in read if k >= at and not (name.startswith("scatter") and k > at)]
+    whole = not ins[0][1] and (not out_axes[0] or not name.startswith(("scatter", "dynamic_update")))
+    return POSITIONS if indexes and whole else None
 
 
 def _lost_reason(eqn, states: list) -> str:
@@ -161,13 +186,16 @@ def _has_while(eqn) -> bool:
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-PAIRS, SPREAD, ORDER, DRAWS = "pairs", "spread", "order", "draws"
+PAIRS, SPREAD, ORDER, DRAWS, POSITIONS = "pairs", "spread", "order", "draws", "positions"
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
     ORDER: "orders its examples (a sort, a scan or a cumulative sum along the batch, a shifted slice of it)",
+    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis) to index an "
+               "array that is not split with the batch, and each microbatch numbers its own from 0 (pass per-example "
+               "values, such as row weights or global document ids, with the batch)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
@@ -308,7 +336,7 @@ def _whole(x):
 # read combine examples (``s[jnp.arange(B), last]`` picks each example's value; the index arithmetic that wraps
 # negative indices, ``i + B``, has no state of its own)
 _INDEX_OPERANDS_FROM = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2, "scatter-add": 1,
-                        "scatter_add": 1, "scatter": 1}
+                        "scatter_add": 1, "scatter": 1, "scatter-max": 1, "scatter-min": 1, "scatter-mul": 1}
 
 
 def _rule(we, me, ins: list, M: int) -> list:
@@ -324,9 +352,11 @@ def _rule(we, me, ins: list, M: int) -> list:
     dep = any(st[2] for st in states)
     if any(st[1] in (_MAX, _MIN) for st in states):
         return _extreme(name, states, n_out)
-    for odd in (_RATIO, _MIXED):  # a ratio (a mixture) goes on only scaled by, or added to, a constant (a ratio
-        if any(st[1] == odd for st in states):  # also added to a mean, which averages exactly: BERT's masked-token
-            constant = all(st[1] == odd or st[:3] == (0, 0, False)  # mean plus its next-sentence loss's mean)
+    # a ratio (a mixture) goes on only scaled by, or added to, a constant; a ratio also added to a mean, which
+    # averages exactly (BERT's masked-token mean plus its next-sentence loss's mean): a ratio still
+    for odd in (_RATIO, _MIXED):
+        if any(st[1] == odd for st in states):
+            constant = all(st[1] == odd or st[:3] == (0, 0, False)
                            or odd == _RATIO and name in _ADD and st[:2] == (1, -1) for st in states)
             if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == odd or name in _CARRY):
                 return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
@@ -382,6 +412,12 @@ def _rule(we, me, ins: list, M: int) -> list:
             return [None] * n_out
     if name in _LIN:
         return [_dot(me, ins, dep)]
+    if name in ("scatter-max", "scatter-min"):  # a maximum per segment over the examples (jax.ops.segment_max)
+        (so, bo, do), oa = ins[0]
+        (su, bu, _), ua = ins[2]
+        if ua and not oa and not do and (so, bo, su, bu) == (0, 0, 0, 0):
+            return [(1, _MAX if name == "scatter-max" else _MIN, dep)]
+        return [(0, 0, dep)] if (so, bo, su, bu) == (0, 0, 0, 0) else [None]
     if name in ("scatter-add", "scatter_add"):
         return [_scatter_add(me, ins, dep)]
     sub = _sub_jaxprs(we, me)

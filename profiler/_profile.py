@@ -94,7 +94,7 @@ class Profile:
 
     layers: tuple[LayerProfile, ...]
     """Layers of the loss, in forward order."""
-    graph: nx.DiGraph
+    graph: nx.DiGraph = dataclasses.field(repr=False)
     """One node per layer (its costs), one edge per dependency with the bytes that cross it."""
     cluster: Cluster
     """The cluster the times are for."""
@@ -135,7 +135,12 @@ class Profile:
     size, unsharded."""
 
     def table(self) -> str:
+        """Each layer's costs, one row per layer ("trained MB": the layer's differentiated parameters; frozen weights
+        passed in, such as a quantized base model, are counted where a plan's memory is)."""
         return format_profile_table(self)
+
+    def __str__(self) -> str:  # print(profile): the table, not the dataclass with its graph
+        return self.table()
 
     def __reduce__(self):
         raise TypeError("Profile: a profile holds the traced step's layer programs (jaxprs), which do not pickle. Plan "
@@ -489,7 +494,7 @@ def _dominant_float_dtype(jaxpr) -> str:
 
 def format_profile_table(p: Profile) -> str:
     lines = [f"profile on {p.cluster}",
-             f"{'layer':>5}  {'name':<12} {'GFLOP fwd':>10} {'GFLOP bwd':>10} {'time ms':>9} {'params MB':>10} "
+             f"{'layer':>5}  {'name':<12} {'GFLOP fwd':>10} {'GFLOP bwd':>10} {'time ms':>9} {'trained MB':>10} "
              f"{'optim MB':>9} {'activ MB':>9} {'out MB':>8}  fingerprint"]
     for l in p.layers:
         lines.append(f"{l.index:>5}  {l.name:<12} {l.flops / 1e9:>10.3f} {l.backward_flops / 1e9:>10.3f} "

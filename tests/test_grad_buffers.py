@@ -151,3 +151,16 @@ def test_a_step_of_another_batch_size_frees_the_last_ones_accumulators():
         assert_trees_close((tuple(state), loss), (tuple(want), want_loss))
         held = {m: sum(pipelined.memory_report(*state, batch_of(m), between_steps=True).values()) for m in (4, 8, 16)}
         assert held[n] == held_one and all(held[m] < params_bytes for m in held if m != n), held
+
+
+def test_between_steps_reports_every_device_of_the_step():
+    """A one-stage step held nothing between steps and ``memory_report(between_steps=True)`` returned ``{}`` (a
+    user trial: code indexing it by device got a ``KeyError``), where a multi-stage step reports every device: the
+    same devices as the peak report, 0 where nothing stays."""
+    step, state, batch = model_case(tiny_mlp, 8)
+    for stages in (1, 2):
+        pipelined = autopp.parallelize(step, num_stages=stages, num_microbatches=2, devices=jax.devices()[:stages])
+        pipelined(*state, batch)
+        peak = pipelined.memory_report(*state, batch)
+        held = pipelined.memory_report(*state, batch, between_steps=True)
+        assert set(held) == set(peak) == set(range(stages)), (stages, held, peak)

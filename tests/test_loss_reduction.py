@@ -300,7 +300,8 @@ def test_counts_and_flags_over_the_examples_combine_as_jit_s():
     """A trial's confusion counts written as scatter-adds (``.at[label].add(1.0)``, ``jnp.bincount``, a segment sum of
     ones) came back averaged over the microbatches (8 for jit's 32), and flags over the examples (``jnp.any``,
     ``jnp.all``) were refused with advice (a float cast) that gave 0.75 for jit's True. Counts are added up, flags
-    combined by or / and."""
+    combined by or / and, maxima and minima per segment (``jax.ops.segment_max``: summed, with a warning, before the
+    eighth session's trials) by their maximum and minimum."""
     C = 4
 
     def loss(p, b):
@@ -308,9 +309,13 @@ def test_counts_and_flags_over_the_examples_combine_as_jit_s():
         pred = jnp.argmax(nll, axis=1) % C  # an int per example, decided by the batch
         return nll.mean(), {"at_add": jnp.zeros(C).at[pred].add(1.0), "bincount": jnp.bincount(pred, length=C),
                             "segment_sum": jax.ops.segment_sum(jnp.ones(pred.shape[0]), pred, num_segments=C),
-                            "any": (nll > 4.2).any(), "all": (nll > 0.5).all(), "none": (nll > 99.0).any()}
+                            "any": (nll > 4.2).any(), "all": (nll > 0.5).all(), "none": (nll > 99.0).any(),
+                            # a maximum / minimum per segment (a trial's per-document maxima: summed, -inf poisoned)
+                            "segment_max": jax.ops.segment_max(nll.max(1), pred, num_segments=C + 2),
+                            "segment_min": jax.ops.segment_min(nll.min(1), pred, num_segments=C + 2)}
 
     (p_jit, (l_jit, a_jit)), (p_pp, (l_pp, a_pp)) = _run(_step(loss, has_aux=True))
+    assert np.isneginf(a_jit["segment_max"][C:]).all() and np.isfinite(a_jit["segment_max"][:C]).any()
     assert a_jit["any"] and not a_jit["none"] and float(a_jit["at_add"].sum()) == B  # (the flags differ over examples)
     assert {k: v.dtype for k, v in a_pp.items()} == {k: v.dtype for k, v in a_jit.items()}
     _assert_equal((l_jit, a_jit), (l_pp, a_pp))
@@ -477,3 +482,34 @@ def test_a_loss_whose_reduction_cannot_be_read_is_named_where():
         (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss))
     assert not any("custom kernel" in str(w.message) for w in record)
     assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)
+
+
+def test_examples_numbered_by_position_to_index_a_whole_array_are_named():
+    """A trial's row weights passed beside the batch and read by ``w[jnp.arange(B)]`` in the loss gave 1.58 for jit's
+    4.60 with no word (each microbatch read rows 0..3), and document ids ``seg + 5 * arange(B)`` summed into a fixed
+    number of segments as an aux collided across microbatches (13 slots for jit's 31). Both warn, naming the use;
+    the row weights passed with the batch give jit's values without a warning."""
+    def loss(p, b, w):
+        nll = _nll(p, b).mean(1)
+        ids = (b["x"][:, 0] % 2) + 2 * jnp.arange(nll.shape[0])
+        return (nll * w[jnp.arange(nll.shape[0])]).mean(), jax.ops.segment_sum(nll, ids, num_segments=2 * B)
+
+    weights = jnp.linspace(0.2, 2.0, B)
+    with pytest.warns(UserWarning) as record:
+        (_, (l_jit, a_jit)), (_, (l_pp, a_pp)) = _run(_step(loss, lambda b: (weights,), has_aux=True))
+    texts = [str(w.message) for w in record]
+    assert any(t.startswith("autopp.parallelize: the loss numbers its examples by their position") for t in texts)
+    assert any(t.startswith("autopp.parallelize: aux numbers its examples by their position") for t in texts)
+    assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)
+
+    def split_with_the_batch(p, b):
+        return (_nll(p, b).mean(1) * b["w"][jnp.arange(b["x"].shape[0])]).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = _params(jax.random.key(0))
+        batch = {**_batch(0), "w": weights}
+        step = _step(split_with_the_batch)
+        outs = [fn(params, TX.init(params), batch) for fn in (
+            jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2]))]
+    _assert_equal(outs[0], outs[1])

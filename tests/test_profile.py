@@ -60,6 +60,9 @@ def test_param_bytes_exact_and_per_layer():
     assert all(l.activation_bytes > 0 and l.recompute_activation_bytes < l.activation_bytes for l in blocks)
     assert all(l.time_s > 0 for l in prof.layers)
     assert prof.graph.number_of_nodes() == len(prof.layers)
+    # print(profile) is the table (a user trial printed the dataclass, its networkx graph included)
+    assert str(prof) == prof.table() and str(prof).startswith("profile on") and "DiGraph" not in repr(prof)
+    assert len(str(prof).splitlines()) == len(prof.layers) + 4  # two header lines, the rows, two totals
 
 
 def test_faster_device_predicts_less_time():
