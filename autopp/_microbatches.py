@@ -157,6 +157,14 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                 "loss_reduction='mean'.", stacklevel=user_stacklevel())
         kind = None
     elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
+        if given is None and num_microbatches > 1:
+            warnings.warn(
+                f"{_WHO}: the loss is the {'maximum' if kind == 'max' else 'minimum'} of a value over its examples "
+                f"(a worst-case loss): each of the {num_microbatches} microbatches takes its own, and their average "
+                "is not plain jax.jit's (nor its gradient, which flows through one example of the whole batch). For "
+                "jit's values use num_microbatches=1 (a stage's data-parallel devices then compute over the whole "
+                "batch); loss_reduction='mean' keeps the average of the microbatches' values.",
+                stacklevel=user_stacklevel())
         kind = None
     ratios = [k for k in range(1, n_out) if kinds[k] == "ratio"]
     if ratios:

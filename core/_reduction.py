@@ -88,6 +88,13 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
         _MIXING.events = _MIXING.lost = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
+    if lost is not None:  # an output that ends a function of a sum or mean (sqrt(mse.mean()), mean ** 2)
+        made = {v: (i, e) for i, e in enumerate(micro.jaxpr.eqns) for v in e.outvars}
+        for v, st, kind in zip(micro.jaxpr.outvars, states, kinds):
+            if kind is None and st is not None and st[2] and v in made:
+                i, e = made[v]
+                lost.append((f"applies {_READABLE.get(e.primitive.name, e.primitive.name)} to a sum or mean over "
+                             "the examples", e, i))
     if undetermined is not None:
         undetermined.extend(k for k, (st, kind) in enumerate(zip(states, kinds)) if kind is None
                             and (st is None or st[2]))
@@ -106,7 +113,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
 
     top = _MIXING.depth == 0
     _MIXING.depth += 1
-    positions: set = set()  # values computed from the examples' positions (jnp.arange along the batch axis)
+    positions: dict = {}  # values computed from the examples' positions (jnp.arange along the batch axis) -> where
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -127,35 +134,44 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             env[mv] = (st, axes)
         events = getattr(_MIXING, "events", None)
         if events is not None:
-            why = _mixes(me, ins, out_axes) or _by_position(me, ins, out_axes, positions)
+            why = _mixes(me, ins, out_axes) or _by_position(me, ins, out_axes, positions, _MIXING.top)
             if why:
                 events.append((why, me, _MIXING.top))
         lost = getattr(_MIXING, "lost", None)
         if (lost is not None and top and any(o is None for o in outs)
                 and all(st is not None for st, _ in ins) and any(st[2] for st, _ in ins)):
             lost.append((_lost_reason(me, [st for st, _ in ins]), me, at))
+    events = getattr(_MIXING, "events", None)
+    if top and events is not None:  # positions that reach an output as values: weights, masks by position
+        for v in m.outvars:
+            if not isinstance(v, jex_core.Literal) and v in positions:
+                events.append((POSITIONS, *positions[v]))
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
 
 
-def _by_position(me, ins: list, out_axes: list, positions: set) -> str | None:
+def _by_position(me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:
     """Follow the values made from the examples' positions in the batch (``jnp.arange`` along the batch axis: a
     microbatch numbers its own examples from 0); :data:`POSITIONS` where one indexes an array that is not split with
     the batch (a row weight passed whole, read as ``w[jnp.arange(B)]``; document ids ``seg + 5 * arange(B)`` summed
-    into a fixed number of segments). Indexing the batch's own arrays by them (``s[jnp.arange(B), last]``) is each
-    example's own row."""
+    into a fixed number of segments), where a slice of such an array as long as the batch is read
+    (``lax.dynamic_slice(w, (0,), (B,))``), or (by :func:`_walk`) where positions reach an output as values (weights
+    or a padding mask by position, ``jnp.arange(B) < n_valid``). Indexing the batch's own arrays by them
+    (``s[jnp.arange(B), last]``) is each example's own row."""
     name = me.primitive.name
     if name == "iota":
         if me.params.get("dimension") in out_axes[0]:
-            positions.update(me.outvars)
+            positions.update((v, (me, at_top)) for v in me.outvars)
         return None
+    if name == "dynamic_slice" and not ins[0][1] and out_axes[0]:
+        return POSITIONS
     read = [k for k, a in enumerate(me.invars) if not isinstance(a, jex_core.Literal) and a in positions]
     if not read:
         return None
     at = _INDEX_OPERANDS_FROM.get(name)
     if at is None:  # arithmetic on positions: still positions
-        positions.update(me.outvars)
-        return None
+        positions.update((v, (me, at_top)) for v in me.outvars)
+        return ORDER if name == "rev" and set(me.params["dimensions"]) & set(out_axes[0]) else None
     indexes = [k for k in read if k >= at and not (name.startswith("scatter") and k > at)]
     whole = not ins[0][1] and (not out_axes[0] or not name.startswith(("scatter", "dynamic_update")))
     return POSITIONS if indexes and whole else None
@@ -174,9 +190,15 @@ def _lost_reason(eqn, states: list) -> str:
     if name == "while" or _has_while(eqn):
         return ("runs a lax.while_loop over values of all the examples together (an adaptive ODE solver's error "
                 "norm, an iterative solver's stopping test)" + ("" if name == "while" else f", inside {name}"))
+    if name in ("top_k", "sort", "argsort", "cumsum", "cummax", "cumlogsumexp"):
+        return f"orders the examples ({name} along the batch)"
     if any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st in states):
-        return f"applies {name} to a sum or mean over the examples"
+        return f"applies {_READABLE.get(name, name)} to a sum or mean over the examples"
     return f"combines the examples through {name}, which autopp cannot see into (a custom kernel, a callback)"
+
+
+_READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root", "rsqrt": "a reciprocal square root",
+             "logistic": "a sigmoid", "is_finite": "a finiteness test", "log1p": "log1p", "expm1": "expm1"}
 
 
 def _has_while(eqn) -> bool:
@@ -193,9 +215,10 @@ _MIXING_KINDS = {
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
     ORDER: "orders its examples (a sort, a scan or a cumulative sum along the batch, a shifted slice of it)",
-    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis) to index an "
-               "array that is not split with the batch, and each microbatch numbers its own from 0 (pass per-example "
-               "values, such as row weights or global document ids, with the batch)",
+    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
+               "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
+               "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
+               "document ids, with the batch)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
@@ -256,6 +279,8 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
     if along is not None and any(along in ax for _, ax in dependent):
         return ORDER
+    if me.primitive.name == "rev" and any(set(me.params["dimensions"]) & set(ax) for _, ax in dependent):
+        return ORDER  # the batch reversed (jnp.flip(e, 0): each example paired with another)
     if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
         xs = ins[me.params["num_consts"] + me.params["num_carry"]:]  # giving a value per step (a sum carried over
         ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
@@ -347,6 +372,14 @@ def _rule(we, me, ins: list, M: int) -> list:
         ins = [(st, ax) if k < at or (name.startswith("scatter") and k > at) else ((0, 0, st is None or st[2]), ax)
                for k, (st, ax) in enumerate(ins)]
     states = [st for st, _ in ins]
+    if name == "select_n" and not ins[0][1] and me.invars[0].aval.dtype == np.bool_:
+        # one flag for the whole value (a NaN guard: optax's where(isnan(mean) & ~any(isnan(x)), 0, mean)): what it
+        # picks between decides, whatever the flag is made of
+        data = states[1:]
+        if all(st is not None and st[1] not in (_MAX, _MIN) for st in data):
+            dep = any(st[2] for st in data) or states[0] is None or states[0][2]
+            keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
+            return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if any(st is None for st in states):
         return [None] * n_out
     dep = any(st[2] for st in states)

@@ -513,3 +513,54 @@ def test_examples_numbered_by_position_to_index_a_whole_array_are_named():
         outs = [fn(params, TX.init(params), batch) for fn in (
             jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2]))]
     _assert_equal(outs[0], outs[1])
+
+
+def _warning_texts(loss, extra=lambda b: ()):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss, extra))
+    texts = [str(w.message) for w in record if "autopp" in str(w.message)]
+    return texts, float(l_jit), float(l_pp)
+
+
+@pytest.mark.parametrize("name", ["worst case", "padding by position", "weights by position", "flipped negatives",
+                                  "a slice of a whole array", "a root mean square"])
+def test_losses_that_differ_from_jit_per_microbatch_warn_what_they_do(name):
+    """A trial's losses whose microbatches' values average to something else than jit's ran silently: the maximum of
+    the examples' losses (2.09 for jit's 2.42), a padding mask or weights by position (``jnp.arange(B) < n``:
+    2.65 for 1.71), negatives from the batch reversed (``jnp.flip``), the first B rows of an array not split with the
+    batch (``lax.dynamic_slice``); and ``sqrt(mse.mean())`` named no line. Each warns, saying what it does."""
+    weights = jnp.linspace(0.2, 2.0, B)
+    cases = {
+        "worst case": (lambda p, b: _nll(p, b).mean(1).max(), "is the maximum of a value over its examples"),
+        "padding by position": (lambda p, b: jnp.where(jnp.arange(b["x"].shape[0]) < 12, _nll(p, b).mean(1),
+                                                       0.0).sum() / 12,
+                                "numbers its examples by their position"),
+        "weights by position": (lambda p, b: ((1 + jnp.arange(b["x"].shape[0]) / b["x"].shape[0])
+                                              * _nll(p, b).mean(1)).mean(), "numbers its examples by their position"),
+        "flipped negatives": (lambda p, b: (_nll(p, b).mean(1) * jnp.flip(_nll(p, b).mean(1), 0)).mean(),
+                              "orders its examples"),
+        "a slice of a whole array": (lambda p, b, w: (_nll(p, b).mean(1)
+                                                      * jax.lax.dynamic_slice(w, (0,), (b["x"].shape[0],))).mean(),
+                                     "numbers its examples by their position"),
+        "a root mean square": (lambda p, b: jnp.sqrt((_nll(p, b) ** 2).mean()), "applies a square root"),
+    }
+    loss, words = cases[name]
+    texts, l_jit, l_pp = _warning_texts(loss, (lambda b: (weights,)) if name == "a slice of a whole array" else
+                                        (lambda b: ()))
+    assert any(words in t for t in texts), texts
+    assert not np.isclose(l_jit, l_pp, rtol=1e-6)
+
+
+def test_a_nan_guard_on_the_loss_is_read_through():
+    """optax's ranking losses guard their mean (``where(isnan(mean) & ~any(isnan(x)), 0, mean)``) and users guard
+    theirs (``where(isfinite(m), m, 0)``): a trial's equal values came with a warning that the loss used a maximum over
+    its examples. Read as the mean they guard: no warning, jit's values."""
+    def guarded(p, b):
+        nll = _nll(p, b).mean(1)
+        m = nll.mean()
+        m = jnp.where(jnp.isnan(m) & ~jnp.any(jnp.isnan(nll)), 0.0, m)
+        return jnp.where(jnp.isfinite(m), m, 0.0)
+
+    texts, l_jit, l_pp = _warning_texts(guarded)
+    assert texts == [] and np.isclose(l_jit, l_pp, rtol=1e-6)
