@@ -94,7 +94,8 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
             if kind is None and st is not None and st[2] and v in made:
                 i, e = made[v]
                 lost.append((f"applies {_READABLE.get(e.primitive.name, e.primitive.name)} to a sum or mean over "
-                             "the examples", e, i))
+                             "the examples" if st[0] else "keeps a value of single examples (one example's, not a "
+                             "mean or sum over them)", e, i))
     if undetermined is not None:
         undetermined.extend(k for k, (st, kind) in enumerate(zip(states, kinds)) if kind is None
                             and (st is None or st[2]))
