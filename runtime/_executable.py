@@ -168,10 +168,7 @@ class Executable:
         """Bytes per device id the executable holds now, between steps: its constants and the gradient
         accumulators kept for the next step (held once a step has run, until :meth:`release` frees them). Every
         device the step uses has an entry, 0 where nothing stays (as :meth:`memory_report` has one per device)."""
-        held: dict[int, int] = collections.defaultdict(int)
-        for per_device in self.slot_bytes.values():
-            for dev in per_device:
-                held[dev] += 0
+        held = {dev: 0 for per_device in self.slot_bytes.values() for dev in per_device}
         slots = [s for s, _ in self.const_slots]
         slots += [o for t in self.tasks if isinstance(t.fn, Transfer) and t.fn.pool for o in t.outs]
         for slot in slots:

@@ -25,10 +25,6 @@ def _sgd_step(loss):
     return step
 
 
-def _jit_step(step):
-    return jax.jit(lambda p, o, *b: step(p, o, *b))
-
-
 def _mlp(key, sizes):
     keys = jax.random.split(key, len(sizes) - 1)
     return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
@@ -69,7 +65,7 @@ def test_a_custom_vjp_backward_indexing_a_constant_of_the_loss_runs_on_one_stage
 
     batch = (jax.random.normal(jax.random.key(1), (8, 8)), jax.random.normal(jax.random.key(2), (8, 8)))
     step = _sgd_step(loss)
-    want = _jit_step(step)(p, TX.init(p), batch)
+    want = jax.jit(step)(p, TX.init(p), batch)
     for stages in (1, 2):
         got = autopp.parallelize(step, num_stages=stages, num_microbatches=2,
                                  devices=jax.devices()[:stages])(p, TX.init(p), batch)
@@ -86,7 +82,7 @@ def test_a_custom_vjp_backward_indexing_a_constant_of_the_loss_runs_on_one_stage
 
     ode_batch = (jax.random.normal(jax.random.key(4), (8, 4)), jax.random.normal(jax.random.key(5), (8, 4)))
     step = _sgd_step(ode_loss)
-    want = _jit_step(step)(q, TX.init(q), ode_batch)
+    want = jax.jit(step)(q, TX.init(q), ode_batch)
     got = autopp.parallelize(step, num_stages=1, num_microbatches=1, devices=jax.devices()[:1])(q, TX.init(q),
                                                                                                   ode_batch)
     assert_trees_close(got[0], want[0], rtol=1e-5, atol=1e-6)
@@ -118,7 +114,7 @@ def test_a_pinn_with_interior_and_boundary_batches_of_different_sizes_is_planned
     runtime splits it; the planned step equals jit."""
     p, loss, interior, boundary = _pinn()
     step = _sgd_step(loss)
-    want = _jit_step(step)(p, TX.init(p), interior, boundary)
+    want = jax.jit(step)(p, TX.init(p), interior, boundary)
     with pytest.warns(UserWarning, match="different leading dimensions"):
         planned = autopp.parallelize(step, devices=jax.devices()[:2], batch_argnums=(2, 3))
         got = planned(p, TX.init(p), interior, boundary)
@@ -146,7 +142,7 @@ def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole():
     step = _sgd_step(loss)
     with pytest.raises(ValueError, match=r"(?s)batch holds a sparse array \(a BCOO in args\[2\]\).*todense"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(p, TX.init(p), (x, y))
-    want = _jit_step(step)(p, TX.init(p), (x, y))
+    want = jax.jit(step)(p, TX.init(p), (x, y))
     got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(p, TX.init(p), (x, y))
     assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
 
