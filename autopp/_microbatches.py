@@ -96,7 +96,8 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
         forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
     lost: list = []
     kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, factor,
-                               mixing, undetermined, lost) if num_microbatches > 1 else (None,) * n_out)
+                               mixing, undetermined, lost, num_microbatches) if num_microbatches > 1
+             else (None,) * n_out)
     names = traced.spec.aux_names
     if STRUCTURE in undetermined:
         warnings.warn(

@@ -229,9 +229,17 @@ class Parallelized(Generic[_P, _R]):
         the buffers it holds plus each program's XLA temporaries (``memory_analysis()``); compare with
         ``plan_for(*args).predicted.peak_memory_bytes_per_gpu`` (a plan the planner made: one from explicit counts
         carries no prediction, its ``predicted`` is None). ``between_steps=True``: the bytes per device the step
-        holds now, between steps, instead: its constants and, once a step has run, the gradient accumulators it
-        keeps for the next (none before the first step or after :meth:`release`)."""
-        return self._lookup(args)[0].executable.memory_report(between_steps=between_steps)
+        holds now, between steps, instead, whatever signature ``args`` have: the constants of every signature built
+        and, once a step has run, the gradient accumulators kept for the next (none before the first step or after
+        :meth:`release`; a step of another signature takes them over)."""
+        executable = self._lookup(args)[0].executable
+        if not between_steps:
+            return executable.memory_report()
+        held: dict[int, int] = {}
+        for built in self._cache.values():
+            for dev, n in built.executable.held_between_steps().items():
+                held[dev] = held.get(dev, 0) + n
+        return dict(sorted(held.items()))
 
     def release(self) -> dict[int, int]:
         """Free the gradient accumulators kept between steps (for every argument signature built); the next step

@@ -214,7 +214,8 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
     try:
         split = split_stages(forward, traced.microbatched_grad_inputs, sched.num_stages,  # groups of other sizes:
-                             weights=[len(d) for d in stage_devices], refuse_unbalanced=True)  # FLOPs per device
+                             weights=[len(d) for d in stage_devices], refuse_unbalanced=True,  # FLOPs per device
+                             diff_invars=traced.spec.diff_mask)
     except ValueError as e:
         raise _per_chunk(e, sched, name) from None
     stages = _stage_plans(traced, forward, split, stage_devices, _stage_layouts(config, sched, stage_devices),

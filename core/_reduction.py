@@ -30,8 +30,8 @@ from jax.extend import core as jex_core
 
 from autopp.core._compat import user_line
 
-__all__ = ["DRAWS", "ORDER", "PAIRS", "POSITIONS", "SPREAD", "STRUCTURE", "mixing_by_output", "mixing_summary",
-           "output_reductions"]
+__all__ = ["DRAWS", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output",
+           "mixing_summary", "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
@@ -59,7 +59,8 @@ class _Mismatch(Exception):
 
 def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
                       num_microbatches: int, mixing: list | None = None,
-                      undetermined: list | None = None, lost: list | None = None) -> tuple[str | None, ...]:
+                      undetermined: list | None = None, lost: list | None = None,
+                      microbatches_run: int | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
     a sum over them, ``"ratio"`` for a sum divided by another, ``"mixed"`` for a sum plus a mean (no count of
     microbatches combines those), ``"max"`` / ``"min"`` for a maximum / minimum over
@@ -75,8 +76,10 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     the two programs differ in structure (a loop over the examples unrolled: nothing can be said of any output).
     ``lost``: a list to which the equations of ``micro``'s outermost program where a value depending on the batch
     stops being any of those combinations are appended, as ``(what it does, equation, its index)``: where a warning
-    about an undetermined loss points."""
+    about an undetermined loss points. ``microbatches_run``: how many microbatches the step runs, where ``micro`` is
+    traced at a larger fraction of the batch (it decides whether a k-th-example slice fits each microbatch)."""
     _MIXING.events, _MIXING.lost, _MIXING.depth = mixing, lost, 0
+    _MIXING.microbatches = microbatches_run or num_microbatches
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
                        [(0, 0, bool(m)) for m in microbatched], num_microbatches)
@@ -85,7 +88,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
             undetermined.append(STRUCTURE)
         return (None,) * len(micro.jaxpr.outvars)
     finally:
-        _MIXING.events = _MIXING.lost = None
+        _MIXING.events = _MIXING.lost = _MIXING.microbatches = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
     if lost is not None:  # an output that ends a function of a sum or mean (sqrt(mse.mean()), mean ** 2)
@@ -115,6 +118,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     top = _MIXING.depth == 0
     _MIXING.depth += 1
     positions: dict = {}  # values computed from the examples' positions (jnp.arange along the batch axis) -> where
+    blocks: dict = {}  # values whose batch axis holds several blocks of the examples (see _parts)
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -135,7 +139,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             env[mv] = (st, axes)
         events = getattr(_MIXING, "events", None)
         if events is not None:
-            why = _mixes(me, ins, out_axes) or _by_position(me, ins, out_axes, positions, _MIXING.top)
+            why = (_parts(we, me, ins, out_axes, blocks) or _mixes(me, ins, out_axes)
+                   or _by_position(me, ins, out_axes, positions, _MIXING.top))
             if why:
                 events.append((why, me, _MIXING.top))
         lost = getattr(_MIXING, "lost", None)
@@ -209,7 +214,8 @@ def _has_while(eqn) -> bool:
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-PAIRS, SPREAD, ORDER, DRAWS, POSITIONS = "pairs", "spread", "order", "draws", "positions"
+PAIRS, SPREAD, ORDER, DRAWS, POSITIONS, PARTS, STRIDES = ("pairs", "spread", "order", "draws", "positions", "parts",
+                                                           "strides")
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
@@ -220,6 +226,13 @@ _MIXING_KINDS = {
                "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
                "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
                "document ids, with the batch)",
+    PARTS: "takes parts of the batch by position (x[:n] and x[n:], jnp.split, x.reshape(2, -1): chosen and rejected "
+           "sequences or two views of the examples concatenated into one batch), so each microbatch's parts hold other "
+           "examples than the whole batch's and it pairs other examples (pass each part as a batch argument of its "
+           "own, or interleave them and read the pairs with x.reshape(-1, 2, ...))",
+    STRIDES: "reads every k-th example (x[0::2], pairs interleaved along the batch) in microbatches whose size k does "
+             "not divide, so pairs straddle two microbatches (choose num_microbatches so that each microbatch holds a "
+             "multiple of k examples)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
@@ -287,13 +300,80 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
         if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
             return ORDER
-    if me.primitive.name == "slice" and dependent:  # a window of the batch that keeps its axis: x[1:] - x[:-1], a
-        (_, ax), = ins[:1]  # roll, the strided halves of an associative scan
-        shape, strides = me.invars[0].aval.shape, me.params.get("strides") or ()
-        for d in set(ax) & set(out_axes[0]):
-            if (me.params["start_indices"][d] != 0 or me.params["limit_indices"][d] != shape[d]
-                    or (strides and strides[d] != 1)):
+    return None
+
+
+def _parts(we, me, ins: list, out_axes: list, blocks: dict) -> str | None:
+    """Follow how a batch axis is laid out in blocks, and find where the loss takes parts of the batch by position.
+    ``blocks``: micro variable -> ``m`` where its first batch axis holds ``m`` equal blocks in order, each the
+    microbatch's examples (``jnp.concatenate([chosen, rejected])`` of two batch arrays; time-major ``[T, B]`` data
+    flattened to ``[T * B]``); absent: one block. :data:`PARTS` where a part of one block is taken (``x[:n]``,
+    ``jnp.split``, ``x.reshape(2, -1)`` of a batch that is ``[chosen; rejected]``: each microbatch's halves hold other
+    examples than the whole batch's), :data:`STRIDES` where every k-th example is read (``x[0::2]``, pairs
+    interleaved) in microbatches of a size k does not divide, :data:`ORDER` for other windows (``x[1:] - x[:-1]``)."""
+    name = me.primitive.name
+    dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
+    if not dependent or not me.outvars or not out_axes[0]:
+        return None
+
+    def block_of(k):
+        a = me.invars[k]
+        return 1 if isinstance(a, jex_core.Literal) else blocks.get(a, 1)
+
+    whole_in = [getattr(a.aval, "shape", ()) for a in we.invars]
+    micro_in = [getattr(a.aval, "shape", ()) for a in me.invars]
+    if name == "concatenate" and me.params["dimension"] in out_axes[0]:
+        d = me.params["dimension"]
+        sizes = {whole_in[k][d] // block_of(k) for k in range(len(me.invars))}
+        if all(k in dependent and d in ins[k][1] for k in range(len(me.invars))) and len(sizes) == 1:
+            blocks[me.outvars[0]] = sum(block_of(k) for k in range(len(me.invars)))
+        return None
+    if name == "reshape" and len(ins[0][1]) == 1 and len(out_axes[0]) == 1:
+        (d_in,), (d_out,) = ins[0][1], out_axes[0]
+        before_in = int(np.prod(micro_in[0][:d_in])) * block_of(0)
+        before_out = int(np.prod(me.outvars[0].aval.shape[:d_out]))
+        if before_out > before_in or before_in % before_out:
+            return PARTS  # the batch axis cut into a major and a minor part: [2B] -> [2, B]
+        if before_in // before_out > 1:
+            blocks[me.outvars[0]] = before_in // before_out
+        return None
+    if name in ("slice", "split") and ins[0][1]:
+        m, d_all = block_of(0), set(ins[0][1]) & set(out_axes[0])  # (x[0:1]: one example's value, said elsewhere)
+        if name == "slice":
+            strides = me.params.get("strides") or (1,) * len(micro_in[0])
+            cuts = [(d, me.params["start_indices"][d], me.params["limit_indices"][d], strides[d],
+                     we.params["start_indices"][d], we.params["limit_indices"][d]) for d in d_all]
+        else:
+            d, starts, wstarts = me.params["axis"], np.cumsum((0, *me.params["sizes"])), \
+                np.cumsum((0, *we.params["sizes"]))
+            cuts = [(d, int(a), int(b), 1, int(wa), int(wb))
+                    for a, b, wa, wb in zip(starts, starts[1:], wstarts, wstarts[1:])] if d in d_all else []
+        outs = me.outvars if name == "split" else [me.outvars[0]] * len(cuts)
+        for (d, start, limit, stride, wstart, wlimit), out in zip(cuts, outs):
+            n, N = micro_in[0][d], whole_in[0][d]
+            if (start, limit, stride) == (0, n, 1):
+                continue
+            if stride > 1:
+                rows = N // (getattr(_MIXING, "microbatches", None) or N // n)
+                if m == 1 and start == wstart < stride and limit > n - stride and wlimit > N - stride:
+                    if n % stride == 0 and rows % stride == 0:
+                        continue  # every k-th example, whole k-tuples in each microbatch: each microbatch's own
+                    return STRIDES
                 return ORDER
+            size, wsize = n // m, N // m
+            if m > 1 and not (start % size or limit % size) and (wstart, wlimit) == (start // size * wsize,
+                                                                                     limit // size * wsize):
+                if (limit - start) // size > 1:  # whole blocks: [chosen; rejected][:B] is chosen
+                    blocks[out] = (limit - start) // size
+                continue
+            return PARTS if N * (limit - start) == n * (wlimit - wstart) and N * start == n * wstart else ORDER
+        return None
+    m = max((block_of(k) for k in dependent), default=1)
+    if m > 1:  # an operation that keeps the batch axis's length keeps its blocks
+        sized = {whole_in[k][ins[k][1][0]] for k in dependent if block_of(k) == m}
+        for wv, mv, ax in zip(we.outvars, me.outvars, out_axes):
+            if ax and wv.aval.shape[ax[0]] in sized:
+                blocks[mv] = m
     return None
 
 
@@ -373,6 +453,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         ins = [(st, ax) if k < at or (name.startswith("scatter") and k > at) else ((0, 0, st is None or st[2]), ax)
                for k, (st, ax) in enumerate(ins)]
     states = [st for st, _ in ins]
+    if name in ("device_put", "optimization_barrier") and len(states) == n_out:  # each operand as it is (several
+        return states  # at once in JAX's own solvers: a batched residual beside a scalar tolerance)
     if name == "select_n" and not ins[0][1] and me.invars[0].aval.dtype == np.bool_:
         # one flag for the whole value (a NaN guard: optax's where(isnan(mean) & ~any(isnan(x)), 0, mean)): what it
         # picks between decides, whatever the flag is made of

@@ -20,6 +20,7 @@ from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
 from autopp.core._constraints import drop_sharding_constraints
 from autopp.core._jaxpr import eqn_signature, jax_consts, sink_parameter_work
+from autopp.core._warn import concrete_value_error
 from autopp.core._zero_grads import freeze_zero_gradients
 
 
@@ -327,7 +328,10 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         return flat_out
 
     with _tracing():
-        closed = jax.make_jaxpr(flat_step)(*abstract)
+        try:
+            closed = jax.make_jaxpr(flat_step)(*abstract)
+        except jax.errors.ConcretizationTypeError as e:
+            raise concrete_value_error(e, step_fn, leaf_paths, who) from e
     _refuse_leaked_values(closed, who)
     out_tree = flat_step.out_tree
     closed = drop_sharding_constraints(_inline_calls(closed), who)

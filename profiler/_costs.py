@@ -387,6 +387,76 @@ def _pallas_call(eqn) -> OpCost:
     return OpCost(inner.flops, inner.transcendentals, _io_bytes(eqn), _out_bytes(eqn))
 
 
+def _matrices(aval) -> tuple[int, int, int]:
+    """(how many matrices, rows, columns) of an operand whose last two dimensions are its matrices'."""
+    *batch, m, n = aval.shape
+    return math.prod(batch), m, n
+
+
+def _lu(eqn) -> OpCost:
+    """LU with partial pivoting of an m x n matrix (k = min(m, n)): 2 (mnk - (m + n) k^2 / 2 + k^3 / 3) FLOPs, 2n^3/3
+    for a square one (Golub and Van Loan, Matrix Computations, 4th ed., section 3.2)."""
+    b, m, n = _matrices(eqn.invars[0].aval)
+    k = min(m, n)
+    return _arith(eqn, b * 2.0 * (m * n * k - (m + n) * k * k / 2 + k ** 3 / 3))
+
+
+def _triangular_solve(eqn) -> OpCost:
+    """A triangular system of order m with k right-hand sides: m^2 k FLOPs (Golub and Van Loan, section 3.1)."""
+    b, m, _ = _matrices(eqn.invars[0].aval)
+    rhs = eqn.invars[1].aval.shape
+    k = rhs[-1] if eqn.params.get("left_side") else rhs[-2]
+    return _arith(eqn, b * float(m * m * k))
+
+
+def _householder(m: int, n: int) -> float:
+    """Householder QR's R of an m x n matrix: 2 k^2 (M - k / 3) FLOPs (k, M = the lesser and greater of m, n; Golub
+    and Van Loan, section 5.2.2); forming the thin Q from its reflectors costs as much again (section 5.1.6)."""
+    k, big = min(m, n), max(m, n)
+    return 2.0 * k * k * (big - k / 3)
+
+
+def _qr(eqn) -> OpCost:
+    b, m, n = _matrices(eqn.invars[0].aval)
+    full_q = 4.0 * (m * m * n - m * n * n + n ** 3 / 3) if eqn.params.get("full_matrices") and m > n else 0.0
+    return _arith(eqn, b * (2 * _householder(m, n) + full_q))
+
+
+def _svd(eqn) -> OpCost:
+    """Golub-Reinsch SVD of an m x n matrix, m >= n (Golub and Van Loan, 4th ed., figure 8.6.1): singular values
+    4mn^2 - 4n^3/3 FLOPs; with the thin U and V 14mn^2 + 8n^3; with the full U and V 4m^2 n + 8mn^2 + 9n^3."""
+    b, m, n = _matrices(eqn.invars[0].aval)
+    m, n = max(m, n), min(m, n)
+    if not eqn.params.get("compute_uv", True):
+        flops = 4.0 * m * n * n - 4.0 * n ** 3 / 3
+    elif eqn.params.get("full_matrices", True):
+        flops = 4.0 * m * m * n + 8.0 * m * n * n + 9.0 * n ** 3
+    else:
+        flops = 14.0 * m * n * n + 8.0 * n ** 3
+    return _arith(eqn, b * flops)
+
+
+def _eig(eqn, vectors: float, values: float) -> OpCost:
+    b, n, _ = _matrices(eqn.invars[0].aval)
+    wanted = eqn.primitive.name == "eigh" or any(eqn.params.get(k) for k in ("compute_left_eigenvectors",
+                                                                               "compute_right_eigenvectors"))
+    return _arith(eqn, b * (vectors if wanted else values) * n ** 3)
+
+
+def _tridiagonal_solve(eqn) -> OpCost:
+    """The Thomas algorithm: about 8 FLOPs per unknown and right-hand side."""
+    rhs = eqn.invars[3].aval.shape
+    return _arith(eqn, 8.0 * math.prod(rhs))
+
+
+def _custom_linear_solve(eqn) -> OpCost:
+    """``lax.custom_linear_solve`` (``jnp.linalg.solve``, ``jax.scipy.sparse.linalg.cg``): its forward runs the
+    ``solve`` jaxpr; the others (matvec, the transposed solve) run only in the derivative, as equations of its own."""
+    body = eqn.params["jaxprs"].solve
+    inner = jaxpr_cost(_sub(body)) if body is not None else ZERO
+    return OpCost(inner.flops, inner.transcendentals, inner.bytes_accessed, _out_bytes(eqn))
+
+
 def _value_and_grad(eqn) -> OpCost:
     """``autopp.value_and_grad``'s marker: the loss forward (held in ``spec.forward``), forward + backward."""
     inner = jaxpr_cost(eqn.params["spec"].forward.jaxpr).scale(_VALUE_AND_GRAD_FACTOR)
@@ -409,6 +479,14 @@ _RULES.update({
     # a Pallas kernel, and the loads and stores of references (a kernel's blocks, mutable arrays): no arithmetic
     "pallas_call": _pallas_call, "get": _zero_flop, "swap": _zero_flop,
     "addupdate": lambda e: _arith(e, math.prod(e.invars[1].aval.shape)),  # (ref += value: one add per element)
+    # dense linear algebra, by the textbook counts (the LAPACK or cuSOLVER call XLA's cost analysis counts as 0)
+    "lu": _lu, "cholesky": lambda e: _arith(e, _matrices(e.invars[0].aval)[0] * _matrices(e.invars[0].aval)[1] ** 3
+                                            / 3.0),
+    "triangular_solve": _triangular_solve, "qr": _qr, "svd": _svd, "tridiagonal_solve": _tridiagonal_solve,
+    # a symmetric eigensolver with vectors about 9n^3 (4n^3/3 for the values); a general one 25n^3 (10n^3)
+    # (Golub and Van Loan, sections 8.3 and 7.5.6)
+    "eigh": lambda e: _eig(e, 9.0, 4.0 / 3.0), "eig": lambda e: _eig(e, 25.0, 10.0),
+    "lu_pivots_to_permutation": _zero_flop, "custom_linear_solve": _custom_linear_solve,
 })
 del _names, _rule, _n
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from jax.extend import core as jex_core
 
-from autopp.core import batch_dependent_vars, eqn_signature, row_slice
+from autopp.core import batch_dependent_vars, differentiable_vars, eqn_signature, row_slice, user_line
 from autopp.profiler._costs import aval_bytes, eqn_cost
 
 
@@ -24,7 +24,8 @@ class StageSplit:
     """Per stage, indices into the forward jaxpr's equations, in order. Equations that depend only on
     parameters (casts, transposes of a tied embedding) appear in every stage that uses their result."""
     stage_costs: tuple[float, ...]
-    """Per stage, the FLOPs of its batch-dependent equations (the quantity that was balanced)."""
+    """Per stage, the forward FLOPs of its batch-dependent equations (what was balanced counts the backward too, where
+    there is one: see :func:`split_stages`)."""
     cut_bytes: tuple[int, ...]
     """Per cut between stage k and k+1, bytes of activations that cross it (per microbatch-sized batch)."""
     stage_starts: tuple[int, ...] = ()
@@ -181,19 +182,28 @@ class _CutProblem:
     forward: jex_core.ClosedJaxpr
     seq: list[int]
     costs: list[float]
+    """What is balanced: forward FLOPs, times :data:`_WITH_BACKWARD` for an equation with a backward."""
     cross: list[float]
+    flops: list[float]
+    """Forward FLOPs (what a stage reports)."""
 
 
-def _cut_problem(forward: jex_core.ClosedJaxpr, batch_invars: Sequence[bool]) -> _CutProblem:
+def _cut_problem(forward: jex_core.ClosedJaxpr, batch_invars: Sequence[bool],
+                 diff_invars: Sequence[bool] | None = None) -> _CutProblem:
     jaxpr = forward.jaxpr
     eqns = jaxpr.eqns
     dep = batch_dependent_vars(jaxpr, batch_invars)
     seq = [i for i, e in enumerate(eqns) if any(v in dep for v in e.outvars)]
     pos = {eq: k for k, eq in enumerate(seq)}
-    costs = []
+    flops = []
     for i in seq:
         c = eqn_cost(eqns[i])
-        costs.append(c.flops + c.transcendentals + 1.0)
+        flops.append(c.flops + c.transcendentals + 1.0)
+    # what is balanced: an equation that carries a cotangent runs a backward too (about twice its forward, a matmul's
+    # input and weight gradients); one that does not (a frozen teacher's forward, preprocessing) runs once
+    carried = differentiable_vars(jaxpr, diff_invars) if diff_invars is not None else None
+    costs = [f if carried is not None and not any(v in carried for v in eqns[i].outvars) else _WITH_BACKWARD * f
+             for i, f in zip(seq, flops)]
     n = len(seq)
     # Bytes crossing a cut before seq position k: batch-dependent values defined before k, used at or after k.
     last_use: dict = {}
@@ -225,8 +235,12 @@ def _cut_problem(forward: jex_core.ClosedJaxpr, batch_invars: Sequence[bool]) ->
         for k in range(1, n):
             if bisect.bisect_right(headers, seq[k - 1]) == bisect.bisect_right(headers, seq[k]):
                 cross[k] += _INSIDE_ITERATION
-    return _CutProblem(forward, seq, costs, cross)
+    return _CutProblem(forward, seq, costs, cross, flops)
 
+
+_WITH_BACKWARD = 3.0
+"""Cost of an equation with a backward, in units of its forward FLOPs: the forward, then the gradients of its inputs
+and weights (a matmul's two backward matmuls, Narayanan et al. 2021's 3x)."""
 
 _INSIDE_ITERATION = 1e-3
 """Bytes added to a cut's crossing bytes when it falls inside a scan iteration (a tie-break, see _cut_problem)."""
@@ -265,15 +279,16 @@ def _split_at(problem: _CutProblem, cuts: Sequence[int]) -> StageSplit:
             if not isinstance(a, jex_core.Literal):
                 needed_at[a] |= stages
     stage_eqns = tuple(tuple(i for i in range(len(eqns)) if s in placement.get(i, ())) for s in range(num_stages))
-    stage_costs = tuple(sum(problem.costs[k] for k in range(cuts[s], cuts[s + 1])) for s in range(num_stages))
+    stage_costs = tuple(sum(problem.flops[k] for k in range(cuts[s], cuts[s + 1])) for s in range(num_stages))
     cut_bytes = tuple(int(problem.cross[cuts[s]]) for s in range(1, num_stages))
     stage_starts = tuple(seq[cuts[s]] for s in range(num_stages))
     return StageSplit(stage_eqns=stage_eqns, stage_costs=stage_costs, cut_bytes=cut_bytes, stage_starts=stage_starts)
 
 
 _CALL_NAMES = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "custom_vjp_call": "jax.custom_vjp",
-               "custom_jvp_call": "jax.custom_jvp", "pjit": "jax.jit", "jit": "jax.jit", "cond": "lax.cond/lax.switch",
-               "while": "lax.while_loop"}
+               "custom_jvp_call": "jax.custom_jvp (or lax.custom_root, which makes one)", "pjit": "jax.jit",
+               "jit": "jax.jit", "cond": "lax.cond/lax.switch", "while": "lax.while_loop",
+               "custom_linear_solve": "lax.custom_linear_solve (jnp.linalg.solve, jax.scipy.sparse.linalg.cg)"}
 """Primitives that wrap a sub-computation, as the user wrote them."""
 
 
@@ -307,18 +322,21 @@ def split_stages(
     balance_tolerance: float = 0.05,
     weights: Sequence[float] | None = None,
     refuse_unbalanced: bool = False,
+    diff_invars: Sequence[bool] | None = None,
 ) -> StageSplit:
     """Assign the forward equations to ``num_stages`` contiguous stages.
 
     Stages are balanced by FLOPs (the bottleneck stage is within ``balance_tolerance`` of the best
     possible), per unit of ``weights`` when given (each stage's device count: a group of 3 devices takes 3 times the
-    FLOPs of a group of 1). Among such splits, one whose middle stages repeat the same equations is preferred (a model of
-    repeated layers: those stages compile once, see :func:`_repeating_partition`), then the one moving the
-    fewest activation bytes. ``refuse_unbalanced``: raise ValueError when one call a stage boundary cannot cut
-    (``lax.cond``, ``jax.checkpoint``, ...) holds more than half the work (a pipeline of such a loss: one stage
-    doing most of it alone).
+    FLOPs of a group of 1). Among such splits, one whose middle stages repeat the same equations is preferred (a model
+    of repeated layers: those stages compile once, see :func:`_repeating_partition`), then the one moving the
+    fewest activation bytes. ``diff_invars`` (the differentiated inputs): an equation that carries a cotangent counts
+    with its backward (:data:`_WITH_BACKWARD` times its FLOPs), one that does not (a frozen teacher's forward) once;
+    without it every equation counts once. ``refuse_unbalanced``: raise ValueError when one call a stage boundary
+    cannot cut (``lax.cond``, ``jax.checkpoint``, ...) holds more than half the work (a pipeline of such a loss: one
+    stage doing most of it alone).
     """
-    problem = _cut_problem(forward, batch_invars)
+    problem = _cut_problem(forward, batch_invars, diff_invars)
     if len(problem.seq) < num_stages:
         wrapped = sorted({_CALL_NAMES.get(e.primitive.name, e.primitive.name) for i in problem.seq
                           for e in [forward.jaxpr.eqns[i]] if _wraps(e)})
@@ -335,10 +353,12 @@ def split_stages(
     if (refuse_unbalanced and num_stages > 1 and problem.costs[heaviest] > max(0.5, 1.5 / num_stages) * total
             and _wraps(eqn)):  # (two recurrent layers' scans, 53% and 47% of the work, on two stages: balanced enough)
         name = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
+        where = user_line(eqn)
         raise ValueError(
-            f"autopp: one {name} call holds {problem.costs[heaviest] / total:.0%} of the loss's work, and a stage "
-            f"boundary cannot cut inside it: whichever stage runs it would do that share alone, so "
-            f"{num_stages} stages cannot balance. {_uncuttable([name])} Or use num_stages=1.")
+            f"autopp: one {name} call{f' at {where}' if where else ''} holds {problem.costs[heaviest] / total:.0%} of "
+            f"the loss's work, and a stage boundary cannot cut inside it: whichever stage runs it would do that share "
+            f"alone, so {num_stages} stages cannot balance. {_uncuttable([name])} Or use fewer stages (a solver's or "
+            "a loop's iterations run on one stage, beside the work before and after it).")
     if weights is not None and len(set(weights)) == 1:
         weights = None
     bottleneck = _min_bottleneck(problem.costs, num_stages, weights)

@@ -471,3 +471,24 @@ def test_a_fixed_number_of_the_batch_s_examples_is_refused_for_what_it_is(mlp_se
 
     with pytest.raises(ValueError, match=r"keep their size when the batch grows .*Slice a fraction of the batch"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_a_python_branch_on_an_argument_names_the_step_and_the_argument(mlp_setup):
+    """``if train:`` on an argument of the step (user trial LEAK): jit names the user's function and ``train``; autopp
+    named its own flattened step (``flat_step at core/_trace.py``) and ``leaves[9]``. It names the step, its line and
+    the argument, and says what to do instead (parallelize has no static_argnums)."""
+    model, _, state, batch = mlp_setup
+
+    def gated_step(params, train, batch):
+        loss, grads = autopp.value_and_grad(model.loss)(params, batch)
+        if train:
+            params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return params, loss
+
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"train"):  # what jit says, the independent truth
+        jax.jit(gated_step)(state[0], True, batch)
+    line = gated_step.__code__.co_firstlineno
+    with pytest.raises(TypeError, match=rf"(?s)the step gated_step \(.*test_errors.py:{line}\) uses the value of "
+                                        r"train \(args\[1\]\) in Python.*jnp.where.*functools.partial"):
+        autopp.parallelize(gated_step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], True,
+                                                                                                     batch)

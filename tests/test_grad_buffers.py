@@ -129,9 +129,10 @@ def test_release_frees_the_kept_accumulators_and_the_step_goes_on():
 def test_a_step_of_another_batch_size_frees_the_last_ones_accumulators():
     """Each argument signature has its own accumulators; a step of another signature frees the last one's, so a
     short last batch per epoch does not keep a second set of gradient buffers for good (it used to: 3 extra sets
-    after 4 batch sizes). ``memory_report(between_steps=True)`` after steps at batch sizes 8, 4, 16 and 8 again: the
-    last signature holds one set of accumulators (as after the first step), the others none; each step equals
-    plain jit."""
+    after 4 batch sizes). ``memory_report(between_steps=True)`` after steps at batch sizes 8, 4, 16 and 8 again: one
+    set of accumulators is held (as after the first step), and the report says so whatever batch size it is asked
+    with (a user trial: asked with another signature than the last step's, it said 2 bytes per device while a set of
+    accumulators was held); each step equals plain jit."""
     step, state, batch = model_case(tiny_mlp, 16)
     pipelined = _pipelined(step)
     params_bytes = sum(x.nbytes for x in jax.tree.leaves(state[0]))
@@ -149,8 +150,10 @@ def test_a_step_of_another_batch_size_frees_the_last_ones_accumulators():
         *state, loss = pipelined(*state, batch_of(n))
         *want, want_loss = ref(*want, batch_of(n))
         assert_trees_close((tuple(state), loss), (tuple(want), want_loss))
-        held = {m: sum(pipelined.memory_report(*state, batch_of(m), between_steps=True).values()) for m in (4, 8, 16)}
-        assert held[n] == held_one and all(held[m] < params_bytes for m in held if m != n), held
+        for _ in range(2):  # (the first asks may build a signature not stepped yet: its constants count from then)
+            held = {m: sum(pipelined.memory_report(*state, batch_of(m), between_steps=True).values())
+                    for m in (4, 8, 16)}
+        assert len(set(held.values())) == 1 and params_bytes <= held[n] < held_one + params_bytes, held
 
 
 def test_between_steps_reports_every_device_of_the_step():

@@ -564,3 +564,102 @@ def test_a_nan_guard_on_the_loss_is_read_through():
 
     texts, l_jit, l_pp = _warning_texts(guarded)
     assert texts == [] and np.isclose(l_jit, l_pp, rtol=1e-6)
+
+
+def _pair_logits(p, b):
+    """Each example's score (a sequence log-probability's stand-in) for the DPO tests below."""
+    return -_nll(p, b).mean(1)
+
+
+def _dpo(chosen, rejected):
+    return -jax.nn.log_sigmoid(0.5 * (chosen - rejected)).mean()
+
+
+@pytest.mark.parametrize("name", ["halves sliced", "jnp.split", "reshape(2, -1)", "odd strides"])
+def test_parts_of_the_batch_taken_by_position_warn_what_they_do(name):
+    """DPO and DINO written as many codebases write them (user trial DISTILL): chosen and rejected sequences (or two
+    views) concatenated into one batch, then its halves taken. Each microbatch's halves hold other examples than the
+    whole batch's, so the loss pairs other examples: with ``jnp.split`` and ``x.reshape(2, -1)`` that ran silently
+    (DPO's first loss 0.6839 for jit's 0.6972), with ``x[:n]`` it warned of a sort or a scan. Pairs interleaved and
+    read as ``x[0::2]`` / ``x[1::2]`` are right when each microbatch holds whole pairs, and straddle microbatches
+    when it holds an odd number of examples (here 3 of 24, parameters off by 6.5e-2 in the trial)."""
+    def halves(p, b):
+        s = _pair_logits(p, b)
+        n = s.shape[0] // 2
+        return _dpo(s[:n], s[n:])
+
+    def split(p, b):
+        return _dpo(*jnp.split(_pair_logits(p, b), 2))
+
+    def reshaped(p, b):
+        s = _pair_logits(p, b).reshape(2, -1)
+        return _dpo(s[0], s[1])
+
+    def strided(p, b):
+        s = _pair_logits(p, b)
+        return _dpo(s[0::2], s[1::2])
+
+    loss, words, kw = {"halves sliced": (halves, "takes parts of the batch by position", {}),
+                       "jnp.split": (split, "takes parts of the batch by position", {}),
+                       "reshape(2, -1)": (reshaped, "takes parts of the batch by position", {}),
+                       "odd strides": (strided, "reads every k-th example", {"num_microbatches": 8})}[name]
+    step = _step(loss)
+    params = _params(jax.random.key(0))
+    batch = _batch(0) if name != "odd strides" else jax.tree.map(lambda a, b: jnp.concatenate([a, b[:8]]), _batch(0),
+                                                                  _batch(1))  # 24 examples: 8 microbatches of 3
+    want = jax.jit(step)(params, TX.init(params), batch)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pipelined = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2], **{"num_microbatches": M, **kw})
+        got = pipelined(params, TX.init(params), batch)
+    texts = [str(w.message) for w in record if "autopp" in str(w.message)]
+    assert any(words in t for t in texts), texts
+    assert not np.isclose(float(want[-1]), float(got[-1]), rtol=1e-5)
+
+
+def test_pairs_read_as_they_stand_in_each_microbatch_run_as_jit_without_a_word():
+    """What the warnings above must not catch: chosen and rejected passed as two batch arrays and concatenated for one
+    forward pass (TRL's ``concatenated_forward``), then split back into halves; pairs interleaved and read by strides
+    that divide each microbatch (DPO's variant B in the trial, which warned falsely that it ordered its examples);
+    time-major values flattened to [T * B] rows and reshaped back. Each equals jit (SGD, <= 1e-6)."""
+    def concatenated(p, b):
+        rejected = jax.tree.map(lambda a: jnp.flip(a, -1) if a.ndim > 1 else a, b)  # each example's own other half
+        both = jax.tree.map(lambda c, r: jnp.concatenate([c, r]), b, rejected)
+        s = _pair_logits(p, both)
+        chosen, other = jnp.split(s, 2)
+        return _dpo(chosen, other) + 0.1 * _dpo(s[:b["x"].shape[0]], s[b["x"].shape[0]:])
+
+    def strided(p, b):
+        s = _pair_logits(p, b)
+        return _dpo(s[0::2], s[1::2])
+
+    def time_major(p, b):
+        h = p["embed"][b["x"]].swapaxes(0, 1)  # [T, B, H]
+        t, n = h.shape[:2]
+        y = jnp.tanh(h.reshape(t * n, H) @ p["w"]).reshape(t, n, H)
+        return (y.swapaxes(0, 1) @ p["head"]).var(-1).mean()
+
+    for loss in (concatenated, strided, time_major):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            (p_jit, out_jit), (p_pp, out_pp) = _run(_step(loss))
+        assert not [str(w.message) for w in seen if "autopp" in str(w.message)], loss.__name__
+        _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+
+
+def test_a_solver_per_example_is_read_as_per_example():
+    """Each example solving its own system with ``jax.scipy.sparse.linalg.cg`` under ``vmap`` (user trial META):
+    JAX's solver passes its residuals and a scalar tolerance through one ``device_put``, which the walk read as
+    combining the examples, and a per-example mean got the warning that its reduction could not be read. Each
+    operand of a ``device_put`` is now its own value: no warning, jit's values."""
+    def solved(p, b):
+        a = p["w"] @ p["w"].T + jnp.eye(H)
+        h = p["embed"][b["x"]].mean(1)
+        sol = jax.vmap(lambda r: jax.scipy.sparse.linalg.cg(lambda v: a @ v, r, maxiter=20)[0])(h)
+        return jnp.mean(jnp.sum((sol @ p["head"]) ** 2, -1))
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        (p_jit, out_jit), (p_pp, out_pp) = _run(_step(solved))
+    assert not [str(w.message) for w in seen if "autopp.parallelize" in str(w.message)]
+    _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)

@@ -139,3 +139,53 @@ def test_a_group_of_more_devices_gets_more_of_the_model():
     got, _ = run_steps(pipelined, state, batch)
     want, _ = run_steps(jax.jit(step), state, batch)
     assert_trees_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_frozen_teacher_counts_its_forward_only():
+    """Knowledge distillation (user trial DISTILL): a student and an equal frozen teacher of 8 tanh layers each. The
+    student's layers run a backward (about 3 times their forward FLOPs), the teacher's only their forward, so 2 stages
+    balance at 16 forward-layers of work each (8 x 3 + 8 = 32 in all), by hand: stage 0 takes 5-6 of the student's
+    layers, not all 8 (before: the split balanced forward FLOPs, stage 0 held the whole student, 24 units against
+    the teacher's 8). The step still equals plain jit."""
+    import autopp
+    import jax.numpy as jnp
+    import optax
+    from _helpers import assert_trees_close
+
+    D, L = 32, 8
+
+    def init(key):
+        return [jax.random.normal(k, (D, D)) / D ** 0.5 for k in jax.random.split(key, L)]
+
+    def apply(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
+
+    def loss(student, teacher, x):
+        s, t = apply(student, x), apply(teacher, x)
+        return jnp.sum(jax.nn.softmax(t) * (jax.nn.log_softmax(t) - jax.nn.log_softmax(s)), -1).mean()
+
+    tx = optax.sgd(0.1)
+
+    def step(student, opt, teacher, x):
+        value, g = autopp.value_and_grad(loss)(student, teacher, x)
+        u, opt = tx.update(g, opt, student)
+        return optax.apply_updates(student, u), opt, value
+
+    student, teacher = init(jax.random.key(0)), init(jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (16, D))
+    pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    plan = pipelined.plan_for(student, tx.init(student), teacher, x)
+    layer = 2 * 16 // 4 * D * D  # one layer's matmul FLOPs per microbatch
+    student_layers_on_0 = plan.stages[0].flops / layer
+    assert 4.5 <= student_layers_on_0 <= 6.5, plan
+
+    def run(fn):
+        state = (student, tx.init(student))
+        for _ in range(3):
+            *state, value = fn(*state, teacher, x)
+        return state, value
+
+    got, want = run(pipelined), run(jax.jit(step))
+    assert_trees_close(got, want, atol=1e-6)
