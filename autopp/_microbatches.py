@@ -95,8 +95,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
         factor = max((k for k in range(2, num_microbatches) if num_microbatches % k == 0), default=num_microbatches)
         forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
     lost: list = []
+    blocks: dict = {}
     kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, factor,
-                               mixing, undetermined, lost, num_microbatches) if num_microbatches > 1
+                               mixing, undetermined, lost, num_microbatches, blocks) if num_microbatches > 1
              else (None,) * n_out)
     names = traced.spec.aux_names
     if STRUCTURE in undetermined:
@@ -230,6 +231,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "examples anyway (a temperature, a key), pass loss_reduction=\"mean\"."
             + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
                "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
+    # a per-example aux whose leading axis holds several blocks of the examples: the block count, for the runtime to
+    # interleave its microbatches' values as the whole batch's are ([chosen; rejected], time-major rows)
+    kinds = tuple(blocks.get(k, kd) if k and kd is None else kd for k, kd in enumerate(kinds))
     return reduction, kinds
 
 

@@ -420,9 +420,13 @@ def _plan_local(config: ParallelizeConfig, prof: Profile, batch: int) -> tuple[L
         fewer = most_devices_with_a_layout(n, pipeline_units(prof), batch, num_stages, config.num_microbatches)
         if ("no pipeline layout for batch size" in str(e) and not config.layout and jax.process_count() == 1
                 and config.device_groups is None and 1 <= fewer < n):
-            warnings.warn(f"{_WHO}: a batch of {batch} does not split evenly over the devices of any pipeline of "
-                          f"{n} device(s); this batch size runs on the first {fewer} (its results are the same; the "
-                          "others idle). A batch size that splits over all of them uses them all.",
+            units = pipeline_units(prof)
+            within = f"{units} stages or fewer (the model's repeated blocks: the most stages the planner cuts it into)"
+            counts = f" in num_microbatches={config.num_microbatches}" if config.num_microbatches else ""
+            warnings.warn(f"{_WHO}: a batch of {batch} does not split evenly{counts} over the devices of any pipeline "
+                          f"of {within} on {n} device(s); this batch size runs on the first {fewer} (its results are "
+                          "the same; the others idle). A batch size that splits over all of them uses them all, and so "
+                          "may num_stages= with num_microbatches= (any stage count up to the layers').",
                           stacklevel=user_stacklevel())
             return _plan_local(dataclasses.replace(config, devices=tuple(config.devices[:fewer])), prof, batch)
         raise ValueError(f"{_WHO}: cannot plan this step for {n} device(s): {str(e).removeprefix('plan_local: ')} "

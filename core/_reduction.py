@@ -28,6 +28,7 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
+from autopp.core._batch_parts import ORDER, PARTS, STRIDES, batch_parts, examples_blocks
 from autopp.core._compat import user_line
 
 __all__ = ["DRAWS", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output",
@@ -47,7 +48,7 @@ _ADD = frozenset({"add", "sub", "add_any"})
 _SAME = frozenset({"max", "min", "select_n", "concatenate", "stack", "clamp", "pad", "dynamic_update_slice"})
 # operations that mix examples along an axis without adding them up into one value
 _MIX_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
-              "sort": "dimension", "argsort": "dimension"}
+              "sort": "dimension", "argsort": "dimension", "top_k": "axis"}
 _ORDERED_REDUCE = frozenset({"reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod", "reduce_and",
                              "reduce_or", "reduce_xor"})
 _LIN = frozenset({"dot_general"})
@@ -60,7 +61,7 @@ class _Mismatch(Exception):
 def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
                       num_microbatches: int, mixing: list | None = None,
                       undetermined: list | None = None, lost: list | None = None,
-                      microbatches_run: int | None = None) -> tuple[str | None, ...]:
+                      microbatches_run: int | None = None, blocks: dict | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
     a sum over them, ``"ratio"`` for a sum divided by another, ``"mixed"`` for a sum plus a mean (no count of
     microbatches combines those), ``"max"`` / ``"min"`` for a maximum / minimum over
@@ -77,9 +78,13 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     ``lost``: a list to which the equations of ``micro``'s outermost program where a value depending on the batch
     stops being any of those combinations are appended, as ``(what it does, equation, its index)``: where a warning
     about an undetermined loss points. ``microbatches_run``: how many microbatches the step runs, where ``micro`` is
-    traced at a larger fraction of the batch (it decides whether a k-th-example slice fits each microbatch)."""
+    traced at a larger fraction of the batch (it decides whether a k-th-example slice fits each microbatch).
+    ``blocks``: a dict to which ``{output position: lengths}`` is added for each output whose leading axis holds
+    several blocks of the examples in order (an aux of ``[chosen; rejected]`` concatenated, time-major rows
+    ``[T * B]``), with each block's length in the whole batch: its microbatches' values interleave block by block
+    into the whole batch's (read only when ``mixing`` is given)."""
     _MIXING.events, _MIXING.lost, _MIXING.depth = mixing, lost, 0
-    _MIXING.microbatches = microbatches_run or num_microbatches
+    _MIXING.microbatches, _MIXING.blocks = microbatches_run or num_microbatches, blocks
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
                        [(0, 0, bool(m)) for m in microbatched], num_microbatches)
@@ -88,7 +93,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
             undetermined.append(STRUCTURE)
         return (None,) * len(micro.jaxpr.outvars)
     finally:
-        _MIXING.events = _MIXING.lost = _MIXING.microbatches = None
+        _MIXING.events = _MIXING.lost = _MIXING.microbatches = _MIXING.blocks = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
     if lost is not None:  # an output that ends a function of a sum or mean (sqrt(mse.mean()), mean ** 2)
@@ -106,7 +111,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
 
 
 def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, in_states: list,
-          M: int) -> list:
+          M: int, in_segments: list | None = None) -> list:
     if len(w.eqns) != len(m.eqns) or len(w.invars) != len(m.invars) or len(in_states) != len(m.invars):
         raise _Mismatch
     env: dict = {}  # micro var -> (state, batch axes)
@@ -118,7 +123,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     top = _MIXING.depth == 0
     _MIXING.depth += 1
     positions: dict = {}  # values computed from the examples' positions (jnp.arange along the batch axis) -> where
-    blocks: dict = {}  # values whose batch axis holds several blocks of the examples (see _parts)
+    segments: dict = {}  # values whose batch axis holds several segments of rows (autopp.core._batch_parts)
+    segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -133,16 +139,23 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         if we.primitive is not me.primitive or len(we.invars) != len(me.invars) or len(we.outvars) != len(me.outvars):
             raise _Mismatch
         ins = [read(a, b) for a, b in zip(we.invars, me.invars)]
+        call = _is_call(me)
+        if call:  # a call's body sees the segments of its operands, and its results get the body's
+            _MIXING.call_in = [None if isinstance(a, jex_core.Literal) else segments.get(a) for a in me.invars]
         outs = _rule(we, me, ins, M)
+        returned = _MIXING.__dict__.pop("call_out", None) if call else None
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
         for mv, st, axes in zip(me.outvars, outs, out_axes):
             env[mv] = (st, axes)
         events = getattr(_MIXING, "events", None)
         if events is not None:
-            why = (_parts(we, me, ins, out_axes, blocks) or _mixes(me, ins, out_axes)
-                   or _by_position(me, ins, out_axes, positions, _MIXING.top))
+            why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
+                   or _mixes(me, ins, out_axes) or _by_position(we, me, ins, out_axes, positions, _MIXING.top))
             if why:
                 events.append((why, me, _MIXING.top))
+            for v, g in zip(me.outvars, returned or ()):
+                if g:
+                    segments[v] = g
         lost = getattr(_MIXING, "lost", None)
         if (lost is not None and top and any(o is None for o in outs)
                 and all(st is not None for st, _ in ins) and any(st[2] for st, _ in ins)):
@@ -152,11 +165,17 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         for v in m.outvars:
             if not isinstance(v, jex_core.Literal) and v in positions:
                 events.append((POSITIONS, *positions[v]))
+        if getattr(_MIXING, "blocks", None) is not None:
+            _MIXING.blocks.update((k, examples_blocks(segments[v])) for k, v in enumerate(m.outvars)
+                                  if not isinstance(v, jex_core.Literal) and v in segments and env[v][1][:1] == (0,)
+                                  and examples_blocks(segments[v]))
+    if not top:
+        _MIXING.call_out = [None if isinstance(v, jex_core.Literal) else segments.get(v) for v in m.outvars]
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
 
 
-def _by_position(me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:
+def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:
     """Follow the values made from the examples' positions in the batch (``jnp.arange`` along the batch axis: a
     microbatch numbers its own examples from 0); :data:`POSITIONS` where one indexes an array that is not split with
     the batch (a row weight passed whole, read as ``w[jnp.arange(B)]``; document ids ``seg + 5 * arange(B)`` summed
@@ -173,14 +192,45 @@ def _by_position(me, ins: list, out_axes: list, positions: dict, at_top: int) ->
         return POSITIONS
     read = [k for k, a in enumerate(me.invars) if not isinstance(a, jex_core.Literal) and a in positions]
     if not read:
+        _fold_scalar(me, positions)
         return None
     at = _INDEX_OPERANDS_FROM.get(name)
+    modulo = name == "rem" or name in ("pjit", "jit") and me.params.get("name") == "remainder"  # (jnp's %)
+    divisor = _scalar_value(me.invars[1], positions) if modulo and len(me.invars) == 2 else None
+    if divisor is not None and read == [0] and ins[0][1]:
+        k, d = int(divisor), ins[0][1][0]  # a position's parity (jnp.arange(B) % 2): the same in each
+        rows = [me.invars[0].aval.shape[d], we.invars[0].aval.shape[d] // (getattr(_MIXING, "microbatches", 0) or 1)]
+        if k > 0 and all(r % k == 0 for r in rows):  # microbatch as in the whole batch when k divides its size
+            return None
     if at is None:  # arithmetic on positions: still positions
         positions.update((v, (me, at_top)) for v in me.outvars)
         return ORDER if name == "rev" and set(me.params["dimensions"]) & set(out_axes[0]) else None
     indexes = [k for k in read if k >= at and not (name.startswith("scatter") and k > at)]
     whole = not ins[0][1] and (not out_axes[0] or not name.startswith(("scatter", "dynamic_update")))
     return POSITIONS if indexes and whole else None
+
+
+_SCALARS = "scalars"  # key of the positions dict holding scalars computed from literals alone (a divisor: jnp's %)
+
+
+def _fold_scalar(me, positions: dict) -> None:
+    """Evaluate a scalar equation of literals and such scalars (the divisor ``jnp.remainder`` makes of its ``2``)."""
+    known = positions.setdefault(_SCALARS, {})
+    if (me.effects or next(jex_core.jaxprs_in_params(me.params), None) is not None or len(me.outvars) != 1
+            or getattr(me.outvars[0].aval, "shape", None) != () or me.primitive.name in _RANDOM):
+        return
+    values = [_scalar_value(a, positions) for a in me.invars]
+    if all(v is not None for v in values):
+        try:
+            known[me.outvars[0]] = np.asarray(me.primitive.bind(*values, **me.params))
+        except Exception:  # noqa: BLE001 - a primitive that cannot run on host scalars: not folded
+            pass
+
+
+def _scalar_value(a, positions: dict):
+    if isinstance(a, jex_core.Literal):
+        return np.asarray(a.val) if np.ndim(a.val) == 0 else None
+    return positions.get(_SCALARS, {}).get(a)
 
 
 def _lost_reason(eqn, states: list) -> str:
@@ -214,14 +264,14 @@ def _has_while(eqn) -> bool:
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-PAIRS, SPREAD, ORDER, DRAWS, POSITIONS, PARTS, STRIDES = ("pairs", "spread", "order", "draws", "positions", "parts",
-                                                           "strides")
+PAIRS, SPREAD, DRAWS, POSITIONS = "pairs", "spread", "draws", "positions"
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
-    ORDER: "orders its examples (a sort, a scan or a cumulative sum along the batch, a shifted slice of it)",
+    ORDER: "orders its examples (a sort, a top-k, a scan or a cumulative sum along the batch, a shifted slice of it, "
+           "a window, a convolution or an FFT over neighbouring examples)",
     POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
                "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
                "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
@@ -295,6 +345,9 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         return ORDER
     if me.primitive.name == "rev" and any(set(me.params["dimensions"]) & set(ax) for _, ax in dependent):
         return ORDER  # the batch reversed (jnp.flip(e, 0): each example paired with another)
+    across = _across(me)  # the axes a window, a transform or a selection runs along
+    if across and ins and ins[0][0] is not None and ins[0][0][2] and set(across) & set(ins[0][1]):
+        return ORDER
     if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
         xs = ins[me.params["num_consts"] + me.params["num_carry"]:]  # giving a value per step (a sum carried over
         ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
@@ -303,78 +356,20 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     return None
 
 
-def _parts(we, me, ins: list, out_axes: list, blocks: dict) -> str | None:
-    """Follow how a batch axis is laid out in blocks, and find where the loss takes parts of the batch by position.
-    ``blocks``: micro variable -> ``m`` where its first batch axis holds ``m`` equal blocks in order, each the
-    microbatch's examples (``jnp.concatenate([chosen, rejected])`` of two batch arrays; time-major ``[T, B]`` data
-    flattened to ``[T * B]``); absent: one block. :data:`PARTS` where a part of one block is taken (``x[:n]``,
-    ``jnp.split``, ``x.reshape(2, -1)`` of a batch that is ``[chosen; rejected]``: each microbatch's halves hold other
-    examples than the whole batch's), :data:`STRIDES` where every k-th example is read (``x[0::2]``, pairs
-    interleaved) in microbatches of a size k does not divide, :data:`ORDER` for other windows (``x[1:] - x[:-1]``)."""
-    name = me.primitive.name
-    dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
-    if not dependent or not me.outvars or not out_axes[0]:
-        return None
-
-    def block_of(k):
-        a = me.invars[k]
-        return 1 if isinstance(a, jex_core.Literal) else blocks.get(a, 1)
-
-    whole_in = [getattr(a.aval, "shape", ()) for a in we.invars]
-    micro_in = [getattr(a.aval, "shape", ()) for a in me.invars]
-    if name == "concatenate" and me.params["dimension"] in out_axes[0]:
-        d = me.params["dimension"]
-        sizes = {whole_in[k][d] // block_of(k) for k in range(len(me.invars))}
-        if all(k in dependent and d in ins[k][1] for k in range(len(me.invars))) and len(sizes) == 1:
-            blocks[me.outvars[0]] = sum(block_of(k) for k in range(len(me.invars)))
-        return None
-    if name == "reshape" and len(ins[0][1]) == 1 and len(out_axes[0]) == 1:
-        (d_in,), (d_out,) = ins[0][1], out_axes[0]
-        before_in = int(np.prod(micro_in[0][:d_in])) * block_of(0)
-        before_out = int(np.prod(me.outvars[0].aval.shape[:d_out]))
-        if before_out > before_in or before_in % before_out:
-            return PARTS  # the batch axis cut into a major and a minor part: [2B] -> [2, B]
-        if before_in // before_out > 1:
-            blocks[me.outvars[0]] = before_in // before_out
-        return None
-    if name in ("slice", "split") and ins[0][1]:
-        m, d_all = block_of(0), set(ins[0][1]) & set(out_axes[0])  # (x[0:1]: one example's value, said elsewhere)
-        if name == "slice":
-            strides = me.params.get("strides") or (1,) * len(micro_in[0])
-            cuts = [(d, me.params["start_indices"][d], me.params["limit_indices"][d], strides[d],
-                     we.params["start_indices"][d], we.params["limit_indices"][d]) for d in d_all]
-        else:
-            d, starts, wstarts = me.params["axis"], np.cumsum((0, *me.params["sizes"])), \
-                np.cumsum((0, *we.params["sizes"]))
-            cuts = [(d, int(a), int(b), 1, int(wa), int(wb))
-                    for a, b, wa, wb in zip(starts, starts[1:], wstarts, wstarts[1:])] if d in d_all else []
-        outs = me.outvars if name == "split" else [me.outvars[0]] * len(cuts)
-        for (d, start, limit, stride, wstart, wlimit), out in zip(cuts, outs):
-            n, N = micro_in[0][d], whole_in[0][d]
-            if (start, limit, stride) == (0, n, 1):
-                continue
-            if stride > 1:
-                rows = N // (getattr(_MIXING, "microbatches", None) or N // n)
-                if m == 1 and start == wstart < stride and limit > n - stride and wlimit > N - stride:
-                    if n % stride == 0 and rows % stride == 0:
-                        continue  # every k-th example, whole k-tuples in each microbatch: each microbatch's own
-                    return STRIDES
-                return ORDER
-            size, wsize = n // m, N // m
-            if m > 1 and not (start % size or limit % size) and (wstart, wlimit) == (start // size * wsize,
-                                                                                     limit // size * wsize):
-                if (limit - start) // size > 1:  # whole blocks: [chosen; rejected][:B] is chosen
-                    blocks[out] = (limit - start) // size
-                continue
-            return PARTS if N * (limit - start) == n * (wlimit - wstart) and N * start == n * wstart else ORDER
-        return None
-    m = max((block_of(k) for k in dependent), default=1)
-    if m > 1:  # an operation that keeps the batch axis's length keeps its blocks
-        sized = {whole_in[k][ins[k][1][0]] for k in dependent if block_of(k) == m}
-        for wv, mv, ax in zip(we.outvars, me.outvars, out_axes):
-            if ax and wv.aval.shape[ax[0]] in sized:
-                blocks[mv] = m
-    return None
+def _across(me) -> tuple[int, ...]:
+    """The axes of its first operand along which an equation combines neighbouring or ranked elements: a top-k
+    selection, a pooling window, an FFT's transformed axes, a convolution's spatial and feature axes."""
+    name, rank = me.primitive.name, len(getattr(me.invars[0].aval, "shape", ())) if me.invars else 0
+    if name == "approx_top_k":
+        return (me.params["reduction_dimension"] % rank,) if rank else ()
+    if name.startswith("reduce_window") or name in ("select_and_scatter_add", "select_and_gather_add"):
+        window, strides = me.params.get("window_dimensions", ()), me.params.get("window_strides", ())
+        return tuple(d for d, (w, st) in enumerate(zip(window, strides)) if w > 1 or st > 1)
+    if name == "fft":
+        return tuple(range(rank - len(me.params["fft_lengths"]), rank))
+    if name == "conv_general_dilated":
+        return tuple(me.params["dimension_numbers"].lhs_spec[1:])
+    return ()
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:
@@ -584,7 +579,16 @@ def _sub_jaxprs(we, me):
         return None
     if len(mb.jaxpr.invars) != len(me.invars) or len(mb.jaxpr.outvars) != len(me.outvars):
         return None
-    return lambda ins, M: _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), [st for st, _ in ins], M)
+    return lambda ins, M: _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), [st for st, _ in ins], M,
+                                _MIXING.__dict__.pop("call_in", None))
+
+
+def _is_call(eqn) -> bool:
+    """Whether an equation runs one inner program on its operands as they are (a call, a checkpoint, a custom
+    derivative), whose results are that program's: :func:`_sub_jaxprs` walks it with its operands' segments."""
+    body = _body(eqn)
+    return (eqn.primitive.name not in ("scan", "cond", "while") and body is not None
+            and len(body.jaxpr.invars) == len(eqn.invars) and len(body.jaxpr.outvars) == len(eqn.outvars))
 
 
 def _body(eqn):

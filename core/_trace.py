@@ -544,7 +544,8 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
             f"dimension divided by num_microbatches={num_microbatches}): {type(e).__name__}: {e}\nA batch leaf "
             "without a batch axis (a position table, class weights) belongs in another argument of the step "
             "(batch_argnums names the batch); code that assumes the full batch size should read it from the "
-            f"arrays' shapes.{left_out}") from e
+            "arrays' shapes; a loss that groups consecutive examples (pairs read as x.reshape(-1, 2)) needs "
+            f"microbatches of a multiple of the group: choose num_microbatches so.{left_out}") from e
 
 
 def _sparse_batch_leaves(traced: TracedStep) -> list[str]:

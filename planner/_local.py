@@ -115,7 +115,10 @@ def plan_local(profile: Profile, num_devices: int, batch_size: int, *,
         num_microbatches is None or batch_size % (n // S // tp * num_microbatches) == 0)]
     if not legal:
         raise ValueError(_no_layout_message(profile, n, batch_size, num_stages, num_microbatches))
-    sizes = tuple(b for b in range(1, batch_size + 1) if batch_size % b == 0)
+    # largest microbatches first: among layouts predicted equally fast (one stage, whose microbatches only save memory)
+    # the fewest microbatches win (a one-stage step runs them as a loop, which XLA:CPU runs convolutions 5-40x slower
+    # in: docs/limits.md)
+    sizes = tuple(b for b in range(batch_size, 0, -1) if batch_size % b == 0)
     try:
         plan = plan_model(profile, cluster, global_batch=batch_size, schedules=tuple(schedules), recompute=("none",),
                           microbatch_sizes=sizes, pipeline_degrees=tuple(legal), tensor_degrees=(tp,),

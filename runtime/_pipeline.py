@@ -17,7 +17,7 @@ from autopp.core import StagePrograms, batch_dependent_vars, dispatch_order
 from autopp.profiler import group_layers
 
 from autopp.runtime._passes import sum_program
-from autopp.runtime._pipeline_config import EXTREMES
+from autopp.runtime._pipeline_config import EXTREMES, concatenate_microbatches
 from autopp.runtime._tasks import Accumulators, reused_buffers
 from autopp.runtime._tensor import activation_splits
 
@@ -331,7 +331,8 @@ class Pipeline:
                 (self.reduced[k],) = b.emit(fn, parts[:1], 1, f"aux {k - 1} stage {s}")
                 continue
             if k in concatenated:  # per-example values: the whole batch's, in order
-                fn = jax.jit(lambda *xs: (jnp.concatenate(xs),), out_shardings=(self.meshes.replicated[s],))
+                fn = jax.jit(lambda *xs, m=st.config.reduction(k): (concatenate_microbatches(xs, m),),
+                             out_shardings=(self.meshes.replicated[s],))
             elif st.config.reduction(k) in EXTREMES:  # a maximum (minimum) over examples: the microbatches' one
                 fn = jax.jit(lambda *xs, op=EXTREMES[st.config.reduction(k)]: (functools.reduce(op, xs),),
                              out_shardings=(self.meshes.replicated[s],))

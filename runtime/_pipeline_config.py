@@ -24,6 +24,21 @@ def extreme_identity(kind: str, dtype):
     return info.min if kind == "max" else info.max
 
 
+def concatenate_microbatches(parts, blocks) -> jnp.ndarray:
+    """The whole batch's value of a per-example output from its microbatches' values (a list, or one array with the
+    microbatches along axis 0): concatenated, or with ``blocks`` (each block's length in the whole batch: the
+    output's leading axis holds several blocks of the examples, ``[chosen; rejected]``) block by block: every
+    microbatch's block 0, then every microbatch's block 1, ..."""
+    stacked = jnp.stack(parts) if isinstance(parts, (list, tuple)) else parts
+    rest = stacked.shape[2:]
+    if not isinstance(blocks, tuple):
+        return stacked.reshape((-1,) + rest)
+    cuts = [0]
+    for length in blocks:
+        cuts.append(cuts[-1] + length // stacked.shape[0])
+    return jnp.concatenate([stacked[:, a:b].reshape((-1,) + rest) for a, b in zip(cuts, cuts[1:])])
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """What the runtime lays out for one plan (the rest of the plan is the split and the stages' meshes)."""
@@ -48,7 +63,9 @@ class PipelineConfig:
     (:mod:`autopp.runtime._segments`); empty: the same stages. Tasks are labelled with the plan's stages."""
     output_reductions: tuple = ()
     """Per output of the loss: ``"mean"``, ``"sum"``, for an aux value also ``"max"`` or ``"min"`` (as its program
-    shows), or None (as :attr:`loss_reduction`)."""
+    shows), or None (as :attr:`loss_reduction`); for a per-example aux whose leading axis holds several blocks of the
+    examples in order (``[chosen; rejected]`` concatenated, time-major rows), each block's length in the whole batch
+    (a tuple, see :func:`concatenate_microbatches`)."""
 
     def reduction(self, k: int) -> str:  # how the microbatches' values of the loss's output k combine (0: the loss)
         return (self.output_reductions[k] if k < len(self.output_reductions) else None) or self.loss_reduction

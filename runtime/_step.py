@@ -21,7 +21,7 @@ from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradien
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
-from autopp.runtime._pipeline_config import EXTREMES, PipelineConfig, extreme_identity
+from autopp.runtime._pipeline_config import EXTREMES, PipelineConfig, concatenate_microbatches, extreme_identity
 from autopp.runtime._passes import zeros_program
 from autopp.runtime._placement import place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
@@ -663,8 +663,7 @@ class StepBuilder:
             summed, stacked_aux, aux = iter(summed), iter(stacked_aux), []
             for k in range(1, len(fwd.out_avals)):
                 if k in concatenated:  # per-example values, the microbatches' in order
-                    y = next(stacked_aux)
-                    aux.append(y.reshape((-1,) + y.shape[2:]))
+                    aux.append(concatenate_microbatches(next(stacked_aux), st.config.reduction(k)))
                 elif st.is_constant_output(k):
                     next(summed)
                     aux.append(jnp.asarray(st.constant_output(k), fwd.out_avals[k].dtype))

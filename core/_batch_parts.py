@@ -1,0 +1,148 @@
+"""Where a loss takes parts of its batch by position: the rows of a batch axis followed through concatenations,
+pads, reshapes, slices and splits, in the two traces :mod:`autopp.core._reduction` walks (the whole batch and one
+microbatch).
+
+A batch axis is a sequence of *segments*, each a pair ``(whole length, microbatch length)``: an examples segment
+scales with the batch (``(B, b)``), a segment of other rows does not (a memory bank concatenated onto the batch,
+``(K, K)``). ``jnp.concatenate([chosen, rejected])`` of two batch arrays is two examples segments; time-major rows
+``[T, B] -> [T * B]`` are ``T``. A slice or a split that takes whole segments reads each microbatch's own rows of
+them, as the whole batch's are read; one that takes part of an examples segment by position (``x[:n]`` of a batch
+that is ``[chosen; rejected]``) reads other examples in each microbatch than in the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax.extend import core as jex_core
+
+ORDER, PARTS, STRIDES = "order", "parts", "strides"
+"""What :func:`batch_parts` finds: a window of the batch by position (``x[1:] - x[:-1]``), a part of its examples
+by position (``x[:n]``, ``jnp.split``, ``x.reshape(2, -1)``), every k-th example in microbatches k does not divide."""
+
+
+def _shape(a) -> tuple:
+    return tuple(getattr(a.aval, "shape", ()))
+
+
+def _examples_only(pieces) -> bool:
+    return all(w != n for w, n in pieces)
+
+
+def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches: int | None) -> str | None:
+    """Follow the segments of the batch axes through equation ``me`` (``we``: the same in the whole batch's trace;
+    ``ins``: per operand ``(state, batch axes)``; ``segments``: micro variable -> its first batch axis's segments,
+    absent for one examples segment) and say where it takes parts of the batch by position: :data:`PARTS`,
+    :data:`STRIDES` (``microbatches``: how many the step runs), :data:`ORDER`, or None."""
+    name = me.primitive.name
+    dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
+    if not dependent or not me.outvars or not out_axes[0]:
+        return None
+    whole_in, micro_in = [_shape(a) for a in we.invars], [_shape(a) for a in me.invars]
+
+    def pieces_of(k, d):  # operand k's segments along its axis d
+        a = me.invars[k]
+        got = None if isinstance(a, jex_core.Literal) else segments.get(a)
+        if got is not None and ins[k][1][:1] == (d,):
+            return got
+        return ((whole_in[k][d], micro_in[k][d]),)
+
+    def keep(out, pieces):
+        pieces = tuple(p for p in pieces if p[0])
+        if len(pieces) > 1:
+            segments[out] = pieces
+
+    if name == "concatenate":
+        d = me.params["dimension"]
+        if d in out_axes[0]:
+            keep(me.outvars[0], [p for k in range(len(me.invars)) for p in pieces_of(k, d)])
+        return None
+    if name == "pad" and 0 in dependent:
+        d = out_axes[0][0]
+        lo, hi, interior = me.params["padding_config"][d]
+        if d in ins[0][1] and interior == 0 and lo >= 0 and hi >= 0:
+            keep(me.outvars[0], [(lo, lo), *pieces_of(0, d), (hi, hi)])
+        return None
+    if name == "reshape" and len(ins[0][1]) == 1 and len(out_axes[0]) == 1:
+        return _reshape(we, me, ins, out_axes, pieces_of(0, ins[0][1][0]), keep)
+    if name in ("slice", "split") and ins[0][1]:
+        return _cut(we, me, ins, out_axes, pieces_of, keep, microbatches)
+    sized = {(whole_in[k][ins[k][1][0]], micro_in[k][ins[k][1][0]]): pieces_of(k, ins[k][1][0]) for k in dependent}
+    for wv, mv, ax in zip(we.outvars, me.outvars, out_axes):  # an operation that keeps the axis's length keeps its
+        pieces = sized.get((wv.aval.shape[ax[0]], mv.aval.shape[ax[0]])) if ax else None  # segments
+        if pieces is not None:
+            keep(mv, pieces)
+    return None
+
+
+def _reshape(we, me, ins, out_axes, pieces, keep) -> str | None:
+    (d_in,), (d_out,) = ins[0][1], out_axes[0]
+    w_in, m_in = _shape(we.invars[0]), _shape(me.invars[0])
+    w_out, m_out = _shape(we.outvars[0]), _shape(me.outvars[0])
+    before_in, before_out = math.prod(m_in[:d_in]), math.prod(m_out[:d_out])
+    if len(set(pieces)) == 1 and _examples_only(pieces):  # m equal blocks of the examples (one: the plain batch)
+        blocks_in = before_in * len(pieces)
+        if before_out > blocks_in or blocks_in % before_out:
+            return PARTS  # the batch cut into a major and a minor part: [2B] -> [2, B]
+        m = blocks_in // before_out
+        if w_out[d_out] % m == 0 and m_out[d_out] % m == 0:
+            keep(me.outvars[0], [(w_out[d_out] // m, m_out[d_out] // m)] * m)
+        return None
+    if before_out != before_in:  # segments of other lengths: only rows merged into or split off each row scale them
+        return PARTS
+    scaled = [(w * w_out[d_out] / w_in[d_in], n * m_out[d_out] / m_in[d_in]) for w, n in pieces]
+    if not all(float(w).is_integer() and float(n).is_integer() for w, n in scaled):
+        return PARTS
+    keep(me.outvars[0], [(int(w), int(n)) for w, n in scaled])
+    return None
+
+
+def _cut(we, me, ins, out_axes, pieces_of, keep, microbatches) -> str | None:
+    whole_in, micro_in = _shape(we.invars[0]), _shape(me.invars[0])
+    axes = set(ins[0][1]) & set(out_axes[0])  # (x[0:1]: one example's value, said elsewhere)
+    if me.primitive.name == "slice":
+        strides = me.params.get("strides") or (1,) * len(micro_in)
+        cuts = [(d, me.params["start_indices"][d], me.params["limit_indices"][d], strides[d],
+                 we.params["start_indices"][d], we.params["limit_indices"][d], me.outvars[0]) for d in axes]
+    else:
+        d = me.params["axis"]
+        starts, wstarts = np.cumsum((0, *me.params["sizes"])), np.cumsum((0, *we.params["sizes"]))
+        cuts = [(d, int(a), int(b), 1, int(wa), int(wb), out) for a, b, wa, wb, out
+                in zip(starts, starts[1:], wstarts, wstarts[1:], me.outvars)] if d in axes else []
+    for d, start, limit, stride, wstart, wlimit, out in cuts:
+        n, big = micro_in[d], whole_in[d]
+        pieces = pieces_of(0, d)
+        if (start, limit, stride) == (0, n, 1):
+            keep(out, pieces)
+            continue
+        if stride > 1:  # every k-th row: each microbatch's own when every segment holds whole k-tuples in each
+            if start == wstart < stride and limit > n - stride and wlimit > big - stride:
+                if all(w % stride == 0 and m % stride == 0 and (w == m or microbatches is None
+                                                                or (w // microbatches) % stride == 0)
+                       for w, m in pieces):
+                    keep(out, [(w // stride, m // stride) for w, m in pieces])
+                    continue
+                if len(pieces) == 1:
+                    return STRIDES
+            return ORDER
+        wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
+        i, j = np.searchsorted(wc, wstart), np.searchsorted(wc, wlimit)
+        if i < len(wc) and j < len(wc) and (wc[i], wc[j], mc[i], mc[j]) == (wstart, wlimit, start, limit):
+            keep(out, pieces[i:j])  # whole segments: [chosen; rejected][:B] is chosen
+            continue
+        for i, (w, m) in enumerate(pieces):  # a part of one examples segment, in proportion: a part by position
+            if (w != m and wc[i] <= wstart and wlimit <= wc[i + 1] and mc[i] <= start and limit <= mc[i + 1]
+                    and (wlimit - wstart) * m == (limit - start) * w and (wstart - wc[i]) * m == (start - mc[i]) * w):
+                return PARTS
+        return ORDER
+    return None
+
+
+def examples_blocks(pieces) -> tuple[int, ...] | None:
+    """The whole batch's length of each block of an output's leading axis, where it holds several blocks of the
+    examples only (None otherwise): how its microbatches' values interleave into the whole batch's."""
+    return tuple(int(w) for w, _ in pieces) if pieces and len(pieces) > 1 and _examples_only(pieces) else None
+
+
+__all__ = ["ORDER", "PARTS", "STRIDES", "batch_parts", "examples_blocks"]
