@@ -80,11 +80,16 @@ def _reshape(we, me, ins, out_axes, pieces, keep) -> str | None:
     (d_in,), (d_out,) = ins[0][1], out_axes[0]
     w_in, m_in = _shape(we.invars[0]), _shape(me.invars[0])
     w_out, m_out = _shape(we.outvars[0]), _shape(me.outvars[0])
+    order = me.params.get("dimensions")
+    if order is not None:  # transposed first (lax.reshape's dimensions, vmap's rule for a per-example kernel)
+        w_in, m_in, d_in = tuple(w_in[a] for a in order), tuple(m_in[a] for a in order), list(order).index(d_in)
     before_in, before_out = math.prod(m_in[:d_in]), math.prod(m_out[:d_out])
     if len(set(pieces)) == 1 and _examples_only(pieces):  # m equal blocks of the examples (one: the plain batch)
         blocks_in = before_in * len(pieces)
         if before_out > blocks_in or blocks_in % before_out:
             return PARTS  # the batch cut into a major and a minor part: [2B] -> [2, B]
+        if before_out < blocks_in and math.prod(m_in[d_in + 1:]) % math.prod(m_out[d_out + 1:]):
+            return PARTS  # rows merged across examples: [T, B, C] -> [B, T * C]
         m = blocks_in // before_out
         if w_out[d_out] % m == 0 and m_out[d_out] % m == 0:
             keep(me.outvars[0], [(w_out[d_out] // m, m_out[d_out] // m)] * m)
@@ -139,10 +144,36 @@ def _cut(we, me, ins, out_axes, pieces_of, keep, microbatches) -> str | None:
     return None
 
 
+def across_examples(me) -> tuple[int, ...]:
+    """The axes of its first operand along which an equation combines neighbouring or ranked elements: a top-k
+    selection, a pooling window, an FFT's transformed axes, a convolution's spatial axes."""
+    name, rank = me.primitive.name, len(getattr(me.invars[0].aval, "shape", ())) if me.invars else 0
+    if name == "approx_top_k":
+        return (me.params["reduction_dimension"] % rank,) if rank else ()
+    if name.startswith("reduce_window") or name in ("select_and_scatter_add", "select_and_gather_add"):
+        window, strides = me.params.get("window_dimensions", ()), me.params.get("window_strides", ())
+        return tuple(d for d, (w, st) in enumerate(zip(window, strides)) if w > 1 or st > 1)
+    if name == "fft":
+        return tuple(range(rank - len(me.params["fft_lengths"]), rank))
+    if name == "conv_general_dilated":  # spatial axes its window spans (its feature axis may hold examples apart in
+        dn, kernel = me.params["dimension_numbers"], me.invars[1].aval.shape  # groups: vmap's per-example kernels)
+        return tuple(d for k, d in enumerate(dn.lhs_spec[2:]) if kernel[dn.rhs_spec[2 + k]] > 1
+                     or me.params["window_strides"][k] > 1 or me.params["lhs_dilation"][k] > 1)
+    return ()
+
+
+def indexes_the_batch(me, ins: list) -> bool:
+    """Whether a gather picks rows along a batch axis of a value that depends on the batch, by indices that depend on
+    it too (positions of other examples passed with the batch, ``v[batch["negidx"]]``)."""
+    (op, op_axes), (ix, _) = ins[0], ins[1]
+    return (op is not None and op[2] and (ix is None or ix[2])  # (None: wrapped by the batch's size, i + B)
+            and bool(set(op_axes) & set(me.params["dimension_numbers"].start_index_map)))
+
+
 def examples_blocks(pieces) -> tuple[int, ...] | None:
     """The whole batch's length of each block of an output's leading axis, where it holds several blocks of the
     examples only (None otherwise): how its microbatches' values interleave into the whole batch's."""
     return tuple(int(w) for w, _ in pieces) if pieces and len(pieces) > 1 and _examples_only(pieces) else None
 
 
-__all__ = ["ORDER", "PARTS", "STRIDES", "batch_parts", "examples_blocks"]
+__all__ = ["ORDER", "PARTS", "STRIDES", "across_examples", "batch_parts", "examples_blocks", "indexes_the_batch"]

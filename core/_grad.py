@@ -75,6 +75,11 @@ class GradSpec:
     """The flattened loss (``flat_args -> [loss, *aux_leaves]``) when it closes over nothing traced in the step
     (``num_lifted == 0``): the loss alone can then be traced again at other shapes (the microbatch forward) without
     tracing the step again."""
+    sunk_mask: tuple[bool, ...] | None = None
+    """The inputs ``forward``'s parameter work was moved down after (:func:`autopp.core.sink_parameter_work`) where
+    they differ from :attr:`diff_mask` (a weight found to get no gradient, frozen after ``forward`` was made): a
+    trace of the loss at another batch size moves it after the same ones, so that both programs match equation by
+    equation."""
 
     @property
     def num_aux(self) -> int:

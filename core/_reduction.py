@@ -28,10 +28,11 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._batch_parts import ORDER, PARTS, STRIDES, batch_parts, examples_blocks
+from autopp.core._batch_parts import (ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
+                                      indexes_the_batch)
 from autopp.core._compat import user_line
 
-__all__ = ["DRAWS", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output",
+__all__ = ["DRAWS", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output",
            "mixing_summary", "output_reductions"]
 
 
@@ -142,6 +143,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         call = _is_call(me)
         if call:  # a call's body sees the segments of its operands, and its results get the body's
             _MIXING.call_in = [None if isinstance(a, jex_core.Literal) else segments.get(a) for a in me.invars]
+            _MIXING.call_out = None  # (set by the body's walk, if the rule walks it)
         outs = _rule(we, me, ins, M)
         returned = _MIXING.__dict__.pop("call_out", None) if call else None
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
@@ -191,6 +193,8 @@ def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int
     if name == "dynamic_slice" and not ins[0][1] and out_axes[0]:
         return POSITIONS
     read = [k for k, a in enumerate(me.invars) if not isinstance(a, jex_core.Literal) and a in positions]
+    if name == "gather" and 1 not in read and indexes_the_batch(me, ins):
+        return INDEXED  # x[idx] with idx from the batch: another example's position in the whole batch
     if not read:
         _fold_scalar(me, positions)
         return None
@@ -264,7 +268,7 @@ def _has_while(eqn) -> bool:
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-PAIRS, SPREAD, DRAWS, POSITIONS = "pairs", "spread", "draws", "positions"
+PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
@@ -276,13 +280,17 @@ _MIXING_KINDS = {
                "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
                "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
                "document ids, with the batch)",
-    PARTS: "takes parts of the batch by position (x[:n] and x[n:], jnp.split, x.reshape(2, -1): chosen and rejected "
-           "sequences or two views of the examples concatenated into one batch), so each microbatch's parts hold other "
-           "examples than the whole batch's and it pairs other examples (pass each part as a batch argument of its "
-           "own, or interleave them and read the pairs with x.reshape(-1, 2, ...))",
+    PARTS: "takes parts of the batch by position or regroups its rows across examples (x[:n] and x[n:], jnp.split, "
+           "x.reshape(2, -1): chosen and rejected sequences or two views of the examples concatenated into one batch; "
+           "a transpose then a reshape that mixes examples), so each microbatch's parts hold other examples than the "
+           "whole batch's (pass each part as a batch argument of its own, or interleave them and read the pairs with "
+           "x.reshape(-1, 2, ...))",
     STRIDES: "reads every k-th example (x[0::2], pairs interleaved along the batch) in microbatches whose size k does "
              "not divide, so pairs straddle two microbatches (choose num_microbatches so that each microbatch holds a "
              "multiple of k examples)",
+    INDEXED: "picks other examples by indices that come with the batch (v[batch['negidx']]: each microbatch's "
+             "indices still count the whole batch's positions, so they pick other rows or fall off its end; pass the "
+             "other example's values with the batch instead)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
@@ -345,7 +353,7 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         return ORDER
     if me.primitive.name == "rev" and any(set(me.params["dimensions"]) & set(ax) for _, ax in dependent):
         return ORDER  # the batch reversed (jnp.flip(e, 0): each example paired with another)
-    across = _across(me)  # the axes a window, a transform or a selection runs along
+    across = across_examples(me)  # the axes a window, a transform or a selection runs along
     if across and ins and ins[0][0] is not None and ins[0][0][2] and set(across) & set(ins[0][1]):
         return ORDER
     if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
@@ -354,22 +362,6 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
             return ORDER
     return None
-
-
-def _across(me) -> tuple[int, ...]:
-    """The axes of its first operand along which an equation combines neighbouring or ranked elements: a top-k
-    selection, a pooling window, an FFT's transformed axes, a convolution's spatial and feature axes."""
-    name, rank = me.primitive.name, len(getattr(me.invars[0].aval, "shape", ())) if me.invars else 0
-    if name == "approx_top_k":
-        return (me.params["reduction_dimension"] % rank,) if rank else ()
-    if name.startswith("reduce_window") or name in ("select_and_scatter_add", "select_and_gather_add"):
-        window, strides = me.params.get("window_dimensions", ()), me.params.get("window_strides", ())
-        return tuple(d for d, (w, st) in enumerate(zip(window, strides)) if w > 1 or st > 1)
-    if name == "fft":
-        return tuple(range(rank - len(me.params["fft_lengths"]), rank))
-    if name == "conv_general_dilated":
-        return tuple(me.params["dimension_numbers"].lhs_spec[1:])
-    return ()
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:

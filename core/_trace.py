@@ -491,9 +491,12 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
         warnings.warn(
             f"{who}: the batch leaves have different leading dimensions ({shown}); each is split into "
             f"{num_microbatches} equal parts along axis 0 all the same. That is right for a leaf laid out by example "
-            "(tokens flattened to batch x sequence, say), wrong for one without a batch axis (class weights, a "
-            "position table), which every microbatch needs whole: move such a leaf to another argument of the step "
-            "(batch_argnums names the batch).", stacklevel=3)
+            "with the same number of rows per example (tokens flattened to batch x sequence, say), wrong for one "
+            "without a batch axis (class weights, a position table), which every microbatch needs whole: move such a "
+            "leaf to another argument of the step (batch_argnums names the batch); and wrong for rows of varying "
+            "number per example (multi-hot ids flattened with each one's example index): a part's rows are not its "
+            "examples', and example indices count the whole batch's; pad such values per example ([batch, max "
+            "length] with a mask).", stacklevel=3)
     if bad:
         sizes = sorted({v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b})
         ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
@@ -672,7 +675,7 @@ def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: Tra
         small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
     with _tracing(), _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
         loss = drop_sharding_constraints(jax.make_jaxpr(traced.spec.loss_fn)(*small), who)
-        return sink_parameter_work(loss, traced.spec.diff_mask)
+        return sink_parameter_work(loss, traced.spec.sunk_mask or traced.spec.diff_mask)
 
 
 def _rows_grow_along_axis_0(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> bool:

@@ -121,7 +121,8 @@ def freeze_zero_gradients(closed: jex_core.ClosedJaxpr, grad_index: int) -> tupl
             swap[g] = value
             if not isinstance(value, Literal):
                 zeroed[value] = k
-    new_spec = dataclasses.replace(spec, diff_mask=tuple(d and k not in frozen for k, d in enumerate(spec.diff_mask)))
+    new_spec = dataclasses.replace(spec, diff_mask=tuple(d and k not in frozen for k, d in enumerate(spec.diff_mask)),
+                                   sunk_mask=spec.sunk_mask or spec.diff_mask)
     grad_eqn = eqn.replace(outvars=kept_outs, params={**eqn.params, "spec": new_spec})
 
     def sub(vs):

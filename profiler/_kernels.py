@@ -250,9 +250,16 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
         """Add to ``b``/``f`` (batch and fixed [flops, transcendentals, bytes accessed, output bytes]) what the fused
         kernel of ``members`` reads from outside (``inside``: values already in the kernel) and writes for later."""
         read = set()
+        picked = _only_picked(eqns, members)
         for x in members:
             for a in _reads(eqns[x]):
-                if a not in inside and a not in read:
+                if a in picked:  # rows a gather picks (an embedding lookup): their bytes, not the table's
+                    if eqns[x].invars[0] is a:
+                        for v in eqns[x].outvars:
+                            xb, xf = nbytes(v)
+                            b[2] += xb
+                            f[2] += xf
+                elif a not in inside and a not in read:
                     read.add(a)
                     xb, xf = nbytes(a)
                     b[2] += xb
@@ -384,6 +391,20 @@ def _reduction_bounded(ids: Sequence[int], eqns) -> list[list[int]]:
 
 def _reads(e):
     return [a for a in e.invars if not isinstance(a, Literal)]
+
+
+_PICKS = frozenset({"gather", "dynamic_slice"})
+
+
+def _only_picked(eqns, members) -> set:
+    """Values the kernel of ``members`` reads only as the operand a gather or a dynamic slice picks from (an
+    embedding table): it reads the rows picked, not the whole value (XLA's cost analysis counts the whole operand)."""
+    picked, whole = set(), set()
+    for x in members:
+        e = eqns[x]
+        for k, a in enumerate(_reads(e)):
+            (picked if e.primitive.name in _PICKS and k == 0 and e.invars[0] is a else whole).add(a)
+    return picked - whole
 
 
 def _attention_kernel(jaxpr, eqn_ids, region, is_batch, eqn_share, var_share, blocks: float,

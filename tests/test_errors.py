@@ -144,7 +144,8 @@ def test_a_loss_input_that_does_not_split_by_example_is_rejected(mlp_setup):
 
 def test_batch_leaf_without_a_batch_axis_is_warned_about(mlp_setup):
     """A per-feature weight vector in the batch is split along axis 0 like the examples; the step still traces at
-    microbatch size here (its mean does not change), so the warning is all the user sees."""
+    microbatch size here (its mean does not change), so the warning is all the user sees. It also names the layout it
+    is wrong for that a user trial (RECSYS) took for right: multi-hot ids flattened with their example indices."""
     model, _, state, batch = mlp_setup
     weighted = {**batch, "w": jnp.linspace(0.5, 1.5, 64)}
 
@@ -152,7 +153,8 @@ def test_batch_leaf_without_a_batch_axis_is_warned_about(mlp_setup):
         return autopp.grad(lambda p, b: model.loss(p, b) * jnp.mean(b["w"]))(params, batch)
 
     with pytest.warns(UserWarning, match=r"(?s)different leading dimensions \(args\[1\]\['w'\]: 64, "
-                                         r"args\[1\]\['x'\]: 16.*move such a leaf to another argument"):
+                                         r"args\[1\]\['x'\]: 16.*move such a leaf to another argument.*"
+                                         r"multi-hot ids flattened .* pad such values per example"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2],
                            loss_reduction="mean").plan_for(state[0], weighted)
 
