@@ -286,6 +286,7 @@ def test_gradients_come_back_in_the_order_of_argnums(argnums):
     assert_trees_close(state[0], want[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:autopp cost model")  # (a while_loop's trip count: priced once, said elsewhere)
 def test_a_solver_holding_the_work_is_named_at_its_line():
     """A conjugate-gradient solve per example holds most of the loss's work (user trial META: 83% on 2 stages): the
     refusal named ``custom_linear_solve`` with no line and offered only ``num_stages=1``. It names what the user
