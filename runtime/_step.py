@@ -21,7 +21,8 @@ from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradien
 from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
-from autopp.runtime._pipeline_config import EXTREMES, PipelineConfig, concatenate_microbatches, extreme_identity
+from autopp.runtime._pipeline_config import (EXTREMES, PipelineConfig, concatenate_microbatches, extreme_identity,
+                                             loops_slowly)
 from autopp.runtime._passes import zeros_program
 from autopp.runtime._placement import place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
@@ -624,6 +625,7 @@ class StepBuilder:
         recompute = st.config.recompute[0]
         by_layer = layer_checkpointed(fwd, layer_starts_of(st)) if recompute == "full" else None
         unrecomputable = recompute == "selective" and warn_unrecomputable(fwd, recompute)
+        unrolled = M > 1 and loops_slowly(fwd.jaxpr, st.meshes.replicated[0].mesh.devices.flat[0].platform)
 
         def accumulate(*invals):
             stacked = [x.reshape((M, x.shape[0] // M) + x.shape[1:]) for x, mb in zip(invals, mb_mask) if mb]
@@ -654,12 +656,11 @@ class StepBuilder:
                          for k in kept for a in [fwd.out_avals[k]]]
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                                  ([fwd.out_avals[0]], [invals[i].aval for i in diff_idx]))
-            zeros = (zeros[0], kept_init, zeros[1])
-            if M == 1:  # no loop: XLA:CPU runs a convolution's backward inside one about 40x slower (a user trial)
-                (loss, summed, grads), ys = body((zeros[0][0], zeros[1], zeros[2]), [x[0] for x in stacked])
-                stacked_aux = [y[None] for y in ys]
-            else:
-                (loss, summed, grads), stacked_aux = jax.lax.scan(body, (zeros[0][0], zeros[1], zeros[2]), stacked)
+            carry, outs = (zeros[0][0], kept_init, zeros[1]), [None] * M
+            for k in range(M if M == 1 or unrolled else 0):  # one microbatch after another in the program, no loop
+                carry, outs[k] = body(carry, [x[k] for x in stacked])
+            (loss, summed, grads), stacked_aux = ((carry, [jnp.stack(col) for col in zip(*outs)]) if M == 1 or unrolled
+                                                  else jax.lax.scan(body, carry, stacked))
             summed, stacked_aux, aux = iter(summed), iter(stacked_aux), []
             for k in range(1, len(fwd.out_avals)):
                 if k in concatenated:  # per-example values, the microbatches' in order
