@@ -17,9 +17,10 @@ import math
 import numpy as np
 from jax.extend import core as jex_core
 
-ORDER, PARTS, STRIDES = "order", "parts", "strides"
+ORDER, PARTS, STRIDES, FIRST = "order", "parts", "strides", "first"
 """What :func:`batch_parts` finds: a window of the batch by position (``x[1:] - x[:-1]``), a part of its examples
-by position (``x[:n]``, ``jnp.split``, ``x.reshape(2, -1)``), every k-th example in microbatches k does not divide."""
+by position (``x[:n]``, ``jnp.split``, ``x.reshape(2, -1)``), every k-th example in microbatches k does not divide,
+a fixed number of them (``x[0]``)."""
 
 
 def _shape(a) -> tuple:
@@ -37,6 +38,8 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
     :data:`STRIDES` (``microbatches``: how many the step runs), :data:`ORDER`, or None."""
     name = me.primitive.name
     dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
+    if name == "slice" and 0 in dependent and set(ins[0][1]) - set(out_axes[0]):
+        return FIRST  # a number of examples that does not grow with the batch (x[0], x[:4])
     if not dependent or not me.outvars or not out_axes[0]:
         return None
     whole_in, micro_in = [_shape(a) for a in we.invars], [_shape(a) for a in me.invars]
@@ -176,4 +179,5 @@ def examples_blocks(pieces) -> tuple[int, ...] | None:
     return tuple(int(w) for w, _ in pieces) if pieces and len(pieces) > 1 and _examples_only(pieces) else None
 
 
-__all__ = ["ORDER", "PARTS", "STRIDES", "across_examples", "batch_parts", "examples_blocks", "indexes_the_batch"]
+__all__ = ["FIRST", "ORDER", "PARTS", "STRIDES", "across_examples", "batch_parts", "examples_blocks",
+           "indexes_the_batch"]

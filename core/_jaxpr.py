@@ -40,7 +40,8 @@ def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> s
     return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 
 
-_LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "reduce_precision"})
+_LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "reduce_precision",
+                           "reduce_sum", "broadcast_in_dim", "transpose", "expand_dims"})
 
 
 def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
@@ -48,7 +49,8 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     """The loss's forward with each term of the loss (output 0) that reads no microbatched input multiplied by
     ``factor``. A term is an operand of an addition or subtraction whose other
     operand depends on the batch, on the loss's linear path (sums, differences, products and quotients by values
-    that do not depend on the batch, negation, casts): ``nll.sum() + l2`` -> ``nll.sum() + l2 * factor``. With
+    that do not depend on the batch, negation, casts, sums over axes, reshapes): ``nll.sum() + l2`` ->
+    ``nll.sum() + l2 * factor``, and per task ``jnp.sum(jnp.exp(-s) * task_sums + s)`` -> ``... + s * factor``. With
     ``loss_reduction="sum"`` the step's loss is the microbatches' losses added up, so a weight penalty counted in
     each would count ``num_microbatches`` times; scaled by ``1 / num_microbatches`` it counts once, in the loss and
     in its gradient. Each rewritten equation becomes one call, so equation indices stay valid."""

@@ -342,7 +342,7 @@ class Plan:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        mb = f" of {self.microbatch_size} example(s)" if self.microbatch_size else ""
+        mb = f" of {self.microbatch_size} example(s) per data-parallel replica" if self.microbatch_size else ""
         sched = self.schedule + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         lines = [f"pipeline: {self.num_stages} stage(s), {self.num_microbatches} microbatch(es){mb}, "
                  f"schedule {sched}, loss reduction {self.loss_reduction}"]

@@ -28,12 +28,12 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._batch_parts import (ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
+from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
 from autopp.core._compat import user_line
 
-__all__ = ["DRAWS", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output",
-           "mixing_summary", "output_reductions"]
+__all__ = ["DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE",
+           "mixing_by_output", "mixing_summary", "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
@@ -125,6 +125,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     _MIXING.depth += 1
     positions: dict = {}  # values computed from the examples' positions (jnp.arange along the batch axis) -> where
     segments: dict = {}  # values whose batch axis holds several segments of rows (autopp.core._batch_parts)
+    firsts: dict = {}  # values read off a fixed number of examples (x[0]), not yet combined with the others'
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
 
     def read(wa, ma):
@@ -153,6 +154,14 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         if events is not None:
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
                    or _mixes(me, ins, out_axes) or _by_position(we, me, ins, out_axes, positions, _MIXING.top))
+            if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
+                # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
+                # is one example's value alone is said otherwise (no combination of the microbatches gives it)
+                if why != FIRST and (any(ax for _, ax in ins) or any(out_axes)):
+                    why = why or FIRST
+                else:
+                    firsts.update((v, me) for v in me.outvars)
+                    why = None if why == FIRST else why
             if why:
                 events.append((why, me, _MIXING.top))
             for v, g in zip(me.outvars, returned or ()):
@@ -252,6 +261,9 @@ def _lost_reason(eqn, states: list) -> str:
                 "norm, an iterative solver's stopping test)" + ("" if name == "while" else f", inside {name}"))
     if name in ("top_k", "sort", "argsort", "cumsum", "cummax", "cumlogsumexp"):
         return f"orders the examples ({name} along the batch)"
+    if name == "div" and len(states) == 2 and isinstance(states[1][0], (int, Fraction)) and states[1][0] > 0:
+        return ("divides by a sum over the examples (weights from a count of the examples per class or task: each "
+                "microbatch counts its own; for jit's values compute the counts in the step and pass them to the loss)")
     if any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st in states):
         return f"applies {_READABLE.get(name, name)} to a sum or mean over the examples"
     return f"combines the examples through {name}, which autopp cannot see into (a custom kernel, a callback)"
@@ -288,6 +300,9 @@ _MIXING_KINDS = {
     STRIDES: "reads every k-th example (x[0::2], pairs interleaved along the batch) in microbatches whose size k does "
              "not divide, so pairs straddle two microbatches (choose num_microbatches so that each microbatch holds a "
              "multiple of k examples)",
+    FIRST: "reads some examples' values for all of them (x[0] or x[:k] of a batch array, a task id or a temperature "
+           "taken from the first example: each microbatch reads its own first ones; pass such a value to the loss as "
+           "an argument of its own, computed in the step)",
     INDEXED: "picks other examples by indices that come with the batch (v[batch['negidx']]: each microbatch's "
              "indices still count the whole batch's positions, so they pick other rows or fall off its end; pass the "
              "other example's values with the batch instead)",
@@ -461,7 +476,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         if any(st[1] == odd for st in states):
             constant = all(st[1] == odd or st[:3] == (0, 0, False)
                            or odd == _RATIO and name in _ADD and st[:2] == (1, -1) for st in states)
-            if constant and (name in _ADD or name in ("mul", "div") and states[0][1] == odd or name in _CARRY):
+            if constant and (name in _ADD or name == "mul" or name == "div" and states[0][1] == odd or name in _CARRY
+                             or name in ("reduce_sum", "concatenate", "stack")):  # (weighted, stacked, summed)
                 return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
             return [None] * n_out
     if name in _ADD:
@@ -500,6 +516,8 @@ def _rule(we, me, ins: list, M: int) -> list:
     if name == "reduce_sum":
         (s, b, _), axes = states[0], ins[0][1]
         if set(me.params["axes"]) & set(axes):
+            if s == 0 and not dep:  # a constant broadcast over the batch, summed: the batch size times it (the
+                return [(0, b + 1, False)]  # denominator jnp.average makes of weights broadcast to the batch's shape)
             return [(1, b, dep)] if s == 0 else [None]
         return [(s, b, dep)]
     if name in _ORDERED_REDUCE:

@@ -307,8 +307,9 @@ def _uncuttable(calls) -> str:
         fixes.append("compute the layers outside the cond and put only what differs between its branches inside "
                      "it (a loss head, say), or select with jnp.where")
     if "scan" in calls:  # (a scan over data: over stacked parameters it is unrolled, one layer per iteration)
-        fixes.append("map a function of one example over the batch with jax.vmap rather than lax.map; a scan over "
-                     "time steps or inner iterations runs whole on one stage, so keep the layers outside it")
+        fixes.append("a scan over time steps or inner iterations runs whole on one stage, so keep the layers outside "
+                     "it (a recurrent layer per scan, each its own call), and map a function of one example over the "
+                     "batch with jax.vmap rather than lax.map")
     if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch", "scan"}:
         fixes.append("call the layers outside it, one call per layer at most")
     return "To pipeline the model, " + "; ".join(fixes) + "."
@@ -357,8 +358,9 @@ def split_stages(
         raise ValueError(
             f"autopp: one {name} call{f' at {where}' if where else ''} holds {problem.costs[heaviest] / total:.0%} of "
             f"the loss's work, and a stage boundary cannot cut inside it: whichever stage runs it would do that share "
-            f"alone, so {num_stages} stages cannot balance. {_uncuttable([name])} Or use fewer stages (a solver's or "
-            "a loop's iterations run on one stage, beside the work before and after it).")
+            f"alone, so {num_stages} stages cannot balance. {_uncuttable([name])} Or use fewer stages: "
+            f"num_stages <= {max(1, int(1.5 * total / problem.costs[heaviest]))} (a solver's or a loop's iterations "
+            "run on one stage, beside the work before and after it).")
     if weights is not None and len(set(weights)) == 1:
         weights = None
     bottleneck = _min_bottleneck(problem.costs, num_stages, weights)

@@ -337,9 +337,9 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
         why = refuse or ("a stage boundary falls inside one of the scan's iterations" if reads == "cut" else
                          _unequal(reads, length, row_stages, plan_stage) if layout is None else can_hold(layout[0]))
         if why is not None:
-            if report is not None:
-                report.append((traced.leaf_paths[outer_index[a]], why))
-            continue
+            if report is not None and (reads == "cut" or len({row for _, row, _ in reads}) == len(reads)):
+                report.append((traced.leaf_paths[outer_index[a]], why))  # (a row read twice: no scan's stack but a
+            continue  # vector of per-task values, s[t], held whole without a word)
         grad_split[k] = layout
         split_in[outer_index[a]] = layout
     if not grad_split:

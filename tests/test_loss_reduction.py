@@ -813,3 +813,59 @@ def test_convolutions_of_each_example_run_as_jit_without_a_word():
             (p_jit, out_jit), (p_pp, out_pp) = _run(_step(loss))
         assert not [str(w.message) for w in seen if "autopp" in str(w.message)], loss.__name__
         _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+
+
+def test_multi_task_losses_combine_as_jit_or_warn_what_they_do():
+    """Multi-task losses (user trial MULTITASK) and horizon weights (trial TIMESERIES):
+    - per-task sums with a learned log-variance each (Kendall et al.), ``jnp.sum(exp(-s) * sums / n + s)``, counts
+      from the step: ``s`` was counted once per microbatch under the sum it is read as (7.326 for jit's 6.726); it
+      counts once and the step is jit's;
+    - ``jnp.average`` with weights broadcast to the batch's shape warned that it divides by a sum over the examples
+      (its denominator is the batch size times the weights): no warning, jit's;
+    - per-task masked means weighted (``2 * ratio``, ``jnp.sum(w * jnp.stack(ratios))``) got the generic warning,
+      whose ``loss_reduction='sum'`` then ran silently (34.85 for 7.95): the ratio warning, and 'sum' refused;
+    - a value read off the first example (``b["temp"][0]``: 2.242 for jit's 3.272) ran silently: it warns."""
+    s0 = jnp.array([0.1, -0.2])
+
+    def uncertain(p, b, n):
+        nll = _nll(p, b)
+        sums = jnp.stack([nll[:, :T // 2].sum(), nll[:, T // 2:].sum()])
+        return jnp.sum(jnp.exp(-p["s"]) * sums / n + p["s"])
+
+    def averaged(p, b):
+        e = _nll(p, b)
+        return jnp.average(e, weights=jnp.broadcast_to(jnp.linspace(1.0, 2.0, T), e.shape))
+
+    params = {**_params(jax.random.key(0)), "s": s0}
+    for loss, extra in ((uncertain, lambda b: (b["x"].size,)), (averaged, lambda b: ())):
+        step = _step(loss, extra)
+        want = jax.jit(step)(params, TX.init(params), _batch(0))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2])(
+                params, TX.init(params), _batch(0))
+        assert not [str(w.message) for w in seen if "autopp" in str(w.message)], loss.__name__
+        _assert_equal(autopp.gather(got), want)
+
+    def ratio(p, b, t):
+        nll, mask = _nll(p, b), b["mask"]
+        return (nll[:, t] * mask[:, t]).sum() / jnp.maximum(mask[:, t].sum(), 1.0)
+
+    def doubled(p, b):
+        return 2.0 * ratio(p, b, 0)
+
+    def stacked(p, b):
+        return jnp.sum(jnp.array([1.0, 0.5]) * jnp.stack([ratio(p, b, 0), ratio(p, b, 1)]))
+
+    def first(p, b):
+        return (_nll(p, b) / b["temp"][0]).mean()
+
+    for loss, words in ((doubled, "divides a sum over its examples by another"), (stacked, "divides a sum over its "
+                        "examples by another"), (first, "reads some examples' values for all of them")):
+        texts, l_jit, l_pp = _warning_texts(loss)
+        assert any(words in t for t in texts), (loss.__name__, texts)
+        if loss is not first:
+            plain = _params(jax.random.key(0))
+            with pytest.raises(ValueError, match="loss_reduction='sum', but the loss divides a sum"):
+                autopp.parallelize(_step(loss), num_stages=2, num_microbatches=M, devices=jax.devices()[:2],
+                                   loss_reduction="sum")(plain, TX.init(plain), _batch(0))

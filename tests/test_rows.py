@@ -373,3 +373,29 @@ def test_noise_drawn_in_the_step_with_the_batch_s_shape_is_split_beside_the_rows
     got = pipelined(params, x)
     assert {s.data.shape[0] for s in got[0]["stack"].addressable_shards} == {2}  # held by rows
     assert_trees_close(got, jax.jit(make(jax.value_and_grad))(params, x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_vector_of_per_task_values_is_no_stack_of_layers():
+    """A vector of per-task log-variances read as ``s[t]`` twice per task in a Python loop (user trial MULTITASK) got
+    the warning that "the stacked parameter(s) stay whole ... unequal numbers of the stack's 3 rows ([2, 4])": no
+    scan reads it, and rows read more than once are no stack of layers. It stays whole without a word; the step equals
+    plain jit (SGD, <= 1e-6)."""
+    import warnings
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(keys[0], (8, 3)) * 0.3, "s": jnp.array([0.1, -0.2, 0.3])}
+    batch = {"x": jax.random.normal(keys[1], (16, 8)), "y": jax.random.normal(keys[2], (16, 3))}
+    tx = optax.sgd(0.1)
+
+    def loss(p, b):
+        per_task = lambda t: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2, 0)[t]  # noqa: E731
+        return sum(jnp.exp(-p["s"][t]) * per_task(t) + p["s"][t] for t in range(3))
+
+    step = make_train_step(loss, tx)
+    want = jax.jit(step)(params, tx.init(params), batch)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            params, tx.init(params), batch)
+    assert not [str(w.message) for w in seen if "autopp" in str(w.message)]
+    assert_trees_close(autopp.gather(got), want, rtol=1e-6, atol=1e-6)

@@ -227,6 +227,7 @@ def test_per_example_prng_keys_split_through_the_layers_cross_stages():
         assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:autopp.parallelize. the loss reads some examples")  # (the batch's x[0, 0])
 @pytest.mark.parametrize("predicate", ["argument", "batch"])
 def test_a_cond_around_the_whole_model_says_why_it_cannot_be_pipelined(predicate):
     """The model inside ``lax.cond``: one operation a stage boundary cannot cut. With the predicate a step argument
