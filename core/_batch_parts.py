@@ -35,7 +35,8 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
     """Follow the segments of the batch axes through equation ``me`` (``we``: the same in the whole batch's trace;
     ``ins``: per operand ``(state, batch axes)``; ``segments``: micro variable -> its first batch axis's segments,
     absent for one examples segment) and say where it takes parts of the batch by position: :data:`PARTS`,
-    :data:`STRIDES` (``microbatches``: how many the step runs), :data:`ORDER`, or None."""
+    :data:`STRIDES` (``microbatches``: how many the step runs), :data:`ORDER`, :data:`FIRST` (a fixed number of
+    examples: the caller says so where their values meet the others'), or None."""
     name = me.primitive.name
     dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
     if name == "slice" and 0 in dependent and set(ins[0][1]) - set(out_axes[0]):
