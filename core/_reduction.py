@@ -157,8 +157,10 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
                 # is one example's value alone is said otherwise (no combination of the microbatches gives it)
-                if why != FIRST and (any(ax for _, ax in ins) or any(out_axes)):
-                    why = why or FIRST
+                others = [(st, ax) for a, (st, ax) in zip(me.invars, ins)
+                          if not isinstance(a, jex_core.Literal) and a not in firsts]
+                if why != FIRST and (any(st is None or st[2] or ax for st, ax in others) or any(out_axes)):
+                    why = why or FIRST  # (scaling the reduced loss, mean / w[0], counts too)
                 else:
                     firsts.update((v, me) for v in me.outvars)
                     why = None if why == FIRST else why
