@@ -441,6 +441,7 @@ def test_checkify_of_a_step_is_refused_where_it_cannot_see(mlp_setup, check):
                            devices=jax.devices()[:2])(state[0], batch)
 
 
+@pytest.mark.filterwarnings("ignore:autopp.parallelize. the loss reads some examples")  # (its NaN from x[0, 0])
 def test_debug_nans_raises_a_floating_point_error_naming_the_task(mlp_setup):
     """With jax_debug_nans a NaN in a stage's program leaked JAX's internal exception (``InternalFloatingPointError
     ('jit', 'nan')``, no FloatingPointError subclass, naming nothing: a trial); it is jit's exception type, naming
