@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import autopp
-from autopp.models import GPT, GPTConfig
+from autopp.models import GPT, GPTConfig, make_train_step
 from autopp.planner import bubble_fraction
 from benchmarks._common import interleaved_medians, scan_accumulation_step, train_step_fn
 
@@ -456,16 +456,9 @@ def test_one_stage_convolutions(benchmark):
                                                   dimension_numbers=("NHWC", "HWIO", "NHWC")))
         return jnp.mean(h ** 2)
 
-    def step_with(value_and_grad):
-        def step(p, o, b):
-            value, g = value_and_grad(loss)(p, b)
-            u, o = tx.update(g, o, p)
-            return optax.apply_updates(p, u), o, value
-        return step
-
-    fns = {"plain": jax.jit(step_with(jax.value_and_grad)),
+    fns = {"plain": jax.jit(make_train_step(loss, tx, value_and_grad=jax.value_and_grad)),
            "plain, scan of 4": jax.jit(scan_accumulation_step(types.SimpleNamespace(loss=loss), tx, 4)),
-           **{f"autopp, {m} microbatch(es)": autopp.parallelize(step_with(autopp.value_and_grad), num_stages=1,
+           **{f"autopp, {m} microbatch(es)": autopp.parallelize(make_train_step(loss, tx), num_stages=1,
                                                                 num_microbatches=m, devices=jax.devices()[:1])
               for m in (1, 4)}}
     state = {k: (params, tx.init(params)) for k in fns}

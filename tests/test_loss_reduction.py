@@ -444,11 +444,7 @@ def test_ordinary_losses_and_aux_values_run_as_jit_without_a_word():
         return total / h.shape[0]
 
     for loss, has_aux in ((logged, True), (chunked, False)):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            (p_jit, out_jit), (p_pp, out_pp) = _run(_step(loss, has_aux=has_aux))
-        assert not [str(w.message) for w in seen if "autopp" in str(w.message)]
-        _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+        _assert_quiet_and_jit_s(_step(loss, has_aux=has_aux))
 
 
 def test_a_sum_plus_a_mean_in_the_loss_is_refused():
@@ -534,6 +530,15 @@ def test_examples_numbered_by_position_to_index_a_whole_array_are_named():
         outs = [fn(params, TX.init(params), batch) for fn in (
             jax.jit(step), autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2]))]
     _assert_equal(outs[0], outs[1])
+
+
+def _assert_quiet_and_jit_s(step, prefix="autopp", what=""):
+    """The step on 2 stages x M microbatches warns nothing that names ``prefix`` and equals plain jit's (SGD)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        (p_jit, out_jit), (p_pp, out_pp) = _run(step)
+    assert not [str(w.message) for w in seen if prefix in str(w.message)], what
+    _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
 
 
 def _warning_texts(loss, extra=lambda b: ()):
@@ -689,11 +694,7 @@ def test_pairs_read_as_they_stand_in_each_microbatch_run_as_jit_without_a_word()
         return -jax.nn.log_sigmoid(jnp.where(jnp.arange(s.shape[0]) % 2 == 0, 1.0, -1.0) * s).mean()
 
     for loss in (concatenated, strided, time_major, checkpointed, unequal, padded, parity):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            (p_jit, out_jit), (p_pp, out_pp) = _run(_step(loss))
-        assert not [str(w.message) for w in seen if "autopp" in str(w.message)], loss.__name__
-        _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+        _assert_quiet_and_jit_s(_step(loss), what=loss.__name__)
 
 
 def test_a_solver_per_example_is_read_as_per_example():
@@ -707,11 +708,7 @@ def test_a_solver_per_example_is_read_as_per_example():
         sol = jax.vmap(lambda r: jax.scipy.sparse.linalg.cg(lambda v: a @ v, r, maxiter=20)[0])(h)
         return jnp.mean(jnp.sum((sol @ p["head"]) ** 2, -1))
 
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        (p_jit, out_jit), (p_pp, out_pp) = _run(_step(solved))
-    assert not [str(w.message) for w in seen if "autopp.parallelize" in str(w.message)]
-    _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+    _assert_quiet_and_jit_s(_step(solved), prefix="autopp.parallelize")  # (the solver's loop is priced once: said)
 
 
 @pytest.mark.parametrize("stages", [2, 1])
@@ -767,11 +764,7 @@ def test_a_weight_read_through_stop_gradient_leaves_the_loss_readable(reduce):
         nll = -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][..., None], axis=-1)
         return nll.sum() if reduce == "sum" else nll.mean()
 
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        (p_jit, out_jit), (p_pp, out_pp) = _run(_step(loss))
-    assert not [str(w.message) for w in seen if "autopp" in str(w.message)]
-    _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+    _assert_quiet_and_jit_s(_step(loss))
 
 
 def test_negatives_picked_by_indices_from_the_batch_warn():
@@ -808,11 +801,7 @@ def test_convolutions_of_each_example_run_as_jit_without_a_word():
         return (jax.scipy.signal.convolve(s, jnp.ones((1, 3)) / 3, mode="same") ** 2).mean()
 
     for loss in (hyper, smoothed):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            (p_jit, out_jit), (p_pp, out_pp) = _run(_step(loss))
-        assert not [str(w.message) for w in seen if "autopp" in str(w.message)], loss.__name__
-        _assert_equal((p_jit, out_jit), (p_pp, out_pp), tol=2e-6)
+        _assert_quiet_and_jit_s(_step(loss), what=loss.__name__)
 
 
 def test_multi_task_losses_combine_as_jit_or_warn_what_they_do():
