@@ -243,5 +243,6 @@ def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbat
     weight penalty) scaled by ``1 / num_microbatches``, so that the microbatches' losses add up to the step's (the
     same equations, so a split of ``forward`` splits it)."""
     if loss_reduction == "sum" and num_microbatches > 1:
-        forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches)
+        forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches,
+                                                traced.spec.forward)
     return forward

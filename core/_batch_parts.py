@@ -167,11 +167,16 @@ def across_examples(me) -> tuple[int, ...]:
 
 
 def indexes_the_batch(me, ins: list) -> bool:
-    """Whether a gather picks rows along a batch axis of a value that depends on the batch, by indices that depend on
-    it too (positions of other examples passed with the batch, ``v[batch["negidx"]]``)."""
+    """Whether a gather picks rows along a batch axis of a value that depends on the batch, or a scatter puts values
+    at rows along a batch axis of its destination (``jax.ops.segment_sum(h, ids, num_segments=len(h))``), by indices
+    that depend on the batch (positions of other examples passed with the batch: ``v[batch["senders"]]``, a graph's
+    edge list or node-to-graph ids counted over the whole batch)."""
     (op, op_axes), (ix, _) = ins[0], ins[1]
-    return (op is not None and op[2] and (ix is None or ix[2])  # (None: wrapped by the batch's size, i + B)
-            and bool(set(op_axes) & set(me.params["dimension_numbers"].start_index_map)))
+    by_batch = ix is None or ix[2]  # (None: wrapped by the batch's size, i + B)
+    numbers = me.params["dimension_numbers"]
+    if me.primitive.name == "gather":
+        return op is not None and op[2] and by_batch and bool(set(op_axes) & set(numbers.start_index_map))
+    return by_batch and bool(set(op_axes) & set(numbers.scatter_dims_to_operand_dims))
 
 
 def examples_blocks(pieces) -> tuple[int, ...] | None:

@@ -45,7 +45,7 @@ _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "res
 
 
 def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
-                                  factor: float) -> jex_core.ClosedJaxpr:
+                                  factor: float, whole: jex_core.ClosedJaxpr | None = None) -> jex_core.ClosedJaxpr:
     """The loss's forward with each term of the loss (output 0) that reads no microbatched input multiplied by
     ``factor``. A term is an operand of an addition or subtraction whose other
     operand depends on the batch, on the loss's linear path (sums, differences, products and quotients by values
@@ -53,9 +53,13 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     ``nll.sum() + l2 * factor``, and per task ``jnp.sum(jnp.exp(-s) * task_sums + s)`` -> ``... + s * factor``. With
     ``loss_reduction="sum"`` the step's loss is the microbatches' losses added up, so a weight penalty counted in
     each would count ``num_microbatches`` times; scaled by ``1 / num_microbatches`` it counts once, in the loss and
-    in its gradient. Each rewritten equation becomes one call, so equation indices stay valid."""
+    in its gradient. A term that grows with the batch (``whole``: the loss traced at the whole batch, where
+    ``closed`` is at a microbatch) is a sum over the examples and is left as it is: a constant broadcast to each
+    example and summed (``jnp.sum(nll - log_det)``), or scaled by the batch size (``nll.sum() - B * log_det``).
+    Each rewritten equation becomes one call, so equation indices stay valid."""
     jaxpr = closed.jaxpr
     dep = batch_dependent_vars(jaxpr, microbatched)
+    shaped, sized = _batch_sized_vars(whole.jaxpr, jaxpr) if whole is not None else (set(), set())
     loss = jaxpr.outvars[0]
     if isinstance(loss, Literal) or loss not in dep:
         return closed
@@ -71,8 +75,8 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
         name, ins = e.primitive.name, e.invars
         on = [depends(a) for a in ins]
         if name in ("add", "sub", "add_any") and any(on):
-            if not all(on):
-                rewrite[i] = on.index(False)
+            if not all(on) and e.outvars[0] not in shaped and (i, on.index(False)) not in sized:
+                rewrite[i] = on.index(False)  # (added to each example, or growing with the batch: a sum over them)
             linear.update(a for a, d in zip(ins, on) if d)
         elif (name == "mul" and sum(on) == 1) or (name == "div" and on == [True, False]):
             linear.add(ins[on.index(True)])
@@ -95,6 +99,30 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
         eqns[i] = call.replace(invars=list(e.invars), outvars=list(e.outvars))
     new = new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects, "loss")
     return jex_core.ClosedJaxpr(new, closed.consts)
+
+
+def _batch_sized_vars(w: jex_core.Jaxpr, m: jex_core.Jaxpr) -> tuple[set, set]:
+    """Of ``m`` (a program at a microbatch, ``w`` the same at the whole batch): the variables whose shapes differ from
+    ``w``'s (a batch axis), and the operands ``(equation index, position)`` whose values depend on the batch's size
+    (computed from such a variable, or from a literal or a constant that differs). Nothing where the two programs
+    differ in structure (a loop over the examples)."""
+    if len(w.eqns) != len(m.eqns) or any(a.primitive is not b.primitive for a, b in zip(w.eqns, m.eqns)):
+        return set(), set()
+
+    def shape(v):
+        return getattr(v.aval, "shape", ())
+
+    shaped = {mv for wv, mv in zip((*w.invars, *w.constvars), (*m.invars, *m.constvars)) if shape(wv) != shape(mv)}
+    grows, operands = set(shaped), set()
+    for i, (we, me) in enumerate(zip(w.eqns, m.eqns)):
+        for k, (a, b) in enumerate(zip(we.invars, me.invars)):
+            if (b in grows if not isinstance(b, Literal) else not isinstance(a, Literal)
+                    or not np.array_equal(np.asarray(a.val), np.asarray(b.val))):
+                operands.add((i, k))
+        shaped.update(mv for wv, mv in zip(we.outvars, me.outvars) if shape(wv) != shape(mv))
+        if any(i == j for j, _ in operands) or any(v in shaped for v in me.outvars):
+            grows.update(me.outvars)
+    return shaped, operands
 
 
 def eqns_needed(jaxpr: jex_core.Jaxpr, outvars, exclude=frozenset()) -> list[int]:

@@ -30,9 +30,10 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._compat import user_line
+from autopp.core._mixing import (CONTROL, DRAWS, INDEXED, PAIRS, POSITIONS, SPREAD, decides_by_statistic,
+                                 loop_test, mixing_by_output, mixing_summary)
 
-__all__ = ["DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE",
+__all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE",
            "mixing_by_output", "mixing_summary", "output_reductions"]
 
 
@@ -96,7 +97,8 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     finally:
         _MIXING.events = _MIXING.lost = _MIXING.microbatches = _MIXING.blocks = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
-    kinds = tuple(None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
+    kinds = tuple("sum" if st == (0, 1, False)  # (a constant summed over the examples: ones(B).sum() * c)
+                  else None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
     if lost is not None:  # an output that ends a function of a sum or mean (sqrt(mse.mean()), mean ** 2)
         made = {v: (i, e) for i, e in enumerate(micro.jaxpr.eqns) for v in e.outvars}
         for v, st, kind in zip(micro.jaxpr.outvars, states, kinds):
@@ -153,7 +155,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         events = getattr(_MIXING, "events", None)
         if events is not None:
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
-                   or _mixes(me, ins, out_axes) or _by_position(we, me, ins, out_axes, positions, _MIXING.top))
+                   or _mixes(me, ins, out_axes) or _by_position(we, me, ins, out_axes, positions, _MIXING.top)
+                   or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
                 # is one example's value alone is said otherwise (no combination of the microbatches gives it)
@@ -204,7 +207,7 @@ def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int
     if name == "dynamic_slice" and not ins[0][1] and out_axes[0]:
         return POSITIONS
     read = [k for k, a in enumerate(me.invars) if not isinstance(a, jex_core.Literal) and a in positions]
-    if name == "gather" and 1 not in read and indexes_the_batch(me, ins):
+    if (name == "gather" or name.startswith("scatter")) and 1 not in read and indexes_the_batch(me, ins):
         return INDEXED  # x[idx] with idx from the batch: another example's position in the whole batch
     if not read:
         _fold_scalar(me, positions)
@@ -282,75 +285,7 @@ def _has_while(eqn) -> bool:
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
-_MIXING_KINDS = {
-    PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
-    SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
-            "the batch)",
-    ORDER: "orders its examples (a sort, a top-k, a scan or a cumulative sum along the batch, a shifted slice of it, "
-           "a window, a convolution or an FFT over neighbouring examples)",
-    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
-               "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
-               "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
-               "document ids, with the batch)",
-    PARTS: "takes parts of the batch by position or regroups its rows across examples (x[:n] and x[n:], jnp.split, "
-           "x.reshape(2, -1): chosen and rejected sequences or two views of the examples concatenated into one batch; "
-           "a transpose then a reshape that mixes examples), so each microbatch's parts hold other examples than the "
-           "whole batch's (pass each part as a batch argument of its own, or interleave them and read the pairs with "
-           "x.reshape(-1, 2, ...))",
-    STRIDES: "reads every k-th example (x[0::2], pairs interleaved along the batch) in microbatches whose size k does "
-             "not divide, so pairs straddle two microbatches (choose num_microbatches so that each microbatch holds a "
-             "multiple of k examples)",
-    FIRST: "reads some examples' values for all of them (x[0] or x[:k] of a batch array, a task id or a temperature "
-           "taken from the first example: each microbatch reads its own first ones; pass such a value to the loss as "
-           "an argument of its own, computed in the step)",
-    INDEXED: "picks other examples by indices that come with the batch (v[batch['negidx']]: each microbatch's "
-             "indices still count the whole batch's positions, so they pick other rows or fall off its end; pass the "
-             "other example's values with the batch instead)",
-    DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
-           "draws the same ones (a dropout mask, a diffusion model's noise)",
-}
-
-
-def mixing_summary(mixing: list) -> str:
-    """What the equations :func:`output_reductions` found mixing examples do, and where the user's code made them
-    (two places at most per kind)."""
-    seen: dict[str, list[str]] = {}
-    for why, eqn, *_ in mixing:
-        lines = seen.setdefault(why, [])
-        line = user_line(eqn)
-        if line and line not in lines and len(lines) < 2:
-            lines.append(line)
-    return "; ".join(_MIXING_KINDS[why] + (f" at {', '.join(lines)}" if lines else "") for why, lines in seen.items())
-
-
-def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, list]:
-    """The entries of ``mixing`` (from :func:`output_reductions` of ``micro``) that each output of ``micro`` depends
-    on, by output position (an output that depends on none is left out)."""
-    jaxpr = micro.jaxpr
-    need: dict = {}  # var -> bit mask of the outputs it reaches
-    for k, v in enumerate(jaxpr.outvars):
-        if not isinstance(v, jex_core.Literal):
-            need[v] = need.get(v, 0) | 1 << k
-    reach = [0] * len(jaxpr.eqns)
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn = jaxpr.eqns[i]
-        mask = 0
-        for v in eqn.outvars:
-            mask |= need.get(v, 0)
-        reach[i] = mask
-        if mask:
-            for v in eqn.invars:
-                if not isinstance(v, jex_core.Literal):
-                    need[v] = need.get(v, 0) | mask
-    out: dict[int, list] = {}
-    for entry in mixing:
-        mask = reach[entry[2]]
-        for k in range(len(jaxpr.outvars)):
-            if mask >> k & 1:
-                out.setdefault(k, []).append(entry)
-    return out
 
 
 def _mixes(me, ins: list, out_axes: list) -> str | None:
@@ -484,7 +419,8 @@ def _rule(we, me, ins: list, M: int) -> list:
             return [None] * n_out
     if name in _ADD:
         live = [st for st in states if st[2] or st[:2] != (0, 0)]
-        keys = {st[:2] for st in live}
+        # (a constant summed over the examples, the batch size times it, added to the examples' sum: nll_i - c summed)
+        keys = {(1, 0) if st[:3] == (0, 1, False) and dep else st[:2] for st in live}
         if len(keys) > 1:
             # a batch-independent term added to a sum or a mean (a weight penalty): the dependent part decides
             dependent = {st[:2] for st in live if st[2]}
@@ -689,9 +625,11 @@ def _while(we, me, ins, M):
     states = [st for st, _ in ins]
     carry = states[cn + bn:]
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
-    if outs == carry:
-        return outs
-    _look_again(wb, mb, states[cn:cn + bn], carry, outs, [], M)
-    carry = [_join(a, b) for a, b in zip(carry, outs)]  # one more pass from the joined states
-    outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
-    return [a if a == b else None for a, b in zip(carry, outs)]
+    if outs != carry:
+        _look_again(wb, mb, states[cn:cn + bn], carry, outs, [], M)
+        carry = [_join(a, b) for a, b in zip(carry, outs)]  # one more pass from the joined states
+        outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
+        outs = [a if a == b else None for a, b in zip(carry, outs)]
+    if loop_test(we, me, ins)[0]:  # a number of iterations that depends on the batch: so does what the loop makes
+        outs = [st if st is None else (*st[:2], True) for st in outs]
+    return outs

@@ -326,7 +326,7 @@ class Pipeline:
                 continue
             parts = self.out_parts[k]
             assert len(parts) == self.M, (k, len(parts))
-            if k > 0 and a not in batch_dependent:  # read off the parameters alone: every microbatch's is the step's
+            if st.config.read_once(k, a in batch_dependent):  # read off the parameters alone: every microbatch's
                 fn = jax.jit(lambda x: (x,), out_shardings=(self.meshes.replicated[s],))
                 (self.reduced[k],) = b.emit(fn, parts[:1], 1, f"aux {k - 1} stage {s}")
                 continue

@@ -82,5 +82,10 @@ class PipelineConfig:
     def reduction(self, k: int) -> str:  # how the microbatches' values of the loss's output k combine (0: the loss)
         return (self.output_reductions[k] if k < len(self.output_reductions) else None) or self.loss_reduction
 
+    def read_once(self, k: int, dependent: bool) -> bool:
+        """Whether every microbatch's value of aux output ``k`` is the step's: it reads no batch input (``dependent``:
+        whether it does) and no batch size (a constant summed over the examples, ``"sum"``, is added up)."""
+        return k > 0 and not dependent and (self.output_reductions[k:k + 1] or (None,))[0] != "sum"
+
     def plan_stage(self, s: int) -> int:
         return self.stage_of[s] if self.stage_of else s

@@ -668,7 +668,7 @@ class StepBuilder:
                 elif st.is_constant_output(k):
                     next(summed)
                     aux.append(jnp.asarray(st.constant_output(k), fwd.out_avals[k].dtype))
-                elif fwd.jaxpr.outvars[k] not in batch_dependent:  # from the parameters alone: M equal values
+                elif st.config.read_once(k, fwd.jaxpr.outvars[k] in batch_dependent):  # M equal values
                     total = next(summed)
                     aux.append(total / M if jnp.issubdtype(total.dtype, jnp.inexact) else total // M)
                 else:

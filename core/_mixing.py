@@ -1,0 +1,153 @@
+"""The ways a loss can make one example's value depend on other examples of its batch (what
+:func:`autopp.core.output_reductions` records as mixing), said for a warning, and which outputs each reaches."""
+
+from __future__ import annotations
+
+from jax.extend import core as jex_core
+
+from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
+from autopp.core._compat import user_line
+
+__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SPREAD", "decides_by_statistic", "loop_test",
+           "mixing_by_output", "mixing_summary"]
+
+PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
+CONTROL = "control"
+_MIXING_KINDS = {
+    PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
+    SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
+            "the batch)",
+    ORDER: "orders its examples (a sort, a top-k, a scan or a cumulative sum along the batch, a shifted slice of it, "
+           "a window, a convolution or an FFT over neighbouring examples)",
+    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
+               "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
+               "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
+               "document ids, with the batch)",
+    PARTS: "takes parts of the batch by position or regroups its rows across examples (x[:n] and x[n:], jnp.split, "
+           "x.reshape(2, -1): chosen and rejected sequences or two views of the examples concatenated into one batch; "
+           "a transpose then a reshape that mixes examples), so each microbatch's parts hold other examples than the "
+           "whole batch's (pass each part as a batch argument of its own, or interleave them and read the pairs with "
+           "x.reshape(-1, 2, ...))",
+    STRIDES: "reads every k-th example (x[0::2], pairs interleaved along the batch) in microbatches whose size k does "
+             "not divide, so pairs straddle two microbatches (choose num_microbatches so that each microbatch holds a "
+             "multiple of k examples)",
+    FIRST: "reads some examples' values for all of them (x[0] or x[:k] of a batch array, a task id or a temperature "
+           "taken from the first example: each microbatch reads its own first ones; pass such a value to the loss as "
+           "an argument of its own, computed in the step)",
+    INDEXED: "picks or adds up other examples' rows by indices that come with the batch (an edge list or node-to-graph "
+             "ids of graphs batched jraph-style, v[senders] or jax.ops.segment_sum(h, graph_id, num_segments=len(h)); "
+             "negatives picked by index): each microbatch's indices still count the whole batch's positions, so they "
+             "pick other rows or fall off its end (lay graphs out along the batch axis, padded, with indices local to "
+             "each and jax.vmap, or pass the other examples' values with the batch)",
+    CONTROL: "decides a branch or a loop's number of iterations by a value of its examples together (lax.cond or "
+             "lax.switch on a batch mean or count, a while_loop until the batch's largest residual is small, a "
+             "fori_loop whose trip count comes from the batch's maximum: each microbatch decides by its own examples; "
+             "decide per example with jnp.where or jax.vmap, or compute the value in the step and pass it to the loss)",
+    DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
+           "draws the same ones (a dropout mask, a diffusion model's noise)",
+}
+
+
+def mixing_summary(mixing: list) -> str:
+    """What the equations :func:`output_reductions` found mixing examples do, and where the user's code made them
+    (two places at most per kind)."""
+    seen: dict[str, list[str]] = {}
+    for why, eqn, *_ in mixing:
+        lines = seen.setdefault(why, [])
+        line = user_line(eqn)
+        if line and line not in lines and len(lines) < 2:
+            lines.append(line)
+    return "; ".join(_MIXING_KINDS[why] + (f" at {', '.join(lines)}" if lines else "") for why, lines in seen.items())
+
+
+def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, list]:
+    """The entries of ``mixing`` (from :func:`output_reductions` of ``micro``) that each output of ``micro`` depends
+    on, by output position (an output that depends on none is left out)."""
+    jaxpr = micro.jaxpr
+    need: dict = {}  # var -> bit mask of the outputs it reaches
+    for k, v in enumerate(jaxpr.outvars):
+        if not isinstance(v, jex_core.Literal):
+            need[v] = need.get(v, 0) | 1 << k
+    reach = [0] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        mask = 0
+        for v in eqn.outvars:
+            mask |= need.get(v, 0)
+        reach[i] = mask
+        if mask:
+            for v in eqn.invars:
+                if not isinstance(v, jex_core.Literal):
+                    need[v] = need.get(v, 0) | mask
+    out: dict[int, list] = {}
+    for entry in mixing:
+        mask = reach[entry[2]]
+        for k in range(len(jaxpr.outvars)):
+            if mask >> k & 1:
+                out.setdefault(k, []).append(entry)
+    return out
+
+
+
+
+# reductions over the batch that a loop's test may make of per-example tests: "while any example is not done", as
+# jax.vmap writes a per-example while_loop (each example's own iterations; the body keeps the finished ones as they
+# are); whether a loop written so by hand keeps them is not read
+_ANY_OR_ALL = frozenset({"reduce_or", "reduce_and"})
+
+
+def decides_by_statistic(we, me, ins: list, firsts) -> bool:
+    """Whether a ``lax.cond`` / ``lax.switch`` or a ``lax.while_loop`` (a ``fori_loop`` with a traced trip count)
+    decides by a value of the batch's examples together: its branch index or a loop's test depends on a value that
+    depends on the batch and has no batch axis (a mean, a count, a maximum over the examples, carried or computed in
+    the test: ``max(|z|) > tol``), other than "any (all) examples" of per-example tests. ``we``/``me``: the equation
+    in the whole batch's and the microbatch's program; ``ins``: its operands' ``(state, batch axes)``; ``firsts``:
+    values read off the first examples (said otherwise)."""
+    if me.primitive.name == "cond":
+        st, ax = ins[0]
+        v = me.invars[0]
+        return not isinstance(v, jex_core.Literal) and not ax and (st is None or st[2]) and v not in firsts
+    return me.primitive.name == "while" and loop_test(we, me, ins, firsts)[1]
+
+
+def loop_test(we, me, ins: list, firsts=()) -> tuple[bool, bool]:
+    """Of a ``lax.while_loop``'s test (equation ``me``, ``we`` at the whole batch, operands' ``(state, batch axes)``
+    ``ins``): whether it depends on the batch (then so does every value the loop carries out, through its number of
+    iterations: per example where the test is per example, as ``jax.vmap`` writes it), and whether it depends on a
+    value of the batch's examples together (see :func:`decides_by_statistic`)."""
+    flags = [(st is None or st[2], not ax and (st is None or st[2]) and v not in firsts)
+             if not isinstance(v, jex_core.Literal) else (False, False) for v, (st, ax) in zip(me.invars, ins)]
+    cn, bn = me.params["cond_nconsts"], me.params["body_nconsts"]
+    carry = flags[cn + bn:]
+    for _ in range(3):  # what the body makes of the carry, until it settles (a residual's maximum carried)
+        made = _flow(we.params["body_jaxpr"].jaxpr, me.params["body_jaxpr"].jaxpr, flags[cn:cn + bn] + carry)
+        if made is None:
+            return True, False
+        joined = [(a[0] or b[0], a[1] or b[1]) for a, b in zip(carry, made)]
+        if joined == carry:
+            break
+        carry = joined
+    test = _flow(we.params["cond_jaxpr"].jaxpr, me.params["cond_jaxpr"].jaxpr, flags[:cn] + carry)
+    return (True, False) if not test else test[0]
+
+
+def _flow(w, m, flags: list) -> list | None:
+    """Per output of a program (``w`` at the whole batch, ``m`` at a microbatch): (depends on the batch, depends on a
+    value of its examples together), from its inputs' (``flags``); an equation whose results lose an operand's batch
+    axis (a reduction over the examples) makes the latter, except "any"/"all"."""
+    if len(w.eqns) != len(m.eqns) or len(m.invars) != len(flags):
+        return None
+    env = dict(zip(m.invars, flags))
+    for we, me in zip(w.eqns, m.eqns):
+        read = [env.get(a, (False, False)) for a in me.invars if not isinstance(a, jex_core.Literal)]
+        dep, joined = any(d for d, _ in read), any(t for _, t in read)
+        if dep and not joined and me.primitive.name not in _ANY_OR_ALL:
+            batched_in = any(_batched(wa, ma) for wa, ma in zip(we.invars, me.invars)
+                             if not isinstance(ma, jex_core.Literal) and env.get(ma, (False,))[0])
+            joined = batched_in and not any(_batched(wv, mv) for wv, mv in zip(we.outvars, me.outvars))
+        env.update((v, (dep, joined)) for v in me.outvars)
+    return [(False, False) if isinstance(v, jex_core.Literal) else env.get(v, (False, False)) for v in m.outvars]
+
+
+def _batched(wv, mv) -> bool:
+    return getattr(wv.aval, "shape", ()) != getattr(mv.aval, "shape", ())
