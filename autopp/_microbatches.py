@@ -146,8 +146,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                 f"(a masked token mean, sum(nll * mask) / mask.sum()): adding the {num_microbatches} microbatches' "
                 f"ratios gives about {num_microbatches}x plain jax.jit's loss and gradients. For jit's whole-batch "
                 "value, compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, "
-                "batch, mask.sum()), then 'sum' is right); to average the microbatches' ratios, pass "
-                "loss_reduction='mean'.")
+                "batch, mask.sum()), then 'sum' is right; a count repeated in every row of the batch and read with "
+                "b['n'].mean() is read as the microbatch's own mean, so pass it that way too); to average the "
+                "microbatches' ratios, pass loss_reduction='mean'.")
         if given is None:
             warnings.warn(
                 f"{_WHO}: the loss divides a sum over its examples by another sum over them (a masked token mean, "
@@ -155,8 +156,10 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                 "whole-batch ratio when microbatches hold different numbers of counted tokens (and NaN for one that "
                 "holds none). For jit's value, "
                 "compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
-                "mask.sum())); to keep the average of microbatch ratios (gradient accumulation's), pass "
-                "loss_reduction='mean'.", stacklevel=user_stacklevel())
+                "mask.sum()), or one the data pipeline computed, rather than repeated in every row of the batch and "
+                "read with b['n'].mean(): that gives each microbatch's loss 1/num_microbatches of its share); to keep "
+                "the average of microbatch ratios (gradient accumulation's), pass loss_reduction='mean'.",
+                stacklevel=user_stacklevel())
         kind = None
     elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
         if given is None and num_microbatches > 1:

@@ -32,10 +32,12 @@ def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) ->
 
 
 def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
-    """Float variables that depend on a differentiated input (only those carry cotangents)."""
+    """Float variables that depend on a differentiated input (only those carry cotangents), other than through
+    ``lax.stop_gradient`` (a frozen stem's output, a weight read as a constant)."""
     dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
     for eqn in jaxpr.eqns:
-        if any(not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars):
+        if eqn.primitive.name != "stop_gradient" and any(not isinstance(a, jex_core.Literal) and a in dep
+                                                         for a in eqn.invars):
             dep.update(v for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.inexact))
     return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 

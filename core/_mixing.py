@@ -32,8 +32,9 @@ _MIXING_KINDS = {
              "not divide, so pairs straddle two microbatches (choose num_microbatches so that each microbatch holds a "
              "multiple of k examples)",
     FIRST: "reads some examples' values for all of them (x[0] or x[:k] of a batch array, a task id or a temperature "
-           "taken from the first example: each microbatch reads its own first ones; pass such a value to the loss as "
-           "an argument of its own, computed in the step)",
+           "taken from the first example: each microbatch reads its own first ones, which gives jit's values only "
+           "where every example holds the same, a count repeated in each row; pass such a value to the loss as an "
+           "argument of its own, computed in the step)",
     INDEXED: "picks or adds up other examples' rows by indices that come with the batch (an edge list or node-to-graph "
              "ids of graphs batched jraph-style, v[senders] or jax.ops.segment_sum(h, graph_id, num_segments=len(h)); "
              "negatives picked by index): each microbatch's indices still count the whole batch's positions, so they "

@@ -486,7 +486,7 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
             bad.append(f"  {name}: leading dimension {v.aval.shape[0]}")
     leading = {name: v.aval.shape[0] for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask,
                                                                     traced.leaf_paths) if is_batch and v.aval.shape}
-    if not bad and len(set(leading.values())) > 1:
+    if not bad and len(set(leading.values())) > 1 and num_microbatches > 1:
         shown = ", ".join(f"{name}: {n}" for name, n in list(leading.items())[:8])
         warnings.warn(
             f"{who}: the batch leaves have different leading dimensions ({shown}); each is split into "
@@ -498,14 +498,20 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
             "examples', and example indices count the whole batch's; pad such values per example ([batch, max "
             "length] with a mask).", stacklevel=3)
     if bad:
-        sizes = sorted({v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b})
+        sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b]
+        batch = max(set(sizes), key=sizes.count)  # (the leading dimension most leaves have: the batch size)
         ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
+        odd = batch % num_microbatches == 0  # only leaves without the batch's leading dimension are in the way
         raise ValueError(
             f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
-            "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) +
-            f"\nUse a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size. A leaf "
-            "without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the step "
-            "(batch_argnums names the batch)."
+            "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) + "\n"
+            + (f"Their leading dimension is not the batch's ({batch} in most leaves). A leaf without a batch axis (a "
+               "count, one PRNG key, a table, class weights) belongs in another argument of the step (batch_argnums "
+               "names the batch); a sparse array (BCOO, BCSR) is not split by rows: pass its per-example data and "
+               "indices ([batch, nse]) or its dense form." if odd else
+               f"Use a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size. A "
+               "leaf without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the "
+               "step (batch_argnums names the batch).")
         )
 
 

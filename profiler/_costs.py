@@ -487,6 +487,8 @@ _RULES.update({
     # (Golub and Van Loan, sections 8.3 and 7.5.6)
     "eigh": lambda e: _eig(e, 9.0, 4.0 / 3.0), "eig": lambda e: _eig(e, 25.0, 10.0),
     "lu_pivots_to_permutation": _zero_flop, "custom_linear_solve": _custom_linear_solve,
+    # which platform's branch of a cond JAX's own functions take (jnp.diagonal, slogdet's LU): a scalar, no arithmetic
+    "platform_index": _zero_flop,
 })
 del _names, _rule, _n
 

@@ -308,8 +308,10 @@ def _uncuttable(calls) -> str:
                      "it (a loss head, say), or select with jnp.where")
     if "scan" in calls:  # (a scan over data: over stacked parameters it is unrolled, one layer per iteration)
         fixes.append("a scan over time steps or inner iterations runs whole on one stage, so keep the layers outside "
-                     "it (a recurrent layer per scan, each its own call), and map a function of one example over the "
-                     "batch with jax.vmap rather than lax.map")
+                     "it (a recurrent layer per scan, each its own call), map a function of one example over the "
+                     "batch with jax.vmap rather than lax.map, and write a fixed number of steps that read per-step "
+                     "inputs (a sampler's noise, batch first) as lax.fori_loop(0, n, lambda i, x: step(x, "
+                     "noise[:, i]), x), whose steps are split across stages")
     if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch", "scan"}:
         fixes.append("call the layers outside it, one call per layer at most")
     return "To pipeline the model, " + "; ".join(fixes) + "."

@@ -1,7 +1,10 @@
 """Bad input to autopp.parallelize: a ValueError/TypeError that names the offending value and the fix."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -157,6 +160,41 @@ def test_batch_leaf_without_a_batch_axis_is_warned_about(mlp_setup):
                                          r"multi-hot ids flattened .* pad such values per example"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2],
                            loss_reduction="mean").plan_for(state[0], weighted)
+
+
+def test_batch_leaves_of_other_lengths_are_not_warned_about_at_one_microbatch(mlp_setup):
+    """At one microbatch nothing is split, so the warning about leaves split alike (which a sparse batch and
+    jraph-style graphs got at ``num_microbatches=1``, user trials CTRL and GNN) says nothing true."""
+    model, _, state, batch = mlp_setup
+    weighted = {**batch, "w": jnp.linspace(0.5, 1.5, 64)}
+
+    def step(params, batch):
+        return autopp.grad(lambda p, b: model.loss(p, b) * jnp.mean(b["w"]))(params, batch)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(state[0],
+                                                                                                     weighted)
+    assert not [str(w.message) for w in seen if "leading dimensions" in str(w.message)]
+    want = jax.jit(step)(state[0], weighted)
+    for a, b in zip(jax.tree.leaves(autopp.gather(got)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_leaf_without_the_batch_s_length_is_named_as_such(mlp_setup):
+    """A count of shape (1,) in a batch of 16 at 2 microbatches: the refusal advised "a num_microbatches that divides
+    the batch size (e.g. 1)", as if the batch were of size 1 (user trial NOISE6). It says the leaf is not the batch's
+    length and where such a leaf belongs."""
+    model, _, state, batch = mlp_setup
+    counted = {**batch, "n": jnp.ones((1,))}
+
+    def step(params, batch):
+        return autopp.grad(lambda p, b: model.loss(p, b) * b["n"][0])(params, batch)
+
+    with pytest.raises(ValueError, match=r"(?s)args\[1\]\['n'\]: leading dimension 1\nTheir leading dimension is "
+                                         r"not the batch's \(16 in most leaves\).*belongs in another argument") as e:
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], counted)
+    assert "e.g. 1" not in str(e.value)
 
 
 def test_step_that_fails_only_at_microbatch_size_says_so(mlp_setup):
