@@ -49,7 +49,6 @@ from autopp.core._trace import (
     TracedStep,
     abstract_leaf,
     check_array_leaves,
-    check_batch_divisible,
     check_gradient_not_split,
     eval_jaxpr_with,
     is_weak,
@@ -58,6 +57,7 @@ from autopp.core._trace import (
     trace_microbatch_forward,
     trace_step,
 )
+from autopp.core._batch_split import check_batch_divisible
 from autopp.core._warn import user_stacklevel
 from autopp.core._schedule import KINDS, Action, Schedule, ScheduleError, dependencies, validate
 from autopp.core._schedule_sim import bubble_fraction, dispatch_order, simulate_ticks, simulate_times

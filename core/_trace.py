@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import hashlib
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
 from autopp.core._constraints import drop_sharding_constraints
 from autopp.core._jaxpr import eqn_signature, jax_consts, sink_parameter_work
+from autopp.core._batch_split import sparse_batch_leaves, sparse_refusal
 from autopp.core._warn import concrete_value_error
 from autopp.core._zero_grads import freeze_zero_gradients
 
@@ -478,43 +478,6 @@ def _misaligned(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> s
             "it so in the loss), or compute the value inside the loss.")
 
 
-def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
-    """Every batch leaf's leading dimension must split into ``num_microbatches`` equal parts."""
-    bad = []
-    for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, traced.leaf_paths):
-        if is_batch and v.aval.shape[0] % num_microbatches:
-            bad.append(f"  {name}: leading dimension {v.aval.shape[0]}")
-    leading = {name: v.aval.shape[0] for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask,
-                                                                    traced.leaf_paths) if is_batch and v.aval.shape}
-    if not bad and len(set(leading.values())) > 1 and num_microbatches > 1:
-        shown = ", ".join(f"{name}: {n}" for name, n in list(leading.items())[:8])
-        warnings.warn(
-            f"{who}: the batch leaves have different leading dimensions ({shown}); each is split into "
-            f"{num_microbatches} equal parts along axis 0 all the same. That is right for a leaf laid out by example "
-            "with the same number of rows per example (tokens flattened to batch x sequence, say), wrong for one "
-            "without a batch axis (class weights, a position table), which every microbatch needs whole: move such a "
-            "leaf to another argument of the step (batch_argnums names the batch); and wrong for rows of varying "
-            "number per example (multi-hot ids flattened with each one's example index): a part's rows are not its "
-            "examples', and example indices count the whole batch's; pad such values per example ([batch, max "
-            "length] with a mask).", stacklevel=3)
-    if bad:
-        sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b]
-        batch = max(set(sizes), key=sizes.count)  # (the leading dimension most leaves have: the batch size)
-        ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
-        odd = batch % num_microbatches == 0  # only leaves without the batch's leading dimension are in the way
-        raise ValueError(
-            f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
-            "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) + "\n"
-            + (f"Their leading dimension is not the batch's ({batch} in most leaves). A leaf without a batch axis (a "
-               "count, one PRNG key, a table, class weights) belongs in another argument of the step (batch_argnums "
-               "names the batch); a sparse array (BCOO, BCSR) is not split by rows: pass its per-example data and "
-               "indices ([batch, nse]) or its dense form." if odd else
-               f"Use a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size. A "
-               "leaf without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the "
-               "step (batch_argnums names the batch).")
-        )
-
-
 @contextlib.contextmanager
 def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | None = None,
                         misaligned: Callable[[], str] = lambda: ""):
@@ -525,15 +488,9 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
     try:
         yield
     except (TypeError, ValueError) as e:
-        sparse = _sparse_batch_leaves(traced) if traced is not None else []
+        sparse = sparse_batch_leaves(traced) if traced is not None else []
         if sparse:
-            raise ValueError(
-                f"{who}: the batch holds a sparse array ({', '.join(sparse[:3])}): autopp splits the batch's leaves "
-                f"along axis 0 into num_microbatches={num_microbatches} microbatches, but a sparse array's shape is "
-                "static metadata its leaves (data, indices) do not carry, so a microbatch's part keeps the whole "
-                "batch's shape. Pass its dense form (x.todense()), or its data and indices per example as arrays of "
-                "the batch, building the sparse array inside the loss; or use num_microbatches=1 (data-parallel "
-                "devices split it correctly).") from e
+            raise sparse_refusal(who, num_microbatches, sparse) from e
         left_out = misaligned()
         if traced is not None:
             invars = traced.jaxpr.jaxpr.invars
@@ -555,26 +512,6 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
             "(batch_argnums names the batch); code that assumes the full batch size should read it from the "
             "arrays' shapes; a loss that groups consecutive examples (pairs read as x.reshape(-1, 2)) needs "
             f"microbatches of a multiple of the group: choose num_microbatches so.{left_out}") from e
-
-
-def _sparse_batch_leaves(traced: TracedStep) -> list[str]:
-    """The batch arguments' sparse arrays (``jax.experimental.sparse``), by type and argument."""
-    found: list[str] = []
-
-    def walk(node, where):
-        data = node.node_data()
-        kind = data[0] if data else None
-        if kind is not None and getattr(kind, "__module__", "").startswith("jax.experimental.sparse"):
-            found.append(f"a {kind.__name__} in {where}")
-            return
-        for child in node.children():
-            walk(child, where)
-
-    args = traced.in_tree.children()
-    for i in traced.batch_argnums:
-        if i < len(args):
-            walk(args[i], f"args[{i}]")
-    return found
 
 
 def check_gradient_not_split(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:

@@ -129,15 +129,18 @@ def test_a_pinn_with_interior_and_boundary_batches_of_different_sizes_is_planned
 
 
 @pytest.mark.filterwarnings("ignore:autopp cost model. no rule for primitive 'bcoo_dot_general'")
-def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole():
+@pytest.mark.parametrize("n_batch", [1, 0])
+def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole(n_batch):
     """A BCOO feature batch split into microbatches failed inside JAX ("indices batch dimensions not compatible",
     blamed on a leaf without a batch axis): a sparse array's shape is static metadata its leaves do not carry. The
-    refusal names the sparse array and the fixes; with one microbatch the step equals jit."""
+    refusal names the sparse array and the fixes; with one microbatch the step equals jit, without the warning about
+    leaves of different lengths (nothing is split). Without a batch dimension (``n_batch=0``: data and indices have a
+    row per stored entry, an odd number here) it was refused as a batch of odd size, "e.g. 1" (user trial CTRL)."""
     from jax.experimental import sparse
 
     p = _mlp(jax.random.key(0), [8, 8, 1])
-    dense = jnp.where(jax.random.uniform(jax.random.key(1), (16, 8)) < 0.3, 1.0, 0.0)
-    x = sparse.BCOO.fromdense(dense, n_batch=1)
+    dense = jnp.where(jax.random.uniform(jax.random.key(1), (16, 8)) < 0.3, 1.0, 0.0).at[0, 0].set(1.0)
+    x = sparse.BCOO.fromdense(dense, n_batch=n_batch, nse=int((dense != 0).sum()) | 1)
     y = jax.random.normal(jax.random.key(2), (16, 1))
 
     def loss(p, batch):
@@ -149,7 +152,11 @@ def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole():
     with pytest.raises(ValueError, match=r"(?s)batch holds a sparse array \(a BCOO in args\[2\]\).*todense"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(p, TX.init(p), (x, y))
     want = jax.jit(step)(p, TX.init(p), (x, y))
-    got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(p, TX.init(p), (x, y))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(p, TX.init(p),
+                                                                                                     (x, y))
+    assert not [str(w.message) for w in seen if "leading dimensions" in str(w.message)]
     assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
 
 

@@ -1,0 +1,83 @@
+"""Whether the batch splits into microbatches along axis 0: every batch leaf's leading dimension divisible, said
+with the fix where it is not (a leaf without the batch's length, a sparse array)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopp.core._trace import TracedStep
+
+__all__ = ["check_batch_divisible", "sparse_batch_leaves", "sparse_refusal"]
+
+
+def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
+    """Every batch leaf's leading dimension must split into ``num_microbatches`` equal parts."""
+    bad = []
+    for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, traced.leaf_paths):
+        if is_batch and v.aval.shape[0] % num_microbatches:
+            bad.append(f"  {name}: leading dimension {v.aval.shape[0]}")
+    leading = {name: v.aval.shape[0] for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask,
+                                                                    traced.leaf_paths) if is_batch and v.aval.shape}
+    if not bad and len(set(leading.values())) > 1 and num_microbatches > 1:
+        shown = ", ".join(f"{name}: {n}" for name, n in list(leading.items())[:8])
+        warnings.warn(
+            f"{who}: the batch leaves have different leading dimensions ({shown}); each is split into "
+            f"{num_microbatches} equal parts along axis 0 all the same. That is right for a leaf laid out by example "
+            "with the same number of rows per example (tokens flattened to batch x sequence, say), wrong for one "
+            "without a batch axis (class weights, a position table), which every microbatch needs whole: move such a "
+            "leaf to another argument of the step (batch_argnums names the batch); and wrong for rows of varying "
+            "number per example (multi-hot ids flattened with each one's example index): a part's rows are not its "
+            "examples', and example indices count the whole batch's; pad such values per example ([batch, max "
+            "length] with a mask).", stacklevel=3)
+    sparse = sparse_batch_leaves(traced) if bad else []
+    if sparse:  # (its data and indices have as many rows as stored entries)
+        raise sparse_refusal(who, num_microbatches, sparse)
+    if bad:
+        sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b]
+        batch = max(set(sizes), key=lambda n: (sizes.count(n), n % num_microbatches == 0))  # (the batch size:
+        # the leading dimension most leaves have, one that splits on a tie: a sparse array's data and indices)
+        ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
+        odd = batch % num_microbatches == 0  # only leaves without the batch's leading dimension are in the way
+        raise ValueError(
+            f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
+            "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) + "\n"
+            + (f"Their leading dimension is not the batch's ({batch} in most leaves). A leaf without a batch axis (a "
+               "count, one PRNG key, a table, class weights) belongs in another argument of the step (batch_argnums "
+               "names the batch); a sparse array (BCOO, BCSR) is not split by rows: pass its per-example data and "
+               "indices ([batch, nse]) or its dense form." if odd else
+               f"Use a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size. A "
+               "leaf without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the "
+               "step (batch_argnums names the batch).")
+        )
+
+
+def sparse_batch_leaves(traced: TracedStep) -> list[str]:
+    """The batch arguments' sparse arrays (``jax.experimental.sparse``), by type and argument."""
+    found: list[str] = []
+
+    def walk(node, where):
+        data = node.node_data()
+        kind = data[0] if data else None
+        if kind is not None and getattr(kind, "__module__", "").startswith("jax.experimental.sparse"):
+            found.append(f"a {kind.__name__} in {where}")
+            return
+        for child in node.children():
+            walk(child, where)
+
+    args = traced.in_tree.children()
+    for i in traced.batch_argnums:
+        if i < len(args):
+            walk(args[i], f"args[{i}]")
+    return found
+
+
+def sparse_refusal(who: str, num_microbatches: int, sparse: list[str]) -> ValueError:
+    """The error for a batch that holds sparse arrays (``sparse``: :func:`sparse_batch_leaves`)."""
+    return ValueError(
+        f"{who}: the batch holds a sparse array ({', '.join(sparse[:3])}): autopp splits the batch's leaves along axis "
+        f"0 into num_microbatches={num_microbatches} microbatches, but a sparse array's shape is static metadata its "
+        "leaves (data, indices) do not carry, so a microbatch's part keeps the whole batch's shape. Pass its dense "
+        "form (x.todense()), or its data and indices per example as arrays of the batch, building the sparse array "
+        "inside the loss; or use num_microbatches=1 (data-parallel devices split it correctly).")
