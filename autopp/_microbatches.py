@@ -135,8 +135,10 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "step computes, say) to a mean over them (a term written with .mean(), such as a z-loss): adding the "
             f"{num_microbatches} microbatches' losses counts the mean {num_microbatches} times, averaging them "
             f"divides the sum by {num_microbatches}, so neither loss_reduction gives plain jax.jit's loss and "
-            "gradients. Write both terms alike: the mean as a sum divided by the same count (e.g. "
-            "(z ** 2 * mask).sum() / count), or the sum as a mean.")
+            "gradients. Write both terms alike: the mean as a sum divided by a count the step computes (e.g. "
+            "(z ** 2 * mask).sum() / count; terms over different inputs, labelled and unlabelled examples, each by "
+            "its own: ce(lab).sum() / n_lab + (ce(unl) * m).sum() / n_unl, both counts passed to the loss), or the "
+            "sum as a mean.")
     undetermined = undetermined + [k for k in range(1, n_out) if kinds[k] == "mixed"]  # (an aux: said below)
     kinds = tuple(None if k == "mixed" else k for k in kinds)
     if kind == "ratio":

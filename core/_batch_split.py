@@ -39,15 +39,17 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
         batch = max(set(sizes), key=lambda n: (sizes.count(n), n % num_microbatches == 0))  # (the batch size:
         # the leading dimension most leaves have, one that splits on a tie: a sparse array's data and indices)
         ok = [d for d in range(1, num_microbatches + 1) if all(s % d == 0 for s in sizes)]
-        odd = batch % num_microbatches == 0  # only leaves without the batch's leading dimension are in the way
+        # only leaves without the batch's length are in the way (a count of shape (1,)), not batches of several
+        # sizes (labelled and unlabelled examples), which another count splits alike
+        odd = batch % num_microbatches == 0 and max(ok) == 1
         raise ValueError(
             f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
             "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) + "\n"
             + (f"Their leading dimension is not the batch's ({batch} in most leaves). A leaf without a batch axis (a "
                "count, one PRNG key, a table, class weights) belongs in another argument of the step (batch_argnums "
-               "names the batch); a sparse array (BCOO, BCSR) is not split by rows: pass its per-example data and "
-               "indices ([batch, nse]) or its dense form." if odd else
-               f"Use a num_microbatches that divides the batch size (e.g. {max(ok)}) or change the batch size. A "
+               "names the batch)." if odd else
+               f"Use a num_microbatches that divides every batch leaf's leading dimension (e.g. {max(ok)}) or change "
+               "the batch size. A "
                "leaf without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the "
                "step (batch_argnums names the batch).")
         )

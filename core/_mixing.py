@@ -8,11 +8,11 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
-__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SPREAD", "decides_by_statistic", "loop_test",
+__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZED", "SPREAD", "decides_by_statistic", "loop_test",
            "mixing_by_output", "mixing_summary"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
-CONTROL = "control"
+CONTROL, SIZED = "control", "sized"
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
@@ -44,6 +44,10 @@ _MIXING_KINDS = {
              "lax.switch on a batch mean or count, a while_loop until the batch's largest residual is small, a "
              "fori_loop whose trip count comes from the batch's maximum: each microbatch decides by its own examples; "
              "decide per example with jnp.where or jax.vmap, or compute the value in the step and pass it to the loss)",
+    SIZED: "scales each example's value by the batch's size (an input gradient of the batch's mean, jax.grad of "
+           "loss.mean() with respect to the inputs, is 1/B of each example's own: PGD or virtual adversarial steps "
+           "taken inside the loss, where a microbatch's is num_microbatches times jit's; take the gradient of the "
+           "sum, or of each example's loss under jax.vmap, or multiply it by x.shape[0])",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }

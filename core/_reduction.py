@@ -30,11 +30,11 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._mixing import (CONTROL, DRAWS, INDEXED, PAIRS, POSITIONS, SPREAD, decides_by_statistic,
+from autopp.core._mixing import (CONTROL, DRAWS, INDEXED, PAIRS, POSITIONS, SIZED, SPREAD, decides_by_statistic,
                                  loop_test, mixing_by_output, mixing_summary)
 
-__all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SPREAD", "STRIDES", "STRUCTURE",
-           "mixing_by_output", "mixing_summary", "output_reductions"]
+__all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZED", "SPREAD",
+           "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
@@ -114,7 +114,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
 
 
 def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, in_states: list,
-          M: int, in_segments: list | None = None) -> list:
+          M: int, in_segments: list | None = None, in_positions: list | None = None) -> list:
     if len(w.eqns) != len(m.eqns) or len(w.invars) != len(m.invars) or len(in_states) != len(m.invars):
         raise _Mismatch
     env: dict = {}  # micro var -> (state, batch axes)
@@ -129,6 +129,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     segments: dict = {}  # values whose batch axis holds several segments of rows (autopp.core._batch_parts)
     firsts: dict = {}  # values read off a fixed number of examples (x[0]), not yet combined with the others'
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
+    positions.update((v, p) for v, p in zip(m.invars, in_positions or ()) if p)  # (a call's operands')
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -145,17 +146,20 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         ins = [read(a, b) for a, b in zip(we.invars, me.invars)]
         call = _is_call(me)
         if call:  # a call's body sees the segments of its operands, and its results get the body's
-            _MIXING.call_in = [None if isinstance(a, jex_core.Literal) else segments.get(a) for a in me.invars]
+            _MIXING.call_in = [(None, None) if isinstance(a, jex_core.Literal) else (segments.get(a), positions.get(a))
+                               for a in me.invars]
             _MIXING.call_out = None  # (set by the body's walk, if the rule walks it)
         outs = _rule(we, me, ins, M)
         returned = _MIXING.__dict__.pop("call_out", None) if call else None
+        positions.update((v, p) for v, (_, p) in zip(me.outvars, returned or ()) if p)  # (an argsort's indices)
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
         for mv, st, axes in zip(me.outvars, outs, out_axes):
             env[mv] = (st, axes)
         events = getattr(_MIXING, "events", None)
         if events is not None:
+            by_position = _by_position(we, me, ins, out_axes, positions, _MIXING.top)  # (followed whatever else)
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
-                   or _mixes(me, ins, out_axes) or _by_position(we, me, ins, out_axes, positions, _MIXING.top)
+                   or _mixes(me, ins, out_axes) or by_position
                    or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
@@ -169,7 +173,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                     why = None if why == FIRST else why
             if why:
                 events.append((why, me, _MIXING.top))
-            for v, g in zip(me.outvars, returned or ()):
+            for v, (g, _) in zip(me.outvars, returned or ()):
                 if g:
                     segments[v] = g
         lost = getattr(_MIXING, "lost", None)
@@ -186,7 +190,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                                   if not isinstance(v, jex_core.Literal) and v in segments and env[v][1][:1] == (0,)
                                   and examples_blocks(segments[v]))
     if not top:
-        _MIXING.call_out = [None if isinstance(v, jex_core.Literal) else segments.get(v) for v in m.outvars]
+        _MIXING.call_out = [(None, None) if isinstance(v, jex_core.Literal) else (segments.get(v), positions.get(v))
+                            for v in m.outvars]
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
 
@@ -285,7 +290,7 @@ def _has_while(eqn) -> bool:
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform", "random_gamma"})
 
 
 def _mixes(me, ins: list, out_axes: list) -> str | None:
@@ -294,8 +299,12 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     examples back over them (batch normalisation, a softmax over the batch), or orders them (a sort or cumulative
     sum along the batch), or draws numbers for each example from a key every microbatch reads whole."""
     dependent = [(st, ax) for st, ax in ins if st is not None and st[2]]
-    if me.primitive.name in _RANDOM:
-        return DRAWS if any(out_axes) and not dependent else None
+    if me.primitive.name in _RANDOM:  # (a gamma draw's shape parameters may come with the batch: its key decides)
+        keyed = dependent if me.primitive.name != "random_gamma" else [(st, ax) for st, ax in ins[:1]
+                                                                        if st is None or st[2]]
+        return DRAWS if any(out_axes) and not keyed else None
+    if me.primitive.name in _ADD and any(out_axes) and _scaled_apart(ins):
+        return SIZED
     if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
         return PAIRS
     if any(out_axes) and any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st, _ in dependent):
@@ -314,6 +323,15 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
             return ORDER
     return None
+
+
+def _scaled_apart(ins: list) -> bool:
+    """Whether values of each example are added that scale with different powers of the batch size, one that
+    depends on the batch scaled (an input gradient of the batch's mean, 1/B of each example's own, added to the
+    inputs or to a small constant): each microbatch's is ``num_microbatches`` times jit's."""
+    states = [st for st, _ in ins]
+    return (all(st is not None and st[0] == 0 for st in states) and len({st[1] for st in states}) > 1
+            and any(st[2] and st[1] != 0 for st in states))
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:
@@ -428,6 +446,8 @@ def _rule(we, me, ins: list, M: int) -> list:
             if keys == {(1, 0), (1, -1)} and all(st[2] for st in live):  # a sum plus a mean (a z-loss's .mean())
                 return [(1, _MIXED, True)]
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
+    if name == "sign" and states[0][0] == 0:  # (a sign ignores a positive scale: FGSM's sign of a mean's gradient)
+        return [(0, 0, dep)]
     if name in _SAME:
         data = states[1:] if name == "select_n" else states
         if name == "select_n" and states[0][:2] != (0, 0):
@@ -527,8 +547,9 @@ def _sub_jaxprs(we, me):
         return None
     if len(mb.jaxpr.invars) != len(me.invars) or len(mb.jaxpr.outvars) != len(me.outvars):
         return None
+    called = _MIXING.__dict__.pop("call_in", None) or ()
     return lambda ins, M: _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), [st for st, _ in ins], M,
-                                _MIXING.__dict__.pop("call_in", None))
+                                [g for g, _ in called], [p for _, p in called])
 
 
 def _is_call(eqn) -> bool:

@@ -269,3 +269,60 @@ def test_an_aux_summing_a_constant_over_the_examples_is_jit_s(stages):
     want, got, texts = _both(_step(loss, has_aux=True), _batch(), stages=stages)
     assert not texts
     _assert_equal(want, got)
+
+
+def _ce(p, x, y):
+    return jnp.mean((jnp.tanh(jnp.tanh(x @ p["w0"]) @ p["w1"]) @ p["wo"] - y) ** 2, axis=-1)
+
+
+def _fgsm(p, b):  # the sign of the input gradient of the batch's mean: the 1/B it carries does not matter
+    x, y = b
+    g = jax.grad(lambda x: _ce(p, x, y).mean())(x)
+    return 0.5 * _ce(p, x, y).mean() + 0.5 * _ce(p, jax.lax.stop_gradient(x + 0.1 * jnp.sign(g)), y).mean()
+
+
+def _pgd_by_the_gradient(p, b):  # a step along the input gradient of the batch's mean: 1/B of each example's own
+    x, y = b
+    g = jax.grad(lambda x: _ce(p, x, y).mean())(x)
+    return _ce(p, jax.lax.stop_gradient(x + 20.0 * g), y).mean()
+
+
+def _mixup_by_beta(p, b):  # a mixing weight per example drawn from a key every microbatch reads whole
+    x, y = b
+    lam = jax.random.beta(jax.random.key(3), 0.4, 0.4, (x.shape[0], 1))
+    return _ce(p, lam * x + (1 - lam) * 0.5, y).mean()
+
+
+def _coteaching(p, b):  # the examples of smallest loss: argsort's indices are each microbatch's own positions
+    x, y = b
+    per = _ce(p, x, y)
+    keep = jnp.argsort(jax.lax.stop_gradient(per))[:per.shape[0] * 3 // 4]
+    return per[keep].mean()
+
+
+def test_the_sign_of_a_mean_s_input_gradient_runs_as_jit_without_a_word():
+    """FGSM and TRADES take the sign of the input gradient of the batch's mean, which carries 1/B: it was read as
+    "combines the examples through sign, which autopp cannot see into", and the advice it gave, loss_reduction='sum',
+    then ran silently at 4x jit's loss (trial ROBUST). The sign drops the scale: the loss is a mean, equal to jit's
+    without a word, and 'sum' is refused as for any mean."""
+    want, got, texts = _both(_step(_fgsm), _batch())
+    assert not texts
+    _assert_equal(want, got)
+    with pytest.raises(ValueError, match=r"loss_reduction='sum', but the loss is a mean"):
+        _both(_step(_fgsm), _batch(), loss_reduction="sum")
+
+
+@pytest.mark.parametrize("loss, why", [(_pgd_by_the_gradient, "scales each example's value by the batch's size"),
+                                       (_mixup_by_beta, "draws random numbers for its examples"),
+                                       (_coteaching, "orders its examples")], ids=["pgd", "beta", "coteaching"])
+def test_adversarial_steps_draws_and_selections_warn_what_they_do(loss, why):
+    """A PGD step along the gradient of the batch's mean (1.4657 for jit's 1.3861; the warning blamed "add, which
+    autopp cannot see into", and ``loss_reduction='mean'`` silenced it), and a mixup weight per example drawn with
+    ``jax.random.beta`` from a key every microbatch reads whole (1.4304 for 1.3342, silent: gamma draws were not
+    followed), warn what they do, with any ``loss_reduction`` (trial ROBUST). Co-teaching's selection warns that it
+    orders the examples, and no longer that its indices come with the batch (trial SEMISUP): argsort's are local."""
+    for kw in ({}, {"loss_reduction": "mean"}):
+        want, got, texts = _both(_step(loss), _batch(), stages=1, **kw)
+        assert any(why in t for t in texts), texts
+        assert not any("indices that come with the batch" in t for t in texts), texts
+    assert not np.isclose(float(want[-1]), float(got[-1]), rtol=1e-6, atol=0)

@@ -197,6 +197,22 @@ def test_a_leaf_without_the_batch_s_length_is_named_as_such(mlp_setup):
     assert "e.g. 1" not in str(e.value)
 
 
+def test_batches_of_several_sizes_are_told_a_count_that_splits_them_all(mlp_setup):
+    """16 labelled and 48 unlabelled examples at 3 microbatches: the refusal took the labelled leaves for leaves
+    without a batch axis (user trial SEMISUP). It names a count that splits both, 2."""
+    model, _, state, batch = mlp_setup
+    unlabelled = jnp.ones((48, 16))
+
+    def step(params, batch, extra):
+        return autopp.grad(lambda p, b, u: model.loss(p, b) + 0.1 * jnp.mean(u @ p["layers"][0]["w"]))(params, batch,
+                                                                                                     extra)
+
+    with pytest.raises(ValueError, match=r"(?s)divides every batch leaf's leading dimension \(e\.g\. 2\)") as e:
+        autopp.parallelize(step, num_stages=2, num_microbatches=3, devices=jax.devices()[:2],
+                           batch_argnums=(1, 2))(state[0], batch, unlabelled)
+    assert "not the batch's" not in str(e.value)
+
+
 def test_step_that_fails_only_at_microbatch_size_says_so(mlp_setup):
     model, _, state, batch = mlp_setup
     scaled = {**batch, "scale": jnp.ones((16,))}  # per feature (16 inputs, as many as examples: no warning)
