@@ -245,6 +245,16 @@ def _warn_once(key: str, message: str, stacklevel: int) -> None:
 # --- rules: each takes the equation, returns its OpCost -------------------------------------------------
 
 
+def _sparse_dot_flops(eqn, dense_at: int) -> float:
+    """A sparse-dense product (``bcoo_dot_general``: data, indices, dense; ``bcsr_dot_general``: data, indices,
+    index pointers, dense): a multiply and an add for each stored entry and each column of the dense operand that
+    is neither contracted nor batched."""
+    (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+    dense = eqn.invars[dense_at - 1].aval.shape
+    free = math.prod(n for d, n in enumerate(dense) if d not in rc and d not in rb)
+    return 2.0 * eqn.invars[0].aval.size * free
+
+
 def _zero_flop(eqn) -> OpCost:
     return _arith(eqn, 0.0)
 
@@ -489,6 +499,17 @@ _RULES.update({
     "lu_pivots_to_permutation": _zero_flop, "custom_linear_solve": _custom_linear_solve,
     # which platform's branch of a cond JAX's own functions take (jnp.diagonal, slogdet's LU): a scalar, no arithmetic
     "platform_index": _zero_flop,
+    # jax.experimental.sparse: a product reads each stored entry once per output column; layout changes move data
+    "bcoo_dot_general": lambda e: _arith(e, _sparse_dot_flops(e, 3)),
+    "bcsr_dot_general": lambda e: _arith(e, _sparse_dot_flops(e, 4)),
+    "bcoo_dot_general_sampled": lambda e: _arith(e, 2.0 * _out_size(e) * math.prod(
+        e.invars[0].aval.shape[d] for d in e.params["dimension_numbers"][0][0])),
+    "bcoo_reduce_sum": lambda e: _arith(e, e.invars[0].aval.size), "bcoo_multiply_dense": lambda e: _arith(
+        e, e.invars[0].aval.size),
+    **{name: _zero_flop for name in ("bcoo_transpose", "bcoo_todense", "bcoo_fromdense", "bcoo_sort_indices",
+                                     "bcoo_sum_duplicates", "bcoo_extract", "bcoo_broadcast_in_dim", "bcoo_reshape",
+                                     "bcoo_concatenate", "bcoo_squeeze", "bcoo_slice", "bcoo_dynamic_slice",
+                                     "bcoo_gather", "bcoo_rev", "bcsr_todense", "bcsr_fromdense", "bcsr_extract")},
 })
 del _names, _rule, _n
 

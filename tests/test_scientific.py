@@ -128,7 +128,6 @@ def test_a_pinn_with_interior_and_boundary_batches_of_different_sizes_is_planned
     assert any("different leading dimensions" in str(w.message) for w in seen) == (num_microbatches > 1)
 
 
-@pytest.mark.filterwarnings("ignore:autopp cost model. no rule for primitive 'bcoo_dot_general'")
 @pytest.mark.parametrize("n_batch", [1, 0])
 def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole(n_batch):
     """A BCOO feature batch split into microbatches failed inside JAX ("indices batch dimensions not compatible",
