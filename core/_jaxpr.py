@@ -117,12 +117,12 @@ def _batch_sized_vars(w: jex_core.Jaxpr, m: jex_core.Jaxpr) -> tuple[set, set]:
     shaped = {mv for wv, mv in zip((*w.invars, *w.constvars), (*m.invars, *m.constvars)) if shape(wv) != shape(mv)}
     grows, operands = set(shaped), set()
     for i, (we, me) in enumerate(zip(w.eqns, m.eqns)):
-        for k, (a, b) in enumerate(zip(we.invars, me.invars)):
-            if (b in grows if not isinstance(b, Literal) else not isinstance(a, Literal)
-                    or not np.array_equal(np.asarray(a.val), np.asarray(b.val))):
-                operands.add((i, k))
+        read = {(i, k) for k, (a, b) in enumerate(zip(we.invars, me.invars))
+                if (b in grows if not isinstance(b, Literal) else not isinstance(a, Literal)
+                    or not np.array_equal(np.asarray(a.val), np.asarray(b.val)))}
+        operands |= read
         shaped.update(mv for wv, mv in zip(we.outvars, me.outvars) if shape(wv) != shape(mv))
-        if any(i == j for j, _ in operands) or any(v in shaped for v in me.outvars):
+        if read or any(v in shaped for v in me.outvars):
             grows.update(me.outvars)
     return shaped, operands
 

@@ -150,6 +150,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                                for a in me.invars]
             _MIXING.call_out = None  # (set by the body's walk, if the rule walks it)
         outs = _rule(we, me, ins, M)
+        _MIXING.__dict__.pop("call_in", None)  # (left where the rule did not walk the body)
         returned = _MIXING.__dict__.pop("call_out", None) if call else None
         positions.update((v, p) for v, (_, p) in zip(me.outvars, returned or ()) if p)  # (an argsort's indices)
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
