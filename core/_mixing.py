@@ -8,11 +8,11 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
-__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZED", "SPREAD", "decides_by_statistic", "loop_test",
+__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic", "loop_test",
            "mixing_by_output", "mixing_summary"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
-CONTROL, SIZED = "control", "sized"
+CONTROL, SIZED, SIZE = "control", "sized", "size"
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
@@ -48,6 +48,8 @@ _MIXING_KINDS = {
            "loss.mean() with respect to the inputs, is 1/B of each example's own: PGD or virtual adversarial steps "
            "taken inside the loss, where a microbatch's is num_microbatches times jit's; take the gradient of the "
            "sum, or of each example's loss under jax.vmap, or multiply it by x.shape[0])",
+    SIZE: "uses the batch's size other than as a factor or divisor (jnp.log(x.shape[0]), a Python `if` on it): "
+          "each microbatch's program reads its own size (compute such a value in the step and pass it to the loss)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }

@@ -30,11 +30,11 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._mixing import (CONTROL, DRAWS, INDEXED, PAIRS, POSITIONS, SIZED, SPREAD, decides_by_statistic,
-                                 loop_test, mixing_by_output, mixing_summary)
+from autopp.core._mixing import (CONTROL, DRAWS, INDEXED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD,
+                                 decides_by_statistic, loop_test, mixing_by_output, mixing_summary)
 
-__all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZED", "SPREAD",
-           "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
+__all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
+           "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
 
 
 _State = tuple  # (s, b, depends on a microbatched input); None: undetermined
@@ -160,8 +160,9 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         if events is not None:
             by_position = _by_position(we, me, ins, out_axes, positions, _MIXING.top)  # (followed whatever else)
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
+                   or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None)
                    or _mixes(me, ins, out_axes) or by_position
-                   or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None))
+                   or (SIZE if any(o is None for o in outs) and _uses_size(me, ins) else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
                 # is one example's value alone is said otherwise (no combination of the microbatches gives it)
@@ -181,6 +182,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         if (lost is not None and top and any(o is None for o in outs)
                 and all(st is not None for st, _ in ins) and any(st[2] for st, _ in ins)):
             lost.append((_lost_reason(me, [st for st, _ in ins]), me, at))
+
     events = getattr(_MIXING, "events", None)
     if top and events is not None:  # positions that reach an output as values: weights, masks by position
         for v in m.outvars:
@@ -195,6 +197,14 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                             for v in m.outvars]
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
+
+
+def _uses_size(me, ins: list) -> bool:
+    """Whether an equation reads the batch's size other than as a power of it: a literal that differs between the
+    two traces by no such power (``2.0 if x.shape[0] > 8 else 1.0``), or a function of the size (``jnp.log(B)``)."""
+    if any(isinstance(a, jex_core.Literal) and st is None for a, (st, _) in zip(me.invars, ins)):
+        return True
+    return all(st is not None and not st[2] for st, _ in ins) and any(st[1] not in (0, _MAX, _MIN) for st, _ in ins)
 
 
 def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:
@@ -358,10 +368,10 @@ def _const_state(wval, mval, M: int):
     if a.size != 1:
         return None
     x, y = float(a.reshape(())), float(b.reshape(()))
-    if y != 0 and np.isclose(x / y, M, rtol=1e-6):
-        return (0, 1, False)
-    if x != 0 and np.isclose(y / x, M, rtol=1e-6):
-        return (0, -1, False)
+    if x != 0 and y != 0 and x / y > 0:  # the batch size to a power: B ** 2, 1 / B
+        k = round(np.log(x / y) / np.log(M))
+        if k and np.isclose(x / y, float(M) ** k, rtol=1e-6):
+            return (0, k, False)
     return None
 
 
@@ -469,6 +479,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         s, b, _ = states[0]
         y = me.params["y"]
         return [(_whole(s * y), _whole(b * y), dep)] if s == 0 or y == 1 or s * y == 1 else [None]
+    if name == "rsqrt" and states[0][0] == 0 and isinstance(states[0][1], int):  # (g * rsqrt(sum(g * g)))
+        return [(0, _whole(Fraction(-states[0][1], 2)), dep)]
     if name == "sqrt":  # half of what its operand is: a norm over the examples, sqrt(sum(r * r))
         s, b, _ = states[0]
         return [(_whole(Fraction(s, 2)), _whole(Fraction(b, 2)), dep)] if isinstance(b, int) else [None]
@@ -598,12 +610,23 @@ def _scan(we, me, ins, M):
             return v
 
         for k in range(ncar):
-            e = made.get(body.outvars[k])
-            if (e is not None and e.primitive.name in ("add", "add_any")
-                    and any(source(a) is body.invars[nc + k] for a in e.invars if not isinstance(a, jex_core.Literal))
-                    and outs[k] is not None and outs[k][0] == 0):
+            if _adds_to(made, body.outvars[k], body.invars[nc + k], source) and outs[k] is not None and outs[k][0] == 0:
                 outs[k] = (1, outs[k][1], True)
     return outs
+
+
+def _adds_to(made: dict, out, carried, source) -> bool:
+    """Whether ``out`` (a loop body's carry out) is ``carried`` (its carry in) plus something, seen through the casts
+    ``source`` skips and through a call the addition sits in (a body under ``jax.checkpoint``)."""
+    e = made.get(out)
+    if e is not None and _is_call(e):
+        inner = _body(e).jaxpr
+        at = [k for k, a in enumerate(e.invars) if not isinstance(a, jex_core.Literal) and source(a) is carried]
+        inner_made = {v: q for q in inner.eqns for v in q.outvars}
+        return any(_adds_to(inner_made, inner.outvars[e.outvars.index(out)], inner.invars[k], lambda v: v)
+                   for k in at)
+    return (e is not None and e.primitive.name in ("add", "add_any")
+            and any(source(a) is carried for a in e.invars if not isinstance(a, jex_core.Literal)))
 
 
 def _look_again(wb, mb, before, carry, carried, after, M) -> None:

@@ -56,6 +56,8 @@ def _sharding_key(sharding) -> tuple[tuple, tuple] | None:
 
 
 def _const_key(c) -> tuple:
+    if jax.dtypes.issubdtype(getattr(c, "dtype", None), jax.dtypes.extended):  # a typed PRNG key: by its bits
+        return ("key", str(c.dtype), _const_key(jax.random.key_data(c)))
     nbytes = getattr(c, "nbytes", None)
     if nbytes is None or nbytes > _CONST_HASH_BYTES or (isinstance(c, jax.Array) and not c.is_fully_addressable):
         return ("id", id(c))

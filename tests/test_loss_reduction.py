@@ -862,3 +862,24 @@ def test_multi_task_losses_combine_as_jit_or_warn_what_they_do():
             with pytest.raises(ValueError, match="loss_reduction='sum', but the loss divides a sum"):
                 autopp.parallelize(_step(loss), num_stages=2, num_microbatches=M, devices=jax.devices()[:2],
                                    loss_reduction="sum")(plain, TX.init(plain), _batch(0))
+
+
+def test_a_chunked_cross_entropy_summed_in_a_checkpointed_scan_carry_is_a_sum():
+    """Cross-entropy over the flattened tokens in chunks of a fixed size, each chunk's sum added into a
+    ``lax.scan`` carry under ``jax.checkpoint`` and divided by a token count from the step (a production form, user
+    trial LMLOSS): refused as unreadable, though the same with ``lax.map`` ran. The addition is followed into the
+    checkpointed body: a sum, equal to jit without a word."""
+    def loss(p, b, n):
+        h = jnp.tanh(p["embed"][b["x"]] @ p["w"]).reshape(-1, 8, H)
+
+        def chunk(total, part):
+            hh, yy, mm = part
+            logits = hh @ p["head"]
+            nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, yy[:, None], -1)[:, 0]
+            return total + jnp.sum(nll * mm), None
+
+        total, _ = jax.lax.scan(jax.checkpoint(chunk), jnp.float32(0), (h, b["y"].reshape(-1, 8),
+                                                                         b["mask"].reshape(-1, 8)))
+        return total / n
+
+    _assert_quiet_and_jit_s(_step(loss, lambda b: (b["mask"].sum(),)))
