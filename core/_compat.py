@@ -484,9 +484,10 @@ def tracing_loss(leaves, differentiated):
 
 
 def _scans_data(xs_flat) -> bool:
-    """Whether a ``lax.scan`` in the loss being traced runs over data only: every scanned operand computed from an input
-    of the loss that is not a parameter (a recurrence over time, over examples), none of them a parameter or made
-    from parameters alone (the blocks of a model stacked by layer: those are unrolled, to be split into stages).
+    """Whether a ``lax.scan`` in the loss being traced runs over data: a scanned operand computed from an input of the
+    loss that is not a parameter (a recurrence over time, over examples), the others such or constants (an index
+    scanned beside the data), none of them a parameter or made from parameters alone (the blocks of a model stacked
+    by layer: those are unrolled, to be split into stages).
     False where that cannot be told (no loss traced, operands of another trace)."""
     stack = getattr(_loss_frames, "stack", None)
     if not stack or not xs_flat or stack[-1][0] is None:
@@ -494,18 +495,22 @@ def _scans_data(xs_flat) -> bool:
     from jax._src.interpreters import batching
 
     frame, params = stack[-1]
+    data = False
     for x in xs_flat:
         while isinstance(x, batching.BatchTracer):  # a scan per example under jax.vmap: its batched operand's
             x = x.val
-        if not is_tracer(x) or getattr(getattr(x, "_trace", None), "frame", None) is not frame:
+        if not is_tracer(x):  # a constant scanned beside the data (jnp.arange(n), a node's index)
+            continue
+        if getattr(getattr(x, "_trace", None), "frame", None) is not frame:
             return False
         try:
             positions, _ = frame.find_progenitors(x)
         except Exception:  # noqa: BLE001 - JAX internals changed: unroll, as before
             return False
-        if not positions or set(positions) <= params:
+        if positions and set(positions) <= params:
             return False
-    return True
+        data = data or bool(positions)
+    return data
 
 
 class replaying_scans:

@@ -130,6 +130,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     firsts: dict = {}  # values read off a fixed number of examples (x[0]), not yet combined with the others'
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
     positions.update((v, p) for v, p in zip(m.invars, in_positions or ()) if p)  # (a call's operands')
+    depends = {v for v, st in zip(m.invars, in_states) if st is None or st[2]}  # on the batch, whatever the state
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -156,12 +157,17 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
         for mv, st, axes in zip(me.outvars, outs, out_axes):
             env[mv] = (st, axes)
+        read_batch = [a for a in me.invars if not isinstance(a, jex_core.Literal) and a in depends]
+        if read_batch:
+            depends.update(me.outvars)
         events = getattr(_MIXING, "events", None)
         if events is not None:
             by_position = _by_position(we, me, ins, out_axes, positions, _MIXING.top)  # (followed whatever else)
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
                    or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None)
                    or _mixes(me, ins, out_axes) or by_position
+                   or (SPREAD if any(out_axes) and any(env[a][0] is None and not env[a][1] and a not in firsts
+                                                       for a in read_batch) else None)  # (x * tanh(x.mean(0)))
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins) else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
