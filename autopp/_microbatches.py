@@ -141,6 +141,7 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "sum as a mean.")
     undetermined = undetermined + [k for k in range(1, n_out) if kinds[k] == "mixed"]  # (an aux: said below)
     kinds = tuple(None if k == "mixed" else k for k in kinds)
+    ratio = False
     if kind == "ratio":
         if given == "sum":
             raise ValueError(
@@ -160,9 +161,10 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                 "compute the count in the step and pass it to the loss (autopp.value_and_grad(loss)(params, batch, "
                 "mask.sum()), or one the data pipeline computed, rather than repeated in every row of the batch and "
                 "read with b['n'].mean(): that gives each microbatch's loss 1/num_microbatches of its share); to keep "
-                "the average of microbatch ratios (gradient accumulation's), pass loss_reduction='mean'.",
-                stacklevel=user_stacklevel())
-        kind = None
+                "the average of microbatch ratios (gradient accumulation's), pass loss_reduction='mean'. Where the "
+                "denominator depends on the parameters (a Dice loss over the whole batch), only num_microbatches=1 "
+                "gives jit's value.", stacklevel=user_stacklevel())
+        kind, ratio = None, True  # (averaged, as said: no refusal for reading a count from the step besides)
     elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
         if given is None and num_microbatches > 1:
             warnings.warn(
@@ -222,7 +224,7 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "function of means (an MoE load-balancing term, gradient accumulation's meaning) wants.",
             stacklevel=user_stacklevel())
     asked = given is None or config.source == "replay" and given == "mean"  # (a plan's default: not the user's word)
-    if whole and asked and kind is None and num_microbatches > 1:  # (one microbatch: both are jit's)
+    if whole and asked and kind is None and num_microbatches > 1 and not ratio:  # (one microbatch: both are jit's)
         made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}
         where = "; ".join(f"{traced.grad_eqn.invars[k].aval.str_short()} made at {user_line(made[v])}"
                           if v in made else traced.grad_eqn.invars[k].aval.str_short()

@@ -436,6 +436,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         if all(st is not None and st[1] not in (_MAX, _MIN) for st in data):
             dep = any(st[2] for st in data) or states[0] is None or states[0][2]
             keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
+            if (1, _RATIO) in keys and keys <= {(1, _RATIO), (1, 0), (1, -1)}:  # a ratio guarded against an empty
+                return [(1, _RATIO, True)]  # count: where(n == 0, neg_sum, (pos + neg) / max(n, 1)), CenterNet's
             return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if any(st is None for st in states):
         return [None] * n_out
@@ -446,8 +448,8 @@ def _rule(we, me, ins: list, M: int) -> list:
     # averages exactly (BERT's masked-token mean plus its next-sentence loss's mean): a ratio still
     for odd in (_RATIO, _MIXED):
         if any(st[1] == odd for st in states):
-            constant = all(st[1] == odd or st[:3] == (0, 0, False)
-                           or odd == _RATIO and name in _ADD and st[:2] == (1, -1) for st in states)
+            constant = all(st[1] == odd or st[:3] == (0, 0, False)  # (or a sum over a count from the step: DETR's
+                           or odd == _RATIO and name in _ADD and st[:2] in ((1, -1), (1, 0)) for st in states)  # boxes)
             if constant and (name in _ADD or name == "mul" or name == "div" and states[0][1] == odd or name in _CARRY
                              or name in ("reduce_sum", "concatenate", "stack")):  # (weighted, stacked, summed)
                 return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
