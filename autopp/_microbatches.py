@@ -16,6 +16,7 @@ from autopp._config import ParallelizeConfig
 from autopp.core import (
     STRUCTURE,
     TracedStep,
+    batch_dependent_vars,
     check_batch_divisible,
     mixing_by_output,
     mixing_summary,
@@ -199,7 +200,10 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                f"Drop loss_reduction= (it is read off the loss) or pass loss_reduction={kind!r}."))
     reduction = given or kind or "mean"
     combined = "sum" if reduction == "sum" else "average"
+    reads_batch = batch_dependent_vars(forward.jaxpr, traced.microbatched_grad_inputs) if undetermined else set()
     opaque = [names[k - 1] for k in undetermined if k > 0 and k not in aux_mixed  # (per-example values: concatenated)
+              and not isinstance(forward.jaxpr.outvars[k], jex_core.Literal)  # (a value of sizes alone, jnp.log(B),
+              and forward.jaxpr.outvars[k] in reads_batch  # is the whole batch's)
               and traced.spec.forward.out_avals[k].shape == forward.out_avals[k].shape
               and (combined == "sum" or jnp.issubdtype(forward.out_avals[k].dtype, jnp.inexact))]  # (else refused)
     if opaque:

@@ -168,7 +168,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or _mixes(me, ins, out_axes) or by_position
                    or (SPREAD if any(out_axes) and any(env[a][0] is None and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
-                   or (SIZE if any(o is None for o in outs) and _uses_size(me, ins) else None))
+                   or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends) else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
                 # is one example's value alone is said otherwise (no combination of the microbatches gives it)
@@ -205,12 +205,14 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
 
 
-def _uses_size(me, ins: list) -> bool:
-    """Whether an equation reads the batch's size other than as a power of it: a literal that differs between the
-    two traces by no such power (``2.0 if x.shape[0] > 8 else 1.0``), or a function of the size (``jnp.log(B)``)."""
-    if any(isinstance(a, jex_core.Literal) and st is None for a, (st, _) in zip(me.invars, ins)):
-        return True
-    return all(st is not None and not st[2] for st, _ in ins) and any(st[1] not in (0, _MAX, _MIN) for st, _ in ins)
+def _uses_size(me, ins: list, depends: set) -> bool:
+    """Whether an equation combines values of the batch with its size used other than as a power of it: a literal
+    that differs between the two traces by no such power (``2.0 if x.shape[0] > 8 else 1.0``), or a function of the
+    size (``jnp.log(B)``: a value of no known state that does not depend on the batch's values). A function of the
+    size returned alone (an aux) is the whole batch's."""
+    reads_batch = any(not isinstance(a, jex_core.Literal) and a in depends for a in me.invars)
+    return reads_batch and any(st is None and (isinstance(a, jex_core.Literal) or a not in depends)
+                               for a, (st, _) in zip(me.invars, ins))
 
 
 def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:

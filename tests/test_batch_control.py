@@ -374,6 +374,11 @@ def test_the_batch_size_used_otherwise_than_as_a_power_warns():
         want, got, texts = _both(_step(_plus_log_of_the_size), _batch(), **kw)
         assert any("uses the batch's size other than as a factor or divisor" in t for t in texts), texts
     assert not np.isclose(float(want[-1]), float(got[-1]), rtol=1e-6)
+    # the same function of the size returned alone is the whole batch's, without a word (trial NOISE8: it warned)
+    want, got, texts = _both(_step(lambda p, b: (_head(p, *b), {"log_bs": jnp.log(b[0].shape[0])}), has_aux=True),
+                             _batch())
+    assert not texts
+    _assert_equal(want, got)
 
 
 @pytest.mark.parametrize("f", [jnp.tanh, jax.nn.softmax, jnp.log1p, jnp.square], ids=lambda f: f.__name__)
