@@ -49,9 +49,8 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
                "count, one PRNG key, a table, class weights) belongs in another argument of the step (batch_argnums "
                "names the batch)." if odd else
                f"Use a num_microbatches that divides every batch leaf's leading dimension (e.g. {max(ok)}) or change "
-               "the batch size. A "
-               "leaf without a batch axis (one PRNG key, a table, class weights) belongs in another argument of the "
-               "step (batch_argnums names the batch).")
+               "the batch size. A leaf without a batch axis (one PRNG key, a table, class weights) belongs in another "
+               "argument of the step (batch_argnums names the batch).")
         )
 
 

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import autopp
+from autopp.models import make_train_step
 from tests._helpers import assert_trees_close, make_optimizer, make_step, model_case, run_steps, tiny_gpt, tiny_mlp
 
 MODELS = {"mlp": (tiny_mlp, 16), "gpt": (tiny_gpt, 8)}
@@ -439,11 +440,7 @@ def test_a_convolution_net_on_one_stage_runs_its_microbatches_as_jit():
     tx = optax.sgd(0.1)
 
     def make(value_and_grad):
-        def step(p, o, batch):
-            (value, aux), g = value_and_grad(loss, has_aux=True)(p, batch)
-            u, o = tx.update(g, o, p)
-            return optax.apply_updates(p, u), o, value, aux
-        return step
+        return make_train_step(loss, tx, value_and_grad=functools.partial(value_and_grad, has_aux=True))
 
     want = jax.jit(make(jax.value_and_grad))(params, tx.init(params), {"x": x, "y": y})
     for m in (1, 4):
