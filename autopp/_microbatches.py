@@ -97,9 +97,11 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
         forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
     lost: list = []
     blocks: dict = {}
+    parts: list = []
     kinds = (output_reductions(traced.spec.forward, forward, traced.microbatched_grad_inputs, factor,
-                               mixing, undetermined, lost, num_microbatches, blocks) if num_microbatches > 1
+                               mixing, undetermined, lost, num_microbatches, blocks, parts) if num_microbatches > 1
              else (None,) * n_out)
+    read = kinds[0]  # (as the program shows it, before what is said below)
     names = traced.spec.aux_names
     if STRUCTURE in undetermined:
         warnings.warn(
@@ -198,6 +200,21 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             + (f"The plan says loss_reduction {given!r}: make it again with plan_model(..., loss_reduction={kind!r}) "
                f"(autopp plan --loss-reduction {kind})." if config.source == "replay" else
                f"Drop loss_reduction= (it is read off the loss) or pass loss_reduction={kind!r}."))
+    against = [e for e in mixing_by_output(parts, forward).get(0, []) if e[0] != given] if parts and given else []
+    if read is None and against and not (config.source == "replay" and given == "mean"):
+        part = "a mean over its examples (divided by their number" if against[0][0] == "mean" else (
+            "a sum over its examples (divided by nothing of its own batch")
+        raise ValueError(
+            f"{_WHO}: loss_reduction={given!r}, but at {user_line(against[0][1]) or 'an equation of the loss'} the "
+            f"loss adds {part}) to a term whose combination of the examples cannot be read (a function of "
+            f"statistics of the batch, such as a mixture of experts' load-balancing term): "
+            f"{'adding' if given == 'sum' else 'averaging'} the {num_microbatches} microbatches' losses gives "
+            f"{f'{num_microbatches}x' if given == 'sum' else f'1/{num_microbatches} of'} that part of plain "
+            f"jax.jit's loss and gradients. Pass loss_reduction={against[0][0]!r} (the other term is then "
+            f"{'averaged' if against[0][0] == 'mean' else 'added up'} over the microbatches, as gradient "
+            "accumulation does), or compute the statistics in the step and pass them to the loss."
+            + (f" The plan says loss_reduction {given!r}: make it again with plan_model(..., "
+               f"loss_reduction={against[0][0]!r})." if config.source == "replay" else ""))
     reduction = given or kind or "mean"
     combined = "sum" if reduction == "sum" else "average"
     reads_batch = batch_dependent_vars(forward.jaxpr, traced.microbatched_grad_inputs) if undetermined else set()

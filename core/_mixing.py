@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
-__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic", "loop_test",
-           "mixing_by_output", "mixing_summary"]
+__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
+           "loop_test", "lost_reason", "mixing_by_output", "mixing_summary"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 CONTROL, SIZED, SIZE = "control", "sized", "size"
+_RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
+_MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
+_MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
@@ -158,3 +163,35 @@ def _flow(w, m, flags: list) -> list | None:
 
 def _batched(wv, mv) -> bool:
     return getattr(wv.aval, "shape", ()) != getattr(mv.aval, "shape", ())
+
+
+def lost_reason(eqn, states: list) -> str:
+    """What an equation of the loss's outermost program does where no combination of the examples describes its
+    result any more, for a warning that says where the loss's reduction could not be read."""
+    name = eqn.primitive.name
+    kinds = {st[1] for st in states}
+    if kinds & {_MAX, _MIN}:
+        return ("uses a maximum or minimum over the examples in arithmetic (each microbatch takes its own: for jit's "
+                "value, compute it in the step and pass it to the loss)")
+    if _RATIO in kinds:
+        return "combines a ratio of sums over the examples with other values"
+    if name == "while" or _has_while(eqn):
+        return ("runs a lax.while_loop over values of all the examples together (an adaptive ODE solver's error "
+                "norm, an iterative solver's stopping test)" + ("" if name == "while" else f", inside {name}"))
+    if name in ("top_k", "sort", "argsort", "cumsum", "cummax", "cumlogsumexp"):
+        return f"orders the examples ({name} along the batch)"
+    if name == "div" and len(states) == 2 and isinstance(states[1][0], (int, Fraction)) and states[1][0] > 0:
+        return ("divides by a sum over the examples (weights from a count of the examples per class or task: each "
+                "microbatch counts its own; for jit's values compute the counts in the step and pass them to the loss)")
+    if any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st in states):
+        return f"applies {_READABLE.get(name, name)} to a sum or mean over the examples"
+    return f"combines the examples through {name}, which autopp cannot see into (a custom kernel, a callback)"
+
+
+_READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root", "rsqrt": "a reciprocal square root",
+             "logistic": "a sigmoid", "is_finite": "a finiteness test", "log1p": "log1p", "expm1": "expm1"}
+
+
+def _has_while(eqn) -> bool:
+    return any(e.primitive.name == "while" or _has_while(e)
+               for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)

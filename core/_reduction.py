@@ -30,8 +30,9 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._mixing import (CONTROL, DRAWS, INDEXED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD,
-                                 decides_by_statistic, loop_test, mixing_by_output, mixing_summary)
+from autopp.core._mixing import (_MAX, _MIN, _MIXED, _RATIO, _READABLE, CONTROL, DRAWS, INDEXED, PAIRS,
+                                 POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_test, lost_reason,
+                                 mixing_by_output, mixing_summary)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
            "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
@@ -63,7 +64,8 @@ class _Mismatch(Exception):
 def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
                       num_microbatches: int, mixing: list | None = None,
                       undetermined: list | None = None, lost: list | None = None,
-                      microbatches_run: int | None = None, blocks: dict | None = None) -> tuple[str | None, ...]:
+                      microbatches_run: int | None = None, blocks: dict | None = None,
+                      parts: list | None = None) -> tuple[str | None, ...]:
     """Per output of the loss's forward: ``"mean"`` when it is a mean over the batch's examples, ``"sum"`` when it is
     a sum over them, ``"ratio"`` for a sum divided by another, ``"mixed"`` for a sum plus a mean (no count of
     microbatches combines those), ``"max"`` / ``"min"`` for a maximum / minimum over
@@ -84,8 +86,10 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     ``blocks``: a dict to which ``{output position: lengths}`` is added for each output whose leading axis holds
     several blocks of the examples in order (an aux of ``[chosen; rejected]`` concatenated, time-major rows
     ``[T * B]``), with each block's length in the whole batch: its microbatches' values interleave block by block
-    into the whole batch's (read only when ``mixing`` is given)."""
-    _MIXING.events, _MIXING.lost, _MIXING.depth = mixing, lost, 0
+    into the whole batch's (read only when ``mixing`` is given). ``parts``: a list to which each addition of a mean
+    or a sum over the examples to a term whose combination cannot be read is appended, as ``(kind, equation, index)``
+    (a mixture of experts' load-balancing term added to a mean): that part is a ``kind`` whatever the rest is."""
+    _MIXING.events, _MIXING.lost, _MIXING.depth, _MIXING.parts = mixing, lost, 0, parts
     _MIXING.microbatches, _MIXING.blocks = microbatches_run or num_microbatches, blocks
     try:
         states = _walk(whole.jaxpr, micro.jaxpr, list(whole.consts), list(micro.consts),
@@ -95,7 +99,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
             undetermined.append(STRUCTURE)
         return (None,) * len(micro.jaxpr.outvars)
     finally:
-        _MIXING.events = _MIXING.lost = _MIXING.microbatches = _MIXING.blocks = None
+        _MIXING.events = _MIXING.lost = _MIXING.microbatches = _MIXING.blocks = _MIXING.parts = None
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple("sum" if st == (0, 1, False)  # (a constant summed over the examples: ones(B).sum() * c)
                   else None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
@@ -151,6 +155,9 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                                for a in me.invars]
             _MIXING.call_out = None  # (set by the body's walk, if the rule walks it)
         outs = _rule(we, me, ins, M)
+        if getattr(_MIXING, "parts", None) is not None and me.primitive.name in _ADD and outs == [None]:
+            _MIXING.parts.extend(("mean" if st[1] == -1 else "sum", me, _MIXING.top) for st, _ in ins
+                                 if st is not None and st[2] and st[0] == 1 and st[1] in (-1, 0))
         _MIXING.__dict__.pop("call_in", None)  # (left where the rule did not walk the body)
         returned = _MIXING.__dict__.pop("call_out", None) if call else None
         positions.update((v, p) for v, (_, p) in zip(me.outvars, returned or ()) if p)  # (an argsort's indices)
@@ -187,7 +194,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         lost = getattr(_MIXING, "lost", None)
         if (lost is not None and top and any(o is None for o in outs)
                 and all(st is not None for st, _ in ins) and any(st[2] for st, _ in ins)):
-            lost.append((_lost_reason(me, [st for st, _ in ins]), me, at))
+            lost.append((lost_reason(me, [st for st, _ in ins]), me, at))
 
     events = getattr(_MIXING, "events", None)
     if top and events is not None:  # positions that reach an output as values: weights, masks by position
@@ -275,38 +282,6 @@ def _scalar_value(a, positions: dict):
     return positions.get(_SCALARS, {}).get(a)
 
 
-def _lost_reason(eqn, states: list) -> str:
-    """What an equation of the loss's outermost program does where no combination of the examples describes its
-    result any more, for a warning that says where the loss's reduction could not be read."""
-    name = eqn.primitive.name
-    kinds = {st[1] for st in states}
-    if kinds & {_MAX, _MIN}:
-        return ("uses a maximum or minimum over the examples in arithmetic (each microbatch takes its own: for jit's "
-                "value, compute it in the step and pass it to the loss)")
-    if _RATIO in kinds:
-        return "combines a ratio of sums over the examples with other values"
-    if name == "while" or _has_while(eqn):
-        return ("runs a lax.while_loop over values of all the examples together (an adaptive ODE solver's error "
-                "norm, an iterative solver's stopping test)" + ("" if name == "while" else f", inside {name}"))
-    if name in ("top_k", "sort", "argsort", "cumsum", "cummax", "cumlogsumexp"):
-        return f"orders the examples ({name} along the batch)"
-    if name == "div" and len(states) == 2 and isinstance(states[1][0], (int, Fraction)) and states[1][0] > 0:
-        return ("divides by a sum over the examples (weights from a count of the examples per class or task: each "
-                "microbatch counts its own; for jit's values compute the counts in the step and pass them to the loss)")
-    if any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st in states):
-        return f"applies {_READABLE.get(name, name)} to a sum or mean over the examples"
-    return f"combines the examples through {name}, which autopp cannot see into (a custom kernel, a callback)"
-
-
-_READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root", "rsqrt": "a reciprocal square root",
-             "logistic": "a sigmoid", "is_finite": "a finiteness test", "log1p": "log1p", "expm1": "expm1"}
-
-
-def _has_while(eqn) -> bool:
-    return any(e.primitive.name == "while" or _has_while(e)
-               for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
-
-
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
 _RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform", "random_gamma"})
@@ -383,9 +358,6 @@ def _const_state(wval, mval, M: int):
     return None
 
 
-_RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
-_MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
-_MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
 _EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN, "reduce_or": _MAX, "reduce_and": _MIN}  # (any, all)
 # what keeps a maximum over examples the maximum of the microbatches' values: relabelling, slicing, widening
 _KEEPS_ORDER = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims",

@@ -424,3 +424,33 @@ def test_a_ratio_beside_a_sum_or_guarded_is_a_ratio(loss):
     assert any("divides a sum over its examples by another sum over them" in t for t in texts), texts
     with pytest.raises(ValueError, match=r"loss_reduction='sum', but the loss divides a sum"):
         _both(step, _batch(), loss_reduction="sum")
+
+
+def _load_balanced(p, b, scale):  # a mean (or a sum) plus a mixture of experts' load-balancing term
+    x, y = b
+    probs = jax.nn.softmax(jnp.tanh(x @ p["w0"])[:, :4], -1)
+    routed = jax.nn.one_hot(jnp.argmax(probs, -1), 4).mean(0)
+    per = (jnp.tanh(jnp.tanh(x @ p["w0"]) @ p["w1"]) @ p["wo"] - y) ** 2
+    return jnp.sum(per) * scale + 0.1 * 4 * jnp.sum(routed * probs.mean(0))
+
+
+@pytest.mark.parametrize("part, given", [("mean", "sum"), ("sum", "mean")])
+def test_a_reduction_given_against_a_part_the_loss_shows_is_refused(part, given):
+    """A mixture of experts' load-balancing term (a product of two statistics of the batch) added to a mean left the
+    loss unreadable, and ``loss_reduction="sum"`` was accepted: 7.0148 for jit's 1.7327 in a trial (the mean counted
+    4 times). The mean (or sum) part decides against the choice given, which is refused; the one that agrees runs
+    the term averaged, as gradient accumulation does, equal to jit of the microbatches' losses averaged."""
+    def loss(p, b):  # (a mean's 1 / its number of examples, or a sum's fixed weight)
+        return _load_balanced(p, b, 1.0 / b[0].shape[0] if part == "mean" else 1.0 / 7.0)
+
+    with pytest.raises(ValueError, match=rf"loss_reduction='{given}', but at .* the loss adds a {part} over its "
+                                         rf"examples .* Pass loss_reduction='{part}'"):
+        _both(_step(loss), _batch(), loss_reduction=given)
+    if part == "mean":  # the choice that agrees: the microbatches' losses averaged, as jit computes them so
+        def accumulated(p, b):
+            xs, ys = (a.reshape(M, B // M, *a.shape[1:]) for a in b)
+            return jnp.mean(jax.vmap(lambda x, y: loss(p, (x, y)))(xs, ys))
+
+        _, got, texts = _both(_step(loss), _batch(), loss_reduction="mean")
+        want = jax.jit(_step(accumulated))(_params(), TX.init(_params()), _batch())
+        _assert_equal(want, got, 2e-6)
