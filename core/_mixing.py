@@ -102,9 +102,8 @@ def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, lis
 
 
 
-# reductions over the batch that a loop's test may make of per-example tests: "while any example is not done", as
-# jax.vmap writes a per-example while_loop (each example's own iterations; the body keeps the finished ones as they
-# are); whether a loop written so by hand keeps them is not read
+# reductions over the batch that a loop's test may make of per-example tests: "while any example is not done", with
+# a body that keeps the finished ones as they are (each example's own iterations; see _updates_finished)
 _ANY_OR_ALL = frozenset({"reduce_or", "reduce_and"})
 
 
@@ -119,7 +118,48 @@ def decides_by_statistic(we, me, ins: list, firsts) -> bool:
         st, ax = ins[0]
         v = me.invars[0]
         return not isinstance(v, jex_core.Literal) and not ax and (st is None or st[2]) and v not in firsts
-    return me.primitive.name == "while" and loop_test(we, me, ins, firsts)[1]
+    if me.primitive.name != "while":
+        return False
+    depends, joined = loop_test(we, me, ins, firsts)
+    return joined or depends and _updates_finished(we, me)
+
+
+def _updates_finished(we, me) -> bool:
+    """Whether a ``while_loop`` that runs while any example is not done (its test "any" / "all" of per-example tests,
+    written by hand: ``jax.vmap`` writes a per-example test instead) goes on updating the examples that are: a value
+    with a batch axis that its body changes other than by a selection (``jnp.where(active, new, old)``), so that each
+    example's iterations depend on the others' in its batch."""
+    cond, wcond = me.params["cond_jaxpr"].jaxpr, we.params["cond_jaxpr"].jaxpr
+    made = {v: (e, w) for e, w in zip(cond.eqns, wcond.eqns) for v in e.outvars}
+    test = cond.outvars[0]
+    while test in made and made[test][0].primitive.name in ("not", "convert_element_type"):
+        test = made[test][0].invars[0]
+    if test not in made or made[test][0].primitive.name not in _ANY_OR_ALL:
+        return False
+    e, w = made[test]
+    if not _batched(w.invars[0], e.invars[0]):
+        return False
+    body, wbody = me.params["body_jaxpr"].jaxpr, we.params["body_jaxpr"].jaxpr
+    carried = body.invars[me.params["body_nconsts"]:]
+    return any(_batched(wv, mv) and mv is not old and not _selected(mv, body)
+               for wv, mv, old in zip(wbody.outvars, body.outvars, carried))
+
+
+def _selected(v, jaxpr, depth: int = 0) -> bool:
+    """Whether ``v`` of ``jaxpr`` is made by a selection (``select_n``, inside ``jnp.where``'s call too), or adds,
+    scales or converts one (a per-example count of iterations, ``n + active``)."""
+    e = next((e for e in jaxpr.eqns if v in e.outvars), None)
+    if e is None or depth > 4:
+        return False
+    name = e.primitive.name
+    if name == "select_n" or name == "convert_element_type" and e.invars[0].aval.dtype == bool:
+        return True
+    inner = e.params.get("jaxpr")
+    if inner is not None:
+        inner = getattr(inner, "jaxpr", inner)
+        return _selected(inner.outvars[e.outvars.index(v)], inner, depth + 1)
+    return name in ("add", "sub", "mul", "convert_element_type", "broadcast_in_dim", "reshape") and any(
+        not isinstance(a, jex_core.Literal) and _selected(a, jaxpr, depth + 1) for a in e.invars)
 
 
 def loop_test(we, me, ins: list, firsts=()) -> tuple[bool, bool]:
