@@ -18,6 +18,7 @@ CONTROL, SIZED, SIZE = "control", "sized", "size"
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
 _MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
+_TEST = "test"  # the b of a flag from comparing a mean over the examples with a level (kl.mean() > free)
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
@@ -229,7 +230,11 @@ def lost_reason(eqn, states: list) -> str:
 
 
 _READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root", "rsqrt": "a reciprocal square root",
-             "logistic": "a sigmoid", "is_finite": "a finiteness test", "log1p": "log1p", "expm1": "expm1"}
+             "logistic": "a sigmoid", "is_finite": "a finiteness test", "log1p": "log1p", "expm1": "expm1",
+             "max": "a maximum with a level (a clamp: free bits on the batch's mean, jnp.maximum(kl.mean(), free))",
+             "min": "a minimum with a level (a clamp, jnp.minimum(loss.mean(), cap))", "clamp": "a clamp",
+             "select_n": "a choice by a test of it (jnp.where(kl.mean() > free, kl.mean(), free))",
+             "custom_jvp_call": "a function with a derivative of its own (jax.nn.relu, a clamp)"}
 
 
 def _has_while(eqn) -> bool:

@@ -30,7 +30,7 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._mixing import (_MAX, _MIN, _MIXED, _RATIO, _READABLE, CONTROL, DRAWS, INDEXED, PAIRS,
+from autopp.core._mixing import (_MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, PAIRS,
                                  POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_test, lost_reason,
                                  mixing_by_output, mixing_summary)
 
@@ -173,7 +173,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
                    or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None)
                    or _mixes(me, ins, out_axes) or by_position
-                   or (SPREAD if any(out_axes) and any(env[a][0] is None and not env[a][1] and a not in firsts
+                   or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
+                                                       and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends) else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
@@ -407,15 +408,19 @@ def _rule(we, me, ins: list, M: int) -> list:
         # one flag for the whole value (a NaN guard: optax's where(isnan(mean) & ~any(isnan(x)), 0, mean)): what it
         # picks between decides, whatever the flag is made of
         data = states[1:]
+        if states[0] is not None and states[0][1] == _TEST and any(st is None or st[0] for st in data):
+            return [None]  # a mean chosen by a test of it (free bits: where(kl.mean() > c, kl.mean(), c))
         if all(st is not None and st[1] not in (_MAX, _MIN) for st in data):
             dep = any(st[2] for st in data) or states[0] is None or states[0][2]
             keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
             if (1, _RATIO) in keys and keys <= {(1, _RATIO), (1, 0), (1, -1)}:  # a ratio guarded against an empty
                 return [(1, _RATIO, True)]  # count: where(n == 0, neg_sum, (pos + neg) / max(n, 1)), CenterNet's
             return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
-    if any(st is None for st in states):
+    if any(st is None or st[1] == _TEST for st in states):  # (a test of a mean used otherwise: no combination)
         return [None] * n_out
     dep = any(st[2] for st in states)
+    if name in ("gt", "ge", "lt", "le") and (1, -1, True) in states:  # a mean compared with a level
+        return [(0, _TEST, True)]
     if any(st[1] in (_MAX, _MIN) for st in states):
         return _extreme(name, states, n_out)
     # a ratio (a mixture) goes on only scaled by, or added to, a constant; a ratio also added to a mean, which
@@ -443,8 +448,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         return [(0, 0, dep)]
     if name in _SAME:
         data = states[1:] if name == "select_n" else states
-        if name == "select_n" and states[0][:2] != (0, 0):
-            return [None]
+        if name == "select_n" and states[0][:2] != (0, 0) or name in ("max", "min", "clamp") and (1, -1, True) in data:
+            return [None]  # (a mean clamped to a level: free bits, jnp.maximum(kl.mean(), free))
         keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if name in ("mul", "div"):
