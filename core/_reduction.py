@@ -21,6 +21,7 @@ the two sizes) is left undetermined (None), and the caller's ``loss_reduction`` 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from fractions import Fraction
@@ -648,7 +649,11 @@ def _cond(we, me, ins, M):
     states = [st for st, _ in ins[1:]]
     results = [_walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states, M)
                for wb, mb in zip(we.params["branches"], me.params["branches"])]
-    return [r[0] if all(x == r[0] for x in r) else None for r in zip(*results)]
+    joined = []  # what either branch makes (a branch of constants, zeros for a skipped self-conditioning: the other's)
+    for r in zip(*results):
+        r = sorted(r, key=lambda st: st is not None and st[:3] != (0, 0, False))
+        joined.append(functools.reduce(_join, r))
+    return joined
 
 
 def _while(we, me, ins, M):

@@ -151,13 +151,20 @@ def _any_not_done_kept(p, b):  # the same loop keeping the finished examples, an
     return _head(p, z, y) + 0.01 * jnp.mean(n), jnp.sum(n)
 
 
-@pytest.mark.parametrize("loss", [_per_example_loop, _per_example_branch, _any_not_done_kept],
+def _self_conditioned(p, b):  # one coin for the step (here read off the parameters): a prediction fed back, or zeros
+    x, y = b
+    first = jax.lax.cond(p["w1"][0, 0] > 0, lambda v: jax.lax.stop_gradient(jnp.tanh(v @ p["w0"])), jnp.zeros_like, x)
+    return _head(p, x + first, y), jnp.mean(first)
+
+
+@pytest.mark.parametrize("loss", [_per_example_loop, _per_example_branch, _any_not_done_kept, _self_conditioned],
                          ids=lambda f: f.__name__.strip("_"))
 def test_control_flow_per_example_runs_as_jit_without_a_word(loss):
     """What the warning must not catch: ``jax.vmap`` of a while loop or a cond, each example deciding for itself. The
     int aux, the most iterations any example took, was refused as an average (trial CTRL: "aux has dtype int32 and
     depends on the batch"): the loop's count was read as independent of the batch, its test being left unread. It
-    comes back as jit's maximum."""
+    comes back as jit's maximum. Self-conditioning by a ``lax.cond`` on one coin for the whole step, a prediction in
+    one branch and zeros in the other, was unreadable "through cond" (trial DIFF), with values equal to jit's."""
     want, got, texts = _both(_step(loss, has_aux=True), _batch())
     assert not texts
     _assert_equal(want, got)
