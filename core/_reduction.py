@@ -177,7 +177,9 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
                                                        and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
-                   or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends) else None))
+                   or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
+                       and not any(not isinstance(a, jex_core.Literal) and a in positions for a in me.invars)
+                       else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
                 # is one example's value alone is said otherwise (no combination of the microbatches gives it)
@@ -248,13 +250,13 @@ def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int
     at = _INDEX_OPERANDS_FROM.get(name)
     modulo = name == "rem" or name in ("pjit", "jit") and me.params.get("name") == "remainder"  # (jnp's %)
     divisor = _scalar_value(me.invars[1], positions) if modulo and len(me.invars) == 2 else None
-    if divisor is not None and read == [0] and ins[0][1]:
+    if divisor is not None and read == [0] and ins[0][1] and np.issubdtype(me.invars[0].aval.dtype, np.integer):
         k, d = int(divisor), ins[0][1][0]  # a position's parity (jnp.arange(B) % 2): the same in each
         rows = [me.invars[0].aval.shape[d], we.invars[0].aval.shape[d] // (getattr(_MIXING, "microbatches", 0) or 1)]
         if k > 0 and all(r % k == 0 for r in rows):  # microbatch as in the whole batch when k divides its size
             return None
-    if at is None:  # arithmetic on positions: still positions
-        positions.update((v, (me, at_top)) for v in me.outvars)
+    if at is None:  # arithmetic on positions: still positions (said where they were made: the jnp.arange)
+        positions.update((v, positions[me.invars[read[0]]]) for v in me.outvars)
         return ORDER if name == "rev" and set(me.params["dimensions"]) & set(out_axes[0]) else None
     indexes = [k for k in read if k >= at and not (name.startswith("scatter") and k > at)]
     whole = not ins[0][1] and (not out_axes[0] or not name.startswith(("scatter", "dynamic_update")))

@@ -512,3 +512,21 @@ def test_a_mean_clamped_to_a_level_warns(clamp):
                and ("a level" in t or "a test of it" in t or "a derivative of its own" in t) for t in texts), texts
     assert not np.isclose(float(want[-1][0]), float(got[-1][0]), rtol=1e-6, atol=0)
     np.testing.assert_allclose(float(got[-1][1]), float(want[-1][1]), rtol=1e-6)  # (the per-example form: jit's)
+
+
+def test_positions_taken_modulo_one_are_positions_and_said_where_made():
+    """VDM's low-discrepancy timesteps made inside the loss, ``t = (u0 + jnp.arange(B) / B) % 1``, number the examples
+    by position (each microbatch from 0): trial DIFF measured 1.9514 for jit's 1.8509. The warning called it a use of
+    the batch's size and named the line where ``t`` met the data, as ``% 1`` of a float was taken for an integer
+    position's parity; it names the positions, at the ``jnp.arange``."""
+    def loss(p, b):
+        x, y = b
+        t = jnp.mod(p["w1"][0, 0] + jnp.arange(x.shape[0]) / x.shape[0], 1.0)  # the jnp.arange
+        return _head(p, x * t[:, None], y)
+
+    want, got, texts = _both(_step(loss), _batch())
+    line = loss.__code__.co_firstlineno + 2
+    assert any("numbers its examples by their position in the batch" in t and f"test_batch_control.py:{line}:" in t
+               for t in texts), texts
+    assert not any("uses the batch's size" in t for t in texts), texts
+    assert not np.isclose(float(want[-1]), float(got[-1]), rtol=1e-6, atol=0)
