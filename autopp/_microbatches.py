@@ -47,6 +47,30 @@ def microbatch_forward(step_fn: Callable, args: tuple, traced: TracedStep,
     return forward
 
 
+def _reordered_rows(eqns, rows: set, size: int) -> set:
+    """``rows`` (values whose axis 0 holds the batch's examples) and the values of as many rows that the step makes
+    from them row by row or by reordering rows whole (``x0[jnp.argsort(x1 @ d)]``, a pairing by rank; a shuffle): row
+    i is then some example's, read beside example i by the loss as jax.jit reads it, so a microbatch's rows are jit's.
+    A transpose or a reshape along the batch axis, a concatenation of the batch with itself, are not followed."""
+    rows = set(rows)
+    for e in eqns:
+        reads = [a for a in e.invars if not isinstance(a, jex_core.Literal) and a in rows]
+        if not reads or e.primitive.name in ("transpose", "dot_general", "concatenate") and (
+                e.primitive.name != "concatenate" or e.params.get("dimension") == 0):
+            continue
+        name, params = e.primitive.name, e.params
+        keeps = (name in ("gather", "rev", "iota", "select_n", "convert_element_type", "dynamic_slice")
+                 or name == "sort" and params.get("dimension") == 0 or name == "concatenate"
+                 or name == "broadcast_in_dim" and params["broadcast_dimensions"][:1] == (0,)
+                 or name == "reshape" and all(a.aval.shape[:1] == (size,) for a in reads)
+                 or name.startswith("reduce_") and 0 not in params.get("axes", (0,))
+                 or len(e.outvars) == 1 and all(getattr(a.aval, "shape", ()) in ((), e.outvars[0].aval.shape)
+                                                for a in e.invars))  # (elementwise)
+        if keeps:
+            rows.update(v for v in e.outvars if getattr(v.aval, "shape", ())[:1] == (size,))
+    return rows
+
+
 def retracer(step_fn: Callable, args: tuple, traced: TracedStep) -> Callable[[int], jex_core.ClosedJaxpr]:
     return lambda k: trace_microbatch_forward(step_fn, args, traced, k)
 
@@ -67,7 +91,8 @@ def _warn_rows_not_examples(traced: TracedStep) -> None:
         return
     before_gradient = types.SimpleNamespace(eqns=outer.eqns[:traced.grad_index])
     dims = batch_dims(before_gradient, {v: 0 for v in batch_leaves if getattr(v.aval, "shape", ())})
-    lost = [k for k in loose if dims.get(traced.grad_eqn.invars[k]) != 0]
+    rows = _reordered_rows(before_gradient.eqns, {v for v, d in dims.items() if d == 0}, batch_size(traced))
+    lost = [k for k in loose if traced.grad_eqn.invars[k] not in rows]
     if lost:
         shapes = ", ".join(f"#{k} {traced.grad_eqn.invars[k].aval.str_short()}" for k in lost[:4])
         warnings.warn(
