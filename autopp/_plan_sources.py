@@ -229,7 +229,9 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
 def _per_chunk(error: ValueError, sched: Schedule, name: str) -> ValueError:
     """``split_stages``' refusal of too many stages, said in the keywords that set them when a schedule runs several
     model chunks per device group (interleaved-1f1b: ``virtual_stages``; dualpipev: 2)."""
-    limit = re.search(r"; use num_stages <= (\d+)\.", str(error))
+    text = str(error)
+    limit = (re.search(r"; use num_stages <= (\d+)\.", text)
+             or re.search(r"Or use fewer stages: num_stages <= (\d+) ", text))  # (a scan that cannot be cut)
     chunks = sched.num_stages // sched.num_ranks
     if limit is None or chunks == 1:
         return error
@@ -242,9 +244,10 @@ def _per_chunk(error: ValueError, sched: Schedule, name: str) -> ValueError:
            f"use num_stages x virtual_stages <= {most} (here {sched.num_ranks} x {chunks})"
            + (f", e.g. virtual_stages={most // sched.num_ranks}" if most >= 2 * sched.num_ranks else
               ", e.g. schedule='1f1b' (one chunk per group)" if most >= sched.num_ranks else ""))
-    return ValueError(str(error).replace(f"{sched.num_stages} pipeline stages; use num_stages <= {most}.",
-                                         f"{sched.num_stages} pipeline stages ({groups} x "
-                                         f"{chunks} model chunks each); {fix}."))
+    split = f"{sched.num_stages} pipeline stages ({groups} x {chunks} model chunks each)"
+    return ValueError(text.replace(f"{sched.num_stages} pipeline stages; use num_stages <= {most}.", f"{split}; {fix}.")
+                      .replace(f"so {sched.num_stages} stages cannot balance", f"so {split} cannot balance")
+                      .replace(f"Or use fewer stages: num_stages <= {most} ", f"Or {fix} "))
 
 
 # -- a replayed plan -------------------------------------------------------------------------------------------

@@ -350,6 +350,30 @@ def test_too_many_model_chunks_are_refused_in_the_keywords_that_set_them(mlp_set
             params, tx.init(params), small.batch(jax.random.key(1), 16))
 
 
+def test_a_scan_too_heavy_for_the_model_chunks_is_refused_naming_them():
+    """A scan over time holding most of the loss's work cannot be cut: with dualpipev's 2 model chunks per device
+    group, ``num_stages=2`` asks for 4 stages, and the refusal said "4 stages cannot balance ... use num_stages <= 2",
+    the setting given (trial WORLD). It names the chunks, and its fix plans."""
+    def loss(p, b):
+        hs = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), h), jnp.zeros_like(b["x"][:, 0]),
+                          jnp.swapaxes(b["x"], 0, 1))[1]
+        return jnp.mean((hs @ p["o"] - jnp.swapaxes(b["y"], 0, 1)) ** 2)
+
+    def step(p, b):
+        loss_value, g = autopp.value_and_grad(loss)(p, b)
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), loss_value
+
+    p = {"w": jnp.eye(8) * 0.5, "o": jnp.ones((8, 1))}
+    b = {"x": jnp.ones((8, 6, 8)), "y": jnp.ones((8, 6, 1))}
+    with pytest.raises(ValueError, match=r"so 4 pipeline stages \(2 device groups x 2 model chunks each\) cannot "
+                                         r"balance\..* Or use num_stages <= 1 \(dualpipev runs 2 model chunks per "
+                                         r"device group\)"):
+        autopp.parallelize(step, num_stages=2, schedule="dualpipev", num_microbatches=4,
+                           devices=jax.devices()[:2]).plan_for(p, b)
+    assert autopp.parallelize(step, num_stages=1, num_microbatches=4,
+                              devices=jax.devices()[:1]).plan_for(p, b).num_stages == 1
+
+
 V_SCHEDULE = "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1\n1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1"  # 2 rows, 4 stages (a user trial's)
 
 
