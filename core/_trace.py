@@ -532,8 +532,37 @@ def check_gradient_not_split(traced: TracedStep, num_microbatches: int, who: str
         "and compute an input gradient (saliency, adversarial examples) with jax.grad outside the parallelized step.")
 
 
+_RETRYING = threading.local()
+
+
 def trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: TracedStep,
                              num_microbatches: int, who: str = "autopp.parallelize") -> jex_core.ClosedJaxpr:
+    """The loss's forward jaxpr at microbatch size (what each pipeline stage runs per microbatch); see
+    :func:`_trace_microbatch_forward`. Where it fails at that size, the refusal names the smaller counts that trace
+    (a loss that reshapes its examples into groups, patches of rays: microbatches of whole groups)."""
+    try:
+        return _trace_microbatch_forward(step_fn, args, traced, num_microbatches, who)
+    except ValueError as e:
+        if "fails at microbatch size" not in str(e) or getattr(_RETRYING, "on", False):
+            raise
+        sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
+        size = np.gcd.reduce(sizes) if sizes else 1
+        works = []
+        _RETRYING.on = True
+        try:
+            for k in [k for k in range(num_microbatches - 1, 1, -1) if size % k == 0][:4]:
+                with contextlib.suppress(ValueError, TypeError):
+                    _trace_microbatch_forward(step_fn, args, traced, k, who)
+                    works.append(k)
+        finally:
+            _RETRYING.on = False
+        if not works:
+            raise
+        raise ValueError(f"{e} It traces at num_microbatches={' or '.join(map(str, works[:2]))}.") from e
+
+
+def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: TracedStep,
+                              num_microbatches: int, who: str = "autopp.parallelize") -> jex_core.ClosedJaxpr:
     """The loss's forward jaxpr at microbatch size (what each pipeline stage runs per microbatch).
 
     The loss inputs derived from the batch shrink by ``num_microbatches`` along axis 0, everything else must not

@@ -738,7 +738,9 @@ def test_per_example_aux_of_blocks_comes_back_in_jit_s_order(stages):
 
 def test_pairs_grouped_by_reshape_in_odd_microbatches_are_refused_with_the_fix():
     """Interleaved pairs read as ``s.reshape(-1, 2)`` in microbatches of 3 examples cannot be traced; the refusal
-    blamed only a batch leaf without a batch axis (user trial NOISE3). It names the grouping and the fix."""
+    blamed only a batch leaf without a batch axis (user trial NOISE3). It names the grouping and the fix, with the
+    counts that trace (trial NERF: patches of rays read as ``depth.reshape(-1, 4, 4)``), and the first of those runs
+    as jit."""
     def paired(p, b):
         s = _pair_logits(p, b).reshape(-1, 2)
         return _dpo(s[:, 0], s[:, 1])
@@ -748,9 +750,12 @@ def test_pairs_grouped_by_reshape_in_odd_microbatches_are_refused_with_the_fix()
     batch = jax.tree.map(lambda a, b: jnp.concatenate([a, b[:8]]), _batch(0), _batch(1))  # 8 microbatches of 3
     jax.jit(step)(params, TX.init(params), batch)  # (jit runs it)
     with pytest.raises(ValueError, match=r"(?s)fails at microbatch size.*groups consecutive examples.*"
-                                         r"choose num_microbatches"):
+                                         r"choose num_microbatches so\. It traces at num_microbatches=6 or 4\.$"):
         autopp.parallelize(step, num_stages=2, num_microbatches=8, devices=jax.devices()[:2])(
             params, TX.init(params), batch)
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=6, devices=jax.devices()[:2])(
+        params, TX.init(params), batch)
+    _assert_equal(autopp.gather(got), jax.jit(step)(params, TX.init(params), batch))
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
