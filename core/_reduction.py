@@ -156,7 +156,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                                for a in me.invars]
             _MIXING.call_out = None  # (set by the body's walk, if the rule walks it)
         outs = _rule(we, me, ins, M)
-        if getattr(_MIXING, "parts", None) is not None and me.primitive.name in _ADD and outs == [None]:
+        if (getattr(_MIXING, "parts", None) is not None and me.primitive.name in _ADD and outs == [None]
+                and not any(ax for _, ax in ins)):  # (terms of the loss, not a statistic spread over the examples)
             _MIXING.parts.extend(("mean" if st[1] == -1 else "sum", me, _MIXING.top) for st, _ in ins
                                  if st is not None and st[2] and st[0] == 1 and st[1] in (-1, 0))
         _MIXING.__dict__.pop("call_in", None)  # (left where the rule did not walk the body)
