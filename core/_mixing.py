@@ -54,8 +54,9 @@ _MIXING_KINDS = {
            "loss.mean() with respect to the inputs, is 1/B of each example's own: PGD or virtual adversarial steps "
            "taken inside the loss, where a microbatch's is num_microbatches times jit's; take the gradient of the "
            "sum, or of each example's loss under jax.vmap, or multiply it by x.shape[0])",
-    SIZE: "uses the batch's size other than as a factor or divisor (jnp.log(x.shape[0]), a Python `if` on it): "
-          "each microbatch's program reads its own size (compute such a value in the step and pass it to the loss)",
+    SIZE: "uses the batch's size other than as a factor or divisor (jnp.log(x.shape[0]), its square root: LSQ's "
+          "gradient scale 1 / sqrt(x.size * Qp), a Python `if` on it): each microbatch's program reads its own size "
+          "(compute such a value in the step and pass it to the loss, or count per feature, x[0].size)",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }

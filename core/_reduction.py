@@ -178,6 +178,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
                                                        and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
+                   or (SIZE if any(o is not None and o[2] and _root(o[1]) for o in outs)  # (sqrt(B) met the
+                       and not any(st is not None and st[2] and _root(st[1]) for st, _ in ins) else None)  # here)
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
                        and not any(not isinstance(a, jex_core.Literal) and a in positions for a in me.invars)
                        else None))
@@ -215,6 +217,11 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                             for v in m.outvars]
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
+
+
+def _root(b) -> bool:
+    """Whether a power of the batch size is a fractional one (its square root, by which no reduction divides)."""
+    return isinstance(b, Fraction) and b.denominator != 1
 
 
 def _uses_size(me, ins: list, depends: set) -> bool:
