@@ -291,11 +291,25 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
 
 
 def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
-                  loss_reduction: str) -> jex_core.ClosedJaxpr:
+                  loss_reduction: str, kinds: tuple = ()) -> jex_core.ClosedJaxpr:
     """``forward`` as the pipeline runs it: with ``loss_reduction="sum"``, the loss's terms that read no batch input (a
     weight penalty) scaled by ``1 / num_microbatches``, so that the microbatches' losses add up to the step's (the
-    same equations, so a split of ``forward`` splits it)."""
-    if loss_reduction == "sum" and num_microbatches > 1:
+    same equations, so a split of ``forward`` splits it); so too the terms of each aux value the microbatches add up
+    (``kinds``, from :func:`reductions`: a counter carried in and added to, ``seen + mask.sum()``, counted once)."""
+    if num_microbatches == 1:
+        return forward
+    summed = [k for k, kind in enumerate(kinds) if k and kind == "sum"]
+    exact = [k for k in summed if jnp.issubdtype(forward.out_avals[k].dtype, jnp.inexact)]
+    counted = [traced.spec.aux_names[k - 1] for k in summed if k not in exact and scale_batch_independent_terms(
+        forward, traced.microbatched_grad_inputs, 0.0, traced.spec.forward, [k]) is not forward]
+    if counted:  # (an integer term cannot be scaled by 1 / num_microbatches)
+        warnings.warn(
+            f"{_WHO}: {', '.join(counted)} add(s) a value that does not depend on the batch (a counter carried in the "
+            f"step's state) to a sum over the examples, in integers: the {num_microbatches} microbatches' values are "
+            f"added up, so it counts {num_microbatches} times. Return the sum alone and add it to the counter in the "
+            "step (seen + aux['n']), or make the counter a float.", stacklevel=user_stacklevel())
+    outputs = exact + ([0] if loss_reduction == "sum" else [])
+    if outputs:
         forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches,
-                                                traced.spec.forward)
+                                                traced.spec.forward, outputs)
     return forward

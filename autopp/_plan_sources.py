@@ -208,7 +208,7 @@ def plan_from_counts(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
     name, sched = _schedule_for(config, num_mb)
     forward = microbatch_forward(step_fn, args, traced, num_mb)
     reduction, kinds = reductions(config, traced, forward, num_mb, retracer(step_fn, args, traced))
-    forward = counted_once(forward, traced, num_mb, reduction)
+    forward = counted_once(forward, traced, num_mb, reduction, kinds)
     groups = config.group_devices(sched.num_ranks)
     rank_of = sched.stage_to_rank()
     stage_devices = [groups[rank_of[c]] for c in range(sched.num_stages)]
@@ -284,7 +284,7 @@ def plan_from_replay(config: ParallelizeConfig, step_fn: Callable, args: tuple, 
             layer_equations = tuple((a, b - 1) for a, b in ranges)
     starts = (_stage_starts(ranges, traced, forward, [st.layers[0] for st in plan.stages], prof) if by_layers
               else [st.equations[0] for st in plan.stages])
-    forward = counted_once(forward, traced, plan.num_microbatches, plan.loss_reduction)
+    forward = counted_once(forward, traced, plan.num_microbatches, plan.loss_reduction, kinds)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     by_id = {d.id: d for d in config.devices}
     stage_devices = [[by_id[i] for i in st.devices] for st in plan.stages]
@@ -381,7 +381,7 @@ def plan_from_planner(config: ParallelizeConfig, step_fn: Callable, args: tuple,
     ranges = _layer_ranges(prof, traced, forward)
     starts = _stage_starts(ranges, traced, forward, [first for first, _ in local.stage_layers], prof)
     reduction, kinds = reductions(config, traced, forward, local.num_microbatches, retracer(step_fn, args, traced))
-    forward = counted_once(forward, traced, local.num_microbatches, reduction)
+    forward = counted_once(forward, traced, local.num_microbatches, reduction, kinds)
     split = split_at(forward, traced.microbatched_grad_inputs, starts)
     per = local.devices_per_stage
     stage_devices = [config.devices[s * per:(s + 1) * per] for s in range(local.num_stages)]

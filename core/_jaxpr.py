@@ -47,9 +47,11 @@ _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "res
 
 
 def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
-                                  factor: float, whole: jex_core.ClosedJaxpr | None = None) -> jex_core.ClosedJaxpr:
-    """The loss's forward with each term of the loss (output 0) that reads no microbatched input multiplied by
-    ``factor``. A term is an operand of an addition or subtraction whose other
+                                  factor: float, whole: jex_core.ClosedJaxpr | None = None,
+                                  outputs: Sequence[int] = (0,)) -> jex_core.ClosedJaxpr:
+    """The loss's forward with each term of the loss (output 0; or of each of ``outputs``: an aux value the
+    microbatches add up, a counter carried in and added to, ``seen + mask.sum()``) that reads no microbatched input
+    multiplied by ``factor``. A term is an operand of an addition or subtraction whose other
     operand depends on the batch, on the loss's linear path (sums, differences, products and quotients by values
     that do not depend on the batch, negation, casts, sums over axes, reshapes): ``nll.sum() + l2`` ->
     ``nll.sum() + l2 * factor``, and per task ``jnp.sum(jnp.exp(-s) * task_sums + s)`` -> ``... + s * factor``. With
@@ -62,24 +64,23 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     jaxpr = closed.jaxpr
     dep = batch_dependent_vars(jaxpr, microbatched)
     shaped, sized = _batch_sized_vars(whole.jaxpr, jaxpr) if whole is not None else (set(), set())
-    loss = jaxpr.outvars[0]
-    if isinstance(loss, Literal) or loss not in dep:
-        return closed
+    linear = {v for k, v in enumerate(jaxpr.outvars) if k in outputs and not isinstance(v, Literal)}
 
     def depends(a) -> bool:
         return not isinstance(a, Literal) and a in dep
 
-    linear, rewrite = {loss}, {}
+    rewrite = {}
     for i in reversed(range(len(jaxpr.eqns))):
         e = jaxpr.eqns[i]
         if len(e.outvars) != 1 or e.outvars[0] not in linear:
             continue
         name, ins = e.primitive.name, e.invars
         on = [depends(a) for a in ins]
-        if name in ("add", "sub", "add_any") and any(on):
+        if name in ("add", "sub", "add_any") and (any(on) or any((i, k) in sized for k in range(len(ins)))):
+            on = [d or (i, k) in sized for k, d in enumerate(on)]  # (the batch's size: seen + x.shape[0])
             if not all(on) and e.outvars[0] not in shaped and (i, on.index(False)) not in sized:
                 rewrite[i] = on.index(False)  # (added to each example, or growing with the batch: a sum over them)
-            linear.update(a for a, d in zip(ins, on) if d)
+            linear.update(a for a, d in zip(ins, on) if d and not isinstance(a, Literal))
         elif (name == "mul" and sum(on) == 1) or (name == "div" and on == [True, False]):
             linear.add(ins[on.index(True)])
         elif name in _LINEAR_UNARY and len(ins) == 1 and on[0]:

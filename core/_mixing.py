@@ -19,6 +19,7 @@ _RATIO = "ratio"  # the b of a sum over examples divided by another sum over the
 _MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
 _TEST = "test"  # the b of a flag from comparing a mean over the examples with a level (kl.mean() > free)
+_GUARD = "guard"  # the b of a sum over examples clamped to a level: a denominator's guard, max(mask.sum(), 1)
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "

@@ -31,7 +31,7 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._mixing import (_MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, PAIRS,
+from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, PAIRS,
                                  POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_test, lost_reason,
                                  mixing_by_output, mixing_summary)
 
@@ -178,8 +178,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
                                                        and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
-                   or (SIZE if any(o is not None and o[2] and _root(o[1]) for o in outs)  # (sqrt(B) met the
-                       and not any(st is not None and st[2] and _root(st[1]) for st, _ in ins) else None)  # here)
+                   or (SIZE if any(o is not None and o[2] and not o[0] and _root(o[1]) for o in outs)  # (sqrt(B),
+                       and not any(st is not None and st[2] and _root(st[1]) for st, _ in ins) else None)  # met here)
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
                        and not any(not isinstance(a, jex_core.Literal) and a in positions for a in me.invars)
                        else None))
@@ -427,8 +427,10 @@ def _rule(we, me, ins: list, M: int) -> list:
             if (1, _RATIO) in keys and keys <= {(1, _RATIO), (1, 0), (1, -1)}:  # a ratio guarded against an empty
                 return [(1, _RATIO, True)]  # count: where(n == 0, neg_sum, (pos + neg) / max(n, 1)), CenterNet's
             return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
-    if any(st is None or st[1] == _TEST for st in states):  # (a test of a mean used otherwise: no combination)
-        return [None] * n_out
+    if name == "div" and states[1] is not None and states[1][1] == _GUARD and states[0] is not None and states[0][0]:
+        return [(1, _RATIO, True)]  # (a sum over a count guarded against zero: sum(nll * m) / max(m.sum(), 1))
+    if any(st is None or st[1] in (_TEST, _GUARD) for st in states):  # (a test of a mean, or a clamped sum, used
+        return [None] * n_out  # otherwise: no combination)
     dep = any(st[2] for st in states)
     if name in ("gt", "ge", "lt", "le") and (1, -1, True) in states:  # a mean compared with a level
         return [(0, _TEST, True)]
@@ -461,6 +463,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         data = states[1:] if name == "select_n" else states
         if name == "select_n" and states[0][:2] != (0, 0) or name in ("max", "min", "clamp") and (1, -1, True) in data:
             return [None]  # (a mean clamped to a level: free bits, jnp.maximum(kl.mean(), free))
+        if name in ("max", "min", "clamp") and (1, 0, True) in data and (0, 0, False) in data:
+            return [(1, _GUARD, True)]  # (a sum clamped to a level: a ratio's guard, else no combination)
         keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if name in ("mul", "div"):
