@@ -21,6 +21,7 @@ from autopp.core import (
     mixing_by_output,
     mixing_summary,
     output_reductions,
+    refuse_overwritten_by_gradient,
     scale_batch_independent_terms,
     trace_microbatch_forward,
     user_line,
@@ -41,6 +42,7 @@ def batch_size(traced: TracedStep) -> int:
 def microbatch_forward(step_fn: Callable, args: tuple, traced: TracedStep,
                        num_microbatches: int) -> jex_core.ClosedJaxpr:
     check_batch_divisible(traced, num_microbatches)
+    refuse_overwritten_by_gradient(traced, num_microbatches)
     forward = trace_microbatch_forward(step_fn, args, traced, num_microbatches)
     if num_microbatches > 1:
         _warn_rows_not_examples(traced)

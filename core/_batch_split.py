@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from autopp.core._trace import TracedStep
 
-__all__ = ["check_batch_divisible", "sparse_batch_leaves", "sparse_refusal"]
+__all__ = ["check_batch_divisible", "refuse_overwritten_by_gradient", "sparse_batch_leaves", "sparse_refusal"]
 
 
 def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
@@ -82,3 +82,27 @@ def sparse_refusal(who: str, num_microbatches: int, sparse: list[str]) -> ValueE
         "leaves (data, indices) do not carry, so a microbatch's part keeps the whole batch's shape. Pass its dense "
         "form (x.todense()), or its data and indices per example as arrays of the batch, building the sparse array "
         "inside the loss; or use num_microbatches=1 (data-parallel devices split it correctly).")
+
+
+OVERWRITE_WITH_GRADIENT = "overwrite_with_gradient"  # (Flax's fp8 state collection: '_overwrite_with_gradient')
+
+
+def refuse_overwritten_by_gradient(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
+    """Refuse, at more than one microbatch, a differentiated leaf of Flax's ``_overwrite_with_gradient`` collection
+    (fp8 delayed scaling, ``flax.linen.Fp8DotGeneralOp``): its ``custom_vjp`` returns the leaf's new value (an amax
+    history, a scale) as its "gradient", which the step stores; the microbatches' gradients are added up, so the
+    stored state would be about ``num_microbatches`` times jit's, compounding step after step (trial QUANT: an amax
+    history 16x jit's after two steps)."""
+    if num_microbatches == 1:
+        return
+    outer = traced.jaxpr.jaxpr.invars
+    names = [traced.leaf_paths[outer.index(a)] for a, d in zip(traced.grad_eqn.invars, traced.spec.diff_mask)
+             if d and a in outer and OVERWRITE_WITH_GRADIENT in traced.leaf_paths[outer.index(a)]]
+    if names:
+        raise ValueError(
+            f"{who}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} belong(s) to Flax's "
+            f"'_overwrite_with_gradient' collection (fp8 delayed scaling): its gradient is the state's new value (an "
+            f"amax history, a scale), not a gradient, and the {num_microbatches} microbatches' gradients are added "
+            "up, so the state the step stores would be about num_microbatches times plain jax.jit's, growing every "
+            "step. Use num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch), or "
+            "keep the fp8 scales out of the differentiated parameters.")

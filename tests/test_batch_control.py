@@ -608,3 +608,33 @@ def test_a_gradient_scale_by_a_root_of_the_batch_size_warns_where_it_is_made():
     line = loss.__code__.co_firstlineno + 6
     assert any("uses the batch's size" in t and f"test_batch_control.py:{line}:" in t for t in texts), texts
     assert not np.allclose(np.asarray(want[0]["w1"]), np.asarray(got[0]["w1"]), rtol=1e-6, atol=0)
+
+
+@jax.custom_vjp
+def _observed(x, amax):  # fp8 delayed scaling's observer: the "gradient" of its state is the value's new amax
+    return x
+
+
+_observed.defvjp(lambda x, amax: (x, jnp.max(jnp.abs(x))), lambda amax, g: (g, amax))
+
+
+def test_flax_overwrite_with_gradient_state_is_refused_over_microbatches():
+    """Flax's fp8 state (``_overwrite_with_gradient``) takes its new value from its ``custom_vjp``'s "gradient"; the
+    microbatches' gradients are added up, so the stored amax was about 4x jit's after one step and 16x after two
+    (trial QUANT), silently. Refused over several microbatches, naming the leaves; one microbatch runs as jit."""
+    def loss(v, b):
+        x, y = b
+        return _head(v["params"], _observed(x, v["_overwrite_with_gradient"]["amax"]), y)
+
+    def step(v, opt_state, b):
+        value, g = autopp.value_and_grad(loss)(v, b)
+        new = jax.tree.map(lambda a, d: a - 0.1 * d, v["params"], g["params"])
+        return {"params": new, "_overwrite_with_gradient": g["_overwrite_with_gradient"]}, opt_state, value
+
+    v = {"params": _params(), "_overwrite_with_gradient": {"amax": jnp.float32(0.0)}}
+    with pytest.raises(ValueError, match=r"\['_overwrite_with_gradient'\]\['amax'\] belong\(s\) to Flax's "
+                                         r"'_overwrite_with_gradient' collection .* Use num_microbatches=1"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2])(v, (), _batch())
+    want = jax.jit(step)(v, (), _batch())
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(v, (), _batch())
+    _assert_equal(want[0], autopp.gather(got[0]))
