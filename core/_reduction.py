@@ -372,6 +372,7 @@ def _const_state(wval, mval, M: int):
 
 _EXTREME_OF = {"reduce_max": _MAX, "reduce_min": _MIN, "reduce_or": _MAX, "reduce_and": _MIN}  # (any, all)
 # what keeps a maximum over examples the maximum of the microbatches' values: relabelling, slicing, widening
+_STACKS = frozenset({"concatenate", "stack"})  # (maxima stacked into one vector: each entry combined by its maximum)
 _KEEPS_ORDER = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims",
                           "transpose", "copy", "copy_p", "slice", "pjit_sharding", "sharding_constraint",
                           "optimization_barrier", "stop_gradient", "reduce_precision"})
@@ -387,7 +388,7 @@ def _extreme(name: str, states: list, n_out: int) -> list:
     kind = kinds.pop()
     first = states[0][1] == kind
     alone = sum(st[1] == kind for st in states) == 1  # a constant added to it (not another maximum)
-    if (name in _KEEPS_ORDER or name == "add" and alone or name == "sub" and first and alone
+    if (name in _KEEPS_ORDER or name == "add" and alone or name == "sub" and first and alone or name in _STACKS
             or name in ("max", "reduce_max") and kind == _MAX or name in ("min", "reduce_min") and kind == _MIN):
         return [(1, kind, True)] + [(0, 0, False)] * (n_out - 1)
     return [None] * n_out
