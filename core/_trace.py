@@ -624,7 +624,10 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
             "and the loss reads (a batch statistic, parameters updated by another gradient over the batch) is read "
             "whole by every microbatch when the step's loss inputs show it (one of them has a leading dimension that "
             "is no batch leaf's); where every such value's leading dimension is the batch size, each is taken for a "
-            "per-example one: compute it inside the loss, or from the previous step's values." + (
+            "per-example one: compute it inside the loss, or from the previous step's values. A value the loss must "
+            "read whole that grows with the batch along another axis (the whole batch's keys as negatives, k[None], "
+            "or a queue concatenated with them) cannot be split: use num_microbatches=1 (a stage's data-parallel "
+            "devices then compute over the whole batch, as jit does)." + (
                 "\nA loss input that keeps its shape per microbatch is such a value whose leading dimension equals "
                 "the batch size by chance (a mean over the batch per time step, with as many steps as examples): "
                 "give it a leading axis of 1 (x.mean(0, keepdims=True)) and every microbatch reads it whole, as "

@@ -654,3 +654,26 @@ def test_maxima_stacked_into_one_aux_vector_come_back_as_jit_s():
     want, got, texts = _both(_step(loss, has_aux=True), _batch())
     assert not texts, texts
     _assert_equal(want[-1], got[-1])
+
+
+def test_keys_of_the_whole_batch_read_whole_are_refused_with_one_microbatch_as_the_way():
+    """MoCo v3's keys of the whole batch, computed in the step and passed as ``k[None]`` to be read whole as negatives,
+    cannot be split: refused, and the refusal said a value with a leading dimension that is no batch leaf's is read
+    whole (this one is refused) and never named ``num_microbatches=1``, which runs as jit (trial CONTRAST)."""
+    def loss(p, b, keys):
+        x, y = b
+        q = jnp.tanh(x @ p["w0"])
+        logits = q @ keys[0].T
+        return -jnp.mean(jax.nn.log_softmax(logits, -1)[jnp.arange(x.shape[0]), jnp.arange(x.shape[0])])
+
+    def step(p, opt_state, b):
+        keys = jax.lax.stop_gradient(jnp.tanh(b[0] @ p["w1"]))
+        value, g = autopp.value_and_grad(loss)(p, b, keys[None])
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), opt_state, value
+
+    with pytest.raises(ValueError, match=r"(?s)derives from the batch but has no leading dimension divisible by 4.*"
+                                         r"cannot be split: use num_microbatches=1"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2])(_params(), (), _batch())
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(
+        _params(), (), _batch())
+    _assert_equal(jax.jit(step)(_params(), (), _batch()), (autopp.gather(got[0]), *got[1:]))
