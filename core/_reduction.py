@@ -228,10 +228,11 @@ def _uses_size(me, ins: list, depends: set) -> bool:
     """Whether an equation combines values of the batch with its size used other than as a power of it: a literal
     that differs between the two traces by no such power (``2.0 if x.shape[0] > 8 else 1.0``), or a function of the
     size (``jnp.log(B)``: a value of no known state that does not depend on the batch's values). A function of the
-    size returned alone (an aux) is the whole batch's."""
+    size returned alone (an aux) is the whole batch's. A flag is not counted: ``jnp.var``'s guard that the count is
+    positive, ``where(n - ddof > 0, ...)``, holds at both sizes."""
     reads_batch = any(not isinstance(a, jex_core.Literal) and a in depends for a in me.invars)
     return reads_batch and any(st is None and (isinstance(a, jex_core.Literal) or a not in depends)
-                               for a, (st, _) in zip(me.invars, ins))
+                               and getattr(a.aval, "dtype", None) != np.bool_ for a, (st, _) in zip(me.invars, ins))
 
 
 def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:

@@ -677,3 +677,16 @@ def test_keys_of_the_whole_batch_read_whole_are_refused_with_one_microbatch_as_t
     got = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(
         _params(), (), _batch())
     _assert_equal(jax.jit(step)(_params(), (), _batch()), (autopp.gather(got[0]), *got[1:]))
+
+
+def test_batch_normalisation_by_jnp_var_is_said_as_a_statistic_only():
+    """Batch normalisation written with ``jnp.var`` also warned that the loss uses the batch's size (trial STATE), at
+    the ``var``: its guard that the count is positive read the size. Only the statistic is said."""
+    def loss(p, b):
+        x, y = b
+        h = jnp.tanh(x @ p["w0"])
+        return _head(p, (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5), y)
+
+    _, _, texts = _both(_step(loss), _batch())
+    assert any("spreads a statistic over its examples" in t for t in texts), texts
+    assert not any("uses the batch's size" in t for t in texts), texts
