@@ -95,10 +95,27 @@ class GradSpec:
         if not self.has_aux:
             return []
         numbered = jax.tree_util.tree_unflatten(self.aux_tree, list(range(self.num_aux)))
-        return ["aux" + jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
+        return ["aux" + "".join(_key_str(k, node) for k, node in steps) for steps in _paths(numbered)]
 
     def __hash__(self):
         return id(self)
+
+
+def _paths(tree, steps=()) -> list:
+    """Each leaf's path as ``(key, the node it is read from)`` pairs, one level at a time (a node flattened without
+    keys, an Equinox ``State``, is then named by its type)."""
+    if not jax.tree_util.tree_leaves(tree):
+        return []
+    level = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+    if level[0][1] is tree:
+        return [steps]
+    return [p for path, child in level for p in _paths(child, steps + ((path[0], tree),))]
+
+
+def _key_str(key, node) -> str:
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return f"[<{type(node).__name__} leaf {key.key}>]"
+    return jax.tree_util.keystr((key,))
 
 
 def _vag_impl(*args, spec: GradSpec):

@@ -573,3 +573,28 @@ def test_a_python_branch_on_an_argument_names_the_step_and_the_argument(mlp_setu
                                         r"train \(args\[1\]\) in Python.*jnp.where.*functools.partial"):
         autopp.parallelize(gated_step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], True,
                                                                                                      batch)
+
+
+class _Box:  # a pytree node flattened without keys (as Equinox's State is)
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.value,), None), lambda _, xs: _Box(xs[0]))
+
+
+def test_an_aux_leaf_of_a_node_without_keys_is_named_by_the_node_s_type():
+    """An Equinox ``State`` returned unchanged as aux was refused naming its leaf ``aux[<flat index 0>]`` (trial
+    STATE): nothing said which leaf. A node flattened without keys is named by its type."""
+    def loss(p, state, b):
+        x, y = b
+        return jnp.mean((jnp.tanh(x @ p["w"]) - y) ** 2), {"state": state}
+
+    def step(p, state, b):
+        (value, aux), g = autopp.value_and_grad(loss, has_aux=True)(p, state, b)
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), aux["state"], value
+
+    p = {"w": jnp.eye(4)}
+    b = (jnp.ones((8, 4)), jnp.zeros((8, 4)))
+    with pytest.raises(ValueError, match=r"returns one of its inputs unchanged as aux\['state'\]\[<_Box leaf 0>\]"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(p, _Box(jnp.ones(3)), b)
