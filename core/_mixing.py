@@ -236,7 +236,10 @@ _READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root"
              "max": "a maximum with a level (a clamp: free bits on the batch's mean, jnp.maximum(kl.mean(), free))",
              "min": "a minimum with a level (a clamp, jnp.minimum(loss.mean(), cap))", "clamp": "a clamp",
              "select_n": "a choice by a test of it (jnp.where(kl.mean() > free, kl.mean(), free))",
-             "custom_jvp_call": "a function with a derivative of its own (jax.nn.relu, a clamp)"}
+             "custom_jvp_call": "a function with a derivative of its own (jax.nn.relu, a clamp)",
+             "abs": "an absolute value (|sum(conf - correct)| per bin: a calibration error)",
+             "reduce_max": "a maximum over another axis (the largest class count: max(bincount(pred)))",
+             "reduce_min": "a minimum over another axis"}
 
 
 def _has_while(eqn) -> bool:

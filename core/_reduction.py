@@ -499,8 +499,9 @@ def _rule(we, me, ins: list, M: int) -> list:
         axes = ins[0][1]
         if set(me.params.get("axes", ())) & set(axes):  # a maximum over examples is no sum, but a maximum
             return [(1, _EXTREME_OF[name], dep)] if name in _EXTREME_OF and states[0][:2] == (0, 0) else [None]
-        return [states[0]] if name in _CARRY else ([(0, 0, dep)] if states[0][:2] == (0, 0) else [None])
-    if name in _CARRY:
+        return ([states[0]] if name in _CARRY and not states[0][0]  # (the largest class of a per-class count is none)
+                else [(0, 0, dep)] if states[0][:2] == (0, 0) else [None])
+    if name in _CARRY and not (name == "abs" and states[0][0]):  # (|sum| of the examples is no sum of theirs)
         return [(*states[0][:2], dep)] + [(0, 0, dep)] * (n_out - 1)
     if name in _MIX_ALONG:
         along = me.params.get(_MIX_ALONG[name])
