@@ -421,11 +421,11 @@ def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtype
                   if not d and not diff and not isinstance(a, jex_core.Literal)
                   and getattr(a.aval, "shape", ()) and a.aval.shape[0] % batch == 0]
     outer = set(traced.jaxpr.jaxpr.invars)
-    derived = [k for k, (a, d, diff) in enumerate(zip(invars, traced._batch_derived_grad_inputs,
-                                                       traced.spec.diff_mask))
-               if d and not diff and not isinstance(a, jex_core.Literal) and a not in outer
+    derived = [k for k, a in enumerate(invars)  # (differentiated too: SAM's params + eps, eps from a batch gradient)
+               if traced._batch_derived_grad_inputs[k] and not isinstance(a, jex_core.Literal) and a not in outer
                and getattr(a.aval, "shape", ())]
-    if not any(invars[k].aval.shape[0] not in sizes for k in derived):  # all look per example: no second trace
+    if not any(invars[k].aval.shape[0] not in sizes or traced.spec.diff_mask[k] for k in derived):  # all look per
+        # example (and none is differentiated, else refused as split with the batch): no second trace
         derived = []
     if not candidates and not derived:
         return (), ()
