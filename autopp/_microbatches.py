@@ -269,7 +269,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             f"so the {num_microbatches} microbatches' losses are averaged (loss_reduction='mean'), "
             "which is plain jax.jit's loss and gradients only if it is a mean. Pass loss_reduction='sum' if it adds "
             "its examples up (a kernel's sum); loss_reduction='mean' to keep the average, which a mean plus a "
-            "function of means (an MoE load-balancing term, gradient accumulation's meaning) wants.",
+            "function of means (an MoE load-balancing term, gradient accumulation's meaning) wants; "
+            "num_microbatches=1 for jit's values whatever the loss is (a stage's data-parallel devices then compute "
+            "over the whole batch).",
             stacklevel=user_stacklevel())
     asked = given is None or config.source == "replay" and given == "mean"  # (a plan's default: not the user's word)
     if whole and asked and kind is None and num_microbatches > 1 and not ratio:  # (one microbatch: both are jit's)
