@@ -95,7 +95,10 @@ def _warn_rows_not_examples(traced: TracedStep) -> None:
     dims = batch_dims(before_gradient, {v: 0 for v in batch_leaves if getattr(v.aval, "shape", ())})
     rows = _reordered_rows(before_gradient.eqns, {v for v, d in dims.items() if d == 0}, batch_size(traced))
     lost = [k for k in loose if traced.grad_eqn.invars[k] not in rows]
-    if lost:
+    sizes = {a.aval.shape[0] for a, mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs)
+             if mb and getattr(a.aval, "shape", ())}
+    if lost and len(sizes) > 1:  # (rows of one length throughout, examples drawn from the batch in the step: split
+        # alike, each microbatch's rows read beside each other as jit reads them)
         shapes = ", ".join(f"#{k} {traced.grad_eqn.invars[k].aval.str_short()}" for k in lost[:4])
         warnings.warn(
             f"{_WHO}: loss input(s) {shapes} that the step computes from the batch are split into microbatches by "
