@@ -144,8 +144,8 @@ def _updates_finished(we, me) -> bool:
         return False
     body, wbody = me.params["body_jaxpr"].jaxpr, we.params["body_jaxpr"].jaxpr
     carried = body.invars[me.params["body_nconsts"]:]
-    return any(_batched(wv, mv) and mv is not old and not _selected(mv, body)
-               for wv, mv, old in zip(wbody.outvars, body.outvars, carried))
+    return any(_batched(wv, mv) and mv is not old and mv.aval.dtype != bool and not _selected(mv, body)
+               for wv, mv, old in zip(wbody.outvars, body.outvars, carried))  # (flags carried: done | converged)
 
 
 def _selected(v, jaxpr, depth: int = 0) -> bool:
@@ -233,8 +233,8 @@ def lost_reason(eqn, states: list) -> str:
 
 _READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root", "rsqrt": "a reciprocal square root",
              "logistic": "a sigmoid", "is_finite": "a finiteness test", "log1p": "log1p", "expm1": "expm1",
-             "max": "a maximum with a level (a clamp: free bits on the batch's mean, jnp.maximum(kl.mean(), free))",
-             "min": "a minimum with a level (a clamp, jnp.minimum(loss.mean(), cap))", "clamp": "a clamp",
+             "max": "a clamp to a level (free bits on the batch's mean, jnp.maximum(kl.mean(), free); jnp.clip)",
+             "min": "a clamp to a level (jnp.minimum(loss.mean(), cap); jnp.clip)", "clamp": "a clamp to a level",
              "select_n": "a choice by a test of it (jnp.where(kl.mean() > free, kl.mean(), free))",
              "custom_jvp_call": "a function with a derivative of its own (jax.nn.relu, a clamp)",
              "abs": "an absolute value (|sum(conf - correct)| per bin: a calibration error)",

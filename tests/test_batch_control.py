@@ -157,7 +157,20 @@ def _self_conditioned(p, b):  # one coin for the step (here read off the paramet
     return _head(p, x + first, y), jnp.mean(first)
 
 
-@pytest.mark.parametrize("loss", [_per_example_loop, _per_example_branch, _any_not_done_kept, _self_conditioned],
+def _all_done_carried(p, b):  # done flags carried and or-ed in, "while not all done", the finished ones kept
+    x, y = b
+
+    def body(c):
+        z, done = c
+        done = done | ~_active(z)
+        return jnp.where(done[:, None], z, z * 0.7), done
+
+    z, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[1] | ~_active(c[0])), body, (x, jnp.zeros(x.shape[0], bool)))
+    return _head(p, z, y), jnp.float32(0.0) + jnp.mean(z)
+
+
+@pytest.mark.parametrize("loss", [_per_example_loop, _per_example_branch, _any_not_done_kept, _self_conditioned,
+                                  _all_done_carried],
                          ids=lambda f: f.__name__.strip("_"))
 def test_control_flow_per_example_runs_as_jit_without_a_word(loss):
     """What the warning must not catch: ``jax.vmap`` of a while loop or a cond, each example deciding for itself. The
