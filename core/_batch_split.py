@@ -6,6 +6,10 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from autopp.core._compat import user_line
+from autopp.core._custom_vjp import backward_outputs
+from autopp.core._warn import user_stacklevel
+
 if TYPE_CHECKING:
     from autopp.core._trace import TracedStep
 
@@ -106,3 +110,27 @@ def refuse_overwritten_by_gradient(traced: TracedStep, num_microbatches: int, wh
             "up, so the state the step stores would be about num_microbatches times plain jax.jit's, growing every "
             "step. Use num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch), or "
             "keep the fp8 scales out of the differentiated parameters.")
+    overwritten, transformed = backward_outputs(traced.spec.forward.jaxpr, traced.spec.diff_mask)
+
+    def named(leaves):
+        names = [traced.leaf_paths[outer.index(a)] if a in outer else f"differentiated input {k}"
+                 for k in leaves for a in [traced.grad_eqn.invars[k]]]
+        return f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+
+    for eqn, leaves in overwritten:
+        raise ValueError(
+            f"{who}: the backward of the jax.custom_vjp at {user_line(eqn)} returns, as the \"gradient\" of "
+            f"{named(leaves)}, a value that does not depend on the cotangent: not a gradient but a new value the step "
+            f"stores (fp8 delayed scaling's amax history or scale, \"overwrite with gradient\"). The {num_microbatches} "
+            "microbatches' gradients are added up, so the stored value would be about num_microbatches times plain "
+            "jax.jit's, growing every step. Use num_microbatches=1 (a stage's data-parallel devices then compute over "
+            "the whole batch), or keep that state out of the differentiated parameters.")
+    for eqn, leaves in transformed:
+        warnings.warn(
+            f"{who}: the backward of the jax.custom_vjp at {user_line(eqn)} returns, as the gradient of "
+            f"{named(leaves)}, a value that is not linear in the cotangent (a clip, a normalisation, the cotangent's "
+            "amax, a term added to it): each of the "
+            f"{num_microbatches} microbatches' gradients is transformed on its own and they are added up, which "
+            "differs from plain jax.jit's transform of the whole batch's gradient. Use num_microbatches=1 for jit's "
+            "values, or transform the gradient in the step (optax) rather than in the backward.",
+            stacklevel=user_stacklevel())

@@ -252,6 +252,36 @@ def bind_eqn(eqn, invals):
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
 
 
+def custom_vjp_backward(eqn) -> jex_core.ClosedJaxpr | None:
+    """The backward of a ``jax.custom_vjp`` call (an equation ``custom_vjp_call``) traced as one program:
+    ``[*residuals, *cotangents]`` -> one cotangent per primal input (the closed-over constants excluded; a symbolic
+    zero or None as zeros). None where it cannot be traced (a backward that raises, an integer output)."""
+    from jax._src import ad_util
+
+    params = eqn.params
+    num_consts = params["num_consts"]
+    in_avals = [v.aval for v in eqn.invars]
+    try:
+        fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * (len(in_avals) - num_consts)))
+        _, res_tree, input_fwds = params["out_trees"]()
+        produced = iter(v.aval for v in fwd_jaxpr.outvars)
+        res_avals = [next(produced) if f is None else in_avals[f] for f in input_fwds]
+        if res_tree.num_leaves != len(res_avals) or not all(
+                jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in eqn.outvars):
+            return None
+        primal_avals = in_avals[num_consts:]
+
+        def backward(*args):
+            cts = params["bwd"].call_wrapped(*args)
+            return [jax.numpy.zeros(a.shape, a.dtype) if ct is None or isinstance(ct, ad_util.Zero) else ct
+                    for ct, a in zip(cts, primal_avals)]
+
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [*res_avals, *(v.aval for v in eqn.outvars)]]
+        return jax.make_jaxpr(backward)(*specs)
+    except Exception:  # noqa: BLE001 - a backward this cannot trace is left unread
+        return None
+
+
 def name_stack(eqn) -> str:
     """The equation's name stack as text (``jvp(autopp_fused_attention)/...``)."""
     return str(eqn.source_info.name_stack)

@@ -108,6 +108,10 @@ def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, lis
 # reductions over the batch that a loop's test may make of per-example tests: "while any example is not done", with
 # a body that keeps the finished ones as they are (each example's own iterations; see _updates_finished)
 _ANY_OR_ALL = frozenset({"reduce_or", "reduce_and"})
+# the same test written as a comparison of the examples' largest (smallest) value, or of a count of per-example
+# flags with zero: ``jnp.max(residual) > tol``, ``jnp.sum(active) > 0`` (marks of _flow, resolved at the comparison)
+_EXTREME, _COUNT = "extreme", "count"
+_COMPARE = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
 
 def decides_by_statistic(we, me, ins: list, firsts) -> bool:
@@ -132,20 +136,69 @@ def _updates_finished(we, me) -> bool:
     written by hand: ``jax.vmap`` writes a per-example test instead) goes on updating the examples that are: a value
     with a batch axis that its body changes other than by a selection (``jnp.where(active, new, old)``), so that each
     example's iterations depend on the others' in its batch."""
-    cond, wcond = me.params["cond_jaxpr"].jaxpr, we.params["cond_jaxpr"].jaxpr
-    made = {v: (e, w) for e, w in zip(cond.eqns, wcond.eqns) for v in e.outvars}
-    test = cond.outvars[0]
-    while test in made and made[test][0].primitive.name in ("not", "convert_element_type"):
-        test = made[test][0].invars[0]
-    if test not in made or made[test][0].primitive.name not in _ANY_OR_ALL:
-        return False
-    e, w = made[test]
-    if not _batched(w.invars[0], e.invars[0]):
+    if not _any_or_all_test(we, me):
         return False
     body, wbody = me.params["body_jaxpr"].jaxpr, we.params["body_jaxpr"].jaxpr
     carried = body.invars[me.params["body_nconsts"]:]
     return any(_batched(wv, mv) and mv is not old and mv.aval.dtype != bool and not _selected(mv, body)
                for wv, mv, old in zip(wbody.outvars, body.outvars, carried))  # (flags carried: done | converged)
+
+
+def _any_or_all_test(we, me) -> bool:
+    """Whether a ``while_loop``'s test (``me``; ``we`` at the whole batch) is "any" / "all" of per-example tests:
+    ``jnp.any(active)``, ``jnp.max(residual) > tol`` (its largest value computed in the test, or in the body and
+    carried), ``jnp.sum(active) > 0``."""
+    cond, wcond = me.params["cond_jaxpr"].jaxpr, we.params["cond_jaxpr"].jaxpr
+    made = _made(cond, wcond)
+    test = cond.outvars[0]
+    while test in made and made[test][0].primitive.name in ("not", "convert_element_type"):
+        test = made[test][0].invars[0]
+    if _reduced_over_batch(test, made) in (_ANY_OR_ALL | {"reduce_max", "reduce_min"}):
+        return True
+    if test not in made or made[test][0].primitive.name not in _COMPARE:
+        return False
+    eqn = made[test][0]
+    cn = me.params["cond_nconsts"]
+    carried = dict(zip(cond.invars[cn:], me.params["body_jaxpr"].jaxpr.outvars))
+    body_made = _made(me.params["body_jaxpr"].jaxpr, we.params["body_jaxpr"].jaxpr)
+    for k, a in enumerate(eqn.invars):
+        if isinstance(a, jex_core.Literal):
+            continue
+        other = eqn.invars[1 - k]
+        kind = _reduced_over_batch(a, made) or (_reduced_over_batch(carried[a], body_made) if a in carried else None)
+        if kind in ("reduce_max", "reduce_min") or kind == "reduce_sum" and _against_zero(eqn, k, other):
+            return True
+    return False
+
+
+def _made(jaxpr, wjaxpr) -> dict:
+    return {v: (e, w) for e, w in zip(jaxpr.eqns, wjaxpr.eqns) for v in e.outvars}
+
+
+def _reduced_over_batch(v, made) -> str | None:
+    """The name of the reduction over the examples (an operand's batch axis lost) that makes ``v`` (``made``: its
+    program's equations by result, with the whole batch's twin), or None; a sum only of per-example flags."""
+    if v not in made:
+        return None
+    e, w = made[v]
+    name = e.primitive.name
+    if not name.startswith("reduce_") or not _batched(w.invars[0], e.invars[0]) or _batched(w.outvars[0], e.outvars[0]):
+        return None
+    if name == "reduce_sum":
+        src = made.get(e.invars[0], (None,))[0]
+        if src is None or src.primitive.name != "convert_element_type" or src.invars[0].aval.dtype != bool:
+            return None
+    return name
+
+
+def _against_zero(eqn, k: int, other) -> bool:
+    """Whether comparison ``eqn`` of a count (its operand ``k``) with ``other`` tests "any" / "none": the count
+    against zero (``> 0``, ``!= 0``, ``== 0``, ``<= 0``) or one (``>= 1``, ``< 1``)."""
+    if not isinstance(other, jex_core.Literal):
+        return False
+    name = eqn.primitive.name if k == 0 else {"gt": "lt", "lt": "gt", "ge": "le", "le": "ge"}.get(
+        eqn.primitive.name, eqn.primitive.name)
+    return float(other.val) == 0 and name in ("gt", "ne", "eq", "le") or float(other.val) == 1 and name in ("ge", "lt")
 
 
 def _selected(v, jaxpr, depth: int = 0) -> bool:
@@ -183,7 +236,7 @@ def loop_test(we, me, ins: list, firsts=()) -> tuple[bool, bool]:
             break
         carry = joined
     test = _flow(we.params["cond_jaxpr"].jaxpr, me.params["cond_jaxpr"].jaxpr, flags[:cn] + carry)
-    return (True, False) if not test else test[0]
+    return (True, False) if not test else (test[0][0], test[0][1] is True)  # (jnp.max of flags: "any")
 
 
 def _flow(w, m, flags: list) -> list | None:
@@ -193,15 +246,36 @@ def _flow(w, m, flags: list) -> list | None:
     if len(w.eqns) != len(m.eqns) or len(m.invars) != len(flags):
         return None
     env = dict(zip(m.invars, flags))
+    made = _made(m, w)
     for we, me in zip(w.eqns, m.eqns):
         read = [env.get(a, (False, False)) for a in me.invars if not isinstance(a, jex_core.Literal)]
         dep, joined = any(d for d, _ in read), any(t for _, t in read)
-        if dep and not joined and me.primitive.name not in _ANY_OR_ALL:
+        if joined and me.primitive.name in _COMPARE and _tests_each(me, env):
+            joined = False  # the examples' largest value against a level: "any" / "all" of per-example tests
+        elif dep and not joined and me.primitive.name not in _ANY_OR_ALL:
             batched_in = any(_batched(wa, ma) for wa, ma in zip(we.invars, me.invars)
                              if not isinstance(ma, jex_core.Literal) and env.get(ma, (False,))[0])
             joined = batched_in and not any(_batched(wv, mv) for wv, mv in zip(we.outvars, me.outvars))
+            if joined and me.primitive.name in ("reduce_max", "reduce_min", "reduce_sum"):
+                reduced = _reduced_over_batch(me.outvars[0], made)
+                joined = (_COUNT if reduced == "reduce_sum" else _EXTREME) if reduced else joined
         env.update((v, (dep, joined)) for v in me.outvars)
     return [(False, False) if isinstance(v, jex_core.Literal) else env.get(v, (False, False)) for v in m.outvars]
+
+
+def _tests_each(eqn, env) -> bool:
+    """Whether comparison ``eqn`` tests a mark of :func:`_flow` (the examples' largest value, a count of flags)
+    against a value that does not depend on the batch, as "any" / "all" of per-example tests does (a count only
+    against zero or one)."""
+    for k, a in enumerate(eqn.invars):
+        mark = None if isinstance(a, jex_core.Literal) else env.get(a, (False, False))[1]
+        if mark not in (_EXTREME, _COUNT):
+            continue
+        other = eqn.invars[1 - k]
+        if not isinstance(other, jex_core.Literal) and env.get(other, (False,))[0]:
+            return False
+        return mark == _EXTREME or _against_zero(eqn, k, other)
+    return False
 
 
 def _batched(wv, mv) -> bool:
