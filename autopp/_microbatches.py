@@ -302,7 +302,9 @@ def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbat
     """``forward`` as the pipeline runs it: with ``loss_reduction="sum"``, the loss's terms that read no batch input (a
     weight penalty) scaled by ``1 / num_microbatches``, so that the microbatches' losses add up to the step's (the
     same equations, so a split of ``forward`` splits it); so too the terms of each aux value the microbatches add up
-    (``kinds``, from :func:`reductions`: a counter carried in and added to, ``seen + mask.sum()``, counted once)."""
+    (``kinds``, from :func:`reductions`: a counter carried in and added to, ``seen + mask.sum()``, counted once).
+    With ``"mean"``, such terms that the batch's size scales (the per-datapoint ELBO's ``(nll.sum() + kl) / B``) are
+    scaled to count once in the microbatches' average, as under jit."""
     if num_microbatches == 1:
         return forward
     summed = [k for k, kind in enumerate(kinds) if k and kind == "sum"]
@@ -319,4 +321,9 @@ def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbat
     if outputs:
         forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches,
                                                 traced.spec.forward, outputs)
+    means = [k for k, kind in enumerate(kinds) if k and kind == "mean"
+             and jnp.issubdtype(forward.out_avals[k].dtype, jnp.inexact)] + ([0] if loss_reduction == "mean" else [])
+    if means:  # (a KL added to the examples' sum before dividing by the batch size)
+        forward = scale_batch_independent_terms(forward, traced.microbatched_grad_inputs, 1.0 / num_microbatches,
+                                                traced.spec.forward, means, mean=True)
     return forward

@@ -48,7 +48,7 @@ _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "res
 
 def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Sequence[bool],
                                   factor: float, whole: jex_core.ClosedJaxpr | None = None,
-                                  outputs: Sequence[int] = (0,)) -> jex_core.ClosedJaxpr:
+                                  outputs: Sequence[int] = (0,), mean: bool = False) -> jex_core.ClosedJaxpr:
     """The loss's forward with each term of the loss (output 0; or of each of ``outputs``: an aux value the
     microbatches add up, a counter carried in and added to, ``seen + mask.sum()``) that reads no microbatched input
     multiplied by ``factor``. A term is an operand of an addition or subtraction whose other
@@ -60,40 +60,69 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     in its gradient. A term that grows with the batch (``whole``: the loss traced at the whole batch, where
     ``closed`` is at a microbatch) is a sum over the examples and is left as it is: a constant broadcast to each
     example and summed (``jnp.sum(nll - log_det)``), or scaled by the batch size (``nll.sum() - B * log_det``).
-    Each rewritten equation becomes one call, so equation indices stay valid."""
+
+    ``mean``: the step's loss (output 0) is the microbatches' losses averaged (``factor`` is ``1 / M``). A term
+    then counts as jit counts it unless the batch's size scales it: a KL added to the examples' sum before the
+    division by the batch size (the per-datapoint ELBO, ``(nll.sum() + kl) / B``) or divided by it (``nll.mean() +
+    kl / B``) would count ``M`` times. Each such term is scaled by its value at the whole batch over its value at a
+    microbatch, the batch sizes read off the two traces (``1 / M`` for these). Each rewritten equation becomes one
+    call, so equation indices stay valid."""
     jaxpr = closed.jaxpr
     dep = batch_dependent_vars(jaxpr, microbatched)
     shaped, sized = _batch_sized_vars(whole.jaxpr, jaxpr) if whole is not None else (set(), set())
-    linear = {v for k, v in enumerate(jaxpr.outvars) if k in outputs and not isinstance(v, Literal)}
+    if mean and (whole is None or not sized):
+        return closed  # (nothing scales with the batch's size: every term counts as under jit)
+    ratio_of = _value_ratios(whole, closed, shaped, sized) if mean else None
+    num_microbatches = round(1 / factor) if mean else 1
+    ratio = {v: 1.0 for k, v in enumerate(jaxpr.outvars) if k in outputs and not isinstance(v, Literal)}
 
     def depends(a) -> bool:
         return not isinstance(a, Literal) and a in dep
 
+    def reach(a, r) -> None:  # (one ratio per value: reached on two paths with two, none)
+        if not isinstance(a, Literal):
+            ratio[a] = r if ratio.get(a, r) == r else None
+
     rewrite = {}
     for i in reversed(range(len(jaxpr.eqns))):
         e = jaxpr.eqns[i]
-        if len(e.outvars) != 1 or e.outvars[0] not in linear:
+        if len(e.outvars) != 1 or e.outvars[0] not in ratio:
             continue
-        name, ins = e.primitive.name, e.invars
+        name, ins, r = e.primitive.name, e.invars, ratio[e.outvars[0]]
         on = [depends(a) for a in ins]
-        if name in ("add", "sub", "add_any") and (any(on) or any((i, k) in sized for k in range(len(ins)))):
+        if mean and name in ("add", "sub", "add_any") and any(on):
+            if not all(on):  # the term's value and its path to the loss, whole batch over a microbatch
+                own = ratio_of(i, on.index(False))
+                scale = (None if own is None or r is None else
+                         own * r * (num_microbatches if e.outvars[0] in shaped else 1))  # (summed over examples)
+                if scale is not None and not np.isclose(scale, 1.0, rtol=1e-9, atol=0):
+                    rewrite[i] = (on.index(False), scale)
+            for a, d in zip(ins, on):
+                if d:
+                    reach(a, r)
+        elif not mean and name in ("add", "sub", "add_any") and (any(on) or any((i, k) in sized
+                                                                                  for k in range(len(ins)))):
             on = [d or (i, k) in sized for k, d in enumerate(on)]  # (the batch's size: seen + x.shape[0])
             if not all(on) and e.outvars[0] not in shaped and (i, on.index(False)) not in sized:
-                rewrite[i] = on.index(False)  # (added to each example, or growing with the batch: a sum over them)
-            linear.update(a for a, d in zip(ins, on) if d and not isinstance(a, Literal))
+                rewrite[i] = (on.index(False), factor)  # (added to each example, or growing with the batch: a sum)
+            for a, d in zip(ins, on):
+                if d:
+                    reach(a, r)
         elif (name == "mul" and sum(on) == 1) or (name == "div" and on == [True, False]):
-            linear.add(ins[on.index(True)])
+            k = on.index(True)
+            other = ratio_of(i, 1 - k) if mean and r is not None else 1.0
+            reach(ins[k], None if other is None or r is None else (r * other if name == "mul" else r / other))
         elif name in _LINEAR_UNARY and len(ins) == 1 and on[0]:
-            linear.add(ins[0])
+            reach(ins[0], r)
     if not rewrite:
         return closed
     eqns = list(jaxpr.eqns)
-    for i, pos in rewrite.items():
+    for i, (pos, scale) in rewrite.items():
         e = eqns[i]
 
-        def scaled(*xs, e=e, pos=pos):
+        def scaled(*xs, e=e, pos=pos, scale=scale):
             xs = list(xs)
-            xs[pos] = xs[pos] * jnp.asarray(factor, xs[pos].dtype)
+            xs[pos] = xs[pos] * jnp.asarray(scale, xs[pos].dtype)
             return e.primitive.bind(*xs, **e.params)
 
         avals = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False))
@@ -102,6 +131,63 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
         eqns[i] = call.replace(invars=list(e.invars), outvars=list(e.outvars))
     new = new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns, jaxpr.effects, "loss")
     return jex_core.ClosedJaxpr(new, closed.consts)
+
+
+_SAME_VALUE = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "broadcast_in_dim",
+                         "transpose", "expand_dims", "reduce_sum", "reduce_precision"})
+
+
+def _value_ratios(whole: jex_core.ClosedJaxpr, closed: jex_core.ClosedJaxpr, shaped: set, sized: set):
+    """A function of ``(equation index, operand position)`` of ``closed`` (the loss at a microbatch; ``whole`` at the
+    whole batch, the same program) giving the operand's value at the whole batch over its value at the microbatch,
+    where it depends on the batch's size through products, quotients and powers of literals (``kl / B``: ``1 / M``;
+    ``B``: ``M``); 1 where it does not depend on the size; None where the ratio cannot be read."""
+    w, m = whole.jaxpr, closed.jaxpr
+    made = {v: i for i, e in enumerate(m.eqns) for v in e.outvars}
+    consts = {mv: (wc, mc) for mv, wc, mc in zip(m.constvars, whole.consts, closed.consts)}
+
+    def literal(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            return None
+        if np.array_equal(a, b):
+            return 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.ravel(a / b)
+        return float(q[0]) if q.size and np.all(np.isfinite(q)) and np.allclose(q, q[0], rtol=1e-12) else None
+
+    @functools.lru_cache(maxsize=None)
+    def of_var(i: int, k: int, depth: int = 0):
+        a, b = w.eqns[i].invars[k], m.eqns[i].invars[k]
+        if isinstance(b, Literal):
+            return literal(a.val, b.val) if isinstance(a, Literal) else None
+        if b in consts:
+            return literal(*consts[b])
+        j = made.get(b)
+        if j is None or not any((j, n) in sized for n in range(len(m.eqns[j].invars))) and b not in shaped:
+            return 1.0  # (an input, or computed from nothing that depends on the batch's size)
+        if depth > 16:
+            return None
+        e = m.eqns[j]
+        parts = [of_var(j, n, depth + 1) for n in range(len(e.invars))]
+        name = e.primitive.name
+        if name in _SAME_VALUE:
+            return parts[0]
+        if None in parts:
+            return None
+        if name == "mul":
+            return parts[0] * parts[1]
+        if name == "div":
+            return parts[0] / parts[1] if parts[1] else None
+        if name in ("add", "sub") and np.isclose(parts[0], parts[1], rtol=1e-12):
+            return parts[0]
+        if name == "integer_pow":
+            return parts[0] ** e.params["y"]
+        if name in ("sqrt", "rsqrt"):
+            return parts[0] ** (0.5 if name == "sqrt" else -0.5) if parts[0] > 0 else None
+        return None
+
+    return of_var
 
 
 def _batch_sized_vars(w: jex_core.Jaxpr, m: jex_core.Jaxpr) -> tuple[set, set]:

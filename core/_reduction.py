@@ -453,9 +453,10 @@ def _rule(we, me, ins: list, M: int) -> list:
         # (a constant summed over the examples, the batch size times it, added to the examples' sum: nll_i - c summed)
         keys = {(1, 0) if st[:3] == (0, 1, False) and dep else st[:2] for st in live}
         if len(keys) > 1:
-            # a batch-independent term added to a sum or a mean (a weight penalty): the dependent part decides
+            # a batch-independent term added to a sum or a mean (a weight penalty; a KL scaled by the batch size,
+            # kl / B): the dependent part decides (counted_once scales such a term to count as jit counts it)
             dependent = {st[:2] for st in live if st[2]}
-            keys = dependent if len(dependent) == 1 and all(st[:2] == (0, 0) for st in live if not st[2]) else keys
+            keys = dependent if len(dependent) == 1 and all(st[0] == 0 for st in live if not st[2]) else keys
             if keys == {(1, 0), (1, -1)} and all(st[2] for st in live):  # a sum plus a mean (a z-loss's .mean())
                 return [(1, _MIXED, True)]
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]

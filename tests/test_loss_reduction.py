@@ -888,3 +888,46 @@ def test_a_chunked_cross_entropy_summed_in_a_checkpointed_scan_carry_is_a_sum():
         return total / n
 
     _assert_quiet_and_jit_s(_step(loss, lambda b: (b["mask"].sum(),)))
+
+
+def _kl(params):  # a term of the parameters alone (a KL to the prior, a log-prior)
+    return 0.5 * jnp.sum(params["w"] ** 2) + 0.1 * jnp.sum(jnp.abs(params["head"]))
+
+
+_PER_DATAPOINT = {  # user trial BAYES: KL / log-prior terms the batch's size scales
+    "(nll.sum() + kl) / B": lambda p, b: (_nll(p, b).mean(1).sum() + _kl(p)) / b["x"].shape[0],
+    "(nll.sum() + kl) / len(x)": lambda p, b: (_nll(p, b).mean(1).sum() + _kl(p)) / len(b["x"]),
+    "-(loglik.sum() + logprior) / B": lambda p, b: -(-_nll(p, b).mean(1).sum() - _kl(p)) / b["x"].shape[0],
+    "nll.mean() + kl / B": lambda p, b: _nll(p, b).mean() + _kl(p) / b["x"].shape[0],
+    "jnp.mean(nll + kl / B)": lambda p, b: jnp.mean(_nll(p, b).mean(1) + _kl(p) / b["x"].shape[0]),
+    "nll.mean() + kl / (N / B)": lambda p, b: _nll(p, b).mean() + _kl(p) / (1000.0 / b["x"].shape[0]),
+    "nll.mean() + kl / N": lambda p, b: _nll(p, b).mean() + _kl(p) / 1000.0,  # (no size: unchanged)
+    "aux (nll.sum() + kl) / B": lambda p, b: (_nll(p, b).mean(), (_nll(p, b).mean(1).sum() + _kl(p)) / len(b["x"])),
+}
+
+
+@pytest.mark.parametrize("name", list(_PER_DATAPOINT))
+def test_a_term_the_batch_size_scales_counts_once_as_under_jit(name):
+    """A term of the parameters alone added to the examples' sum before dividing by the batch size (the per-datapoint
+    ELBO, ``(nll.sum() + kl) / B``, and MAP's log-prior) was counted once per microbatch, silently: the trial's loss
+    84.50 for jit's 22.81 at 4 microbatches; ``nll.mean() + kl / B`` warned that the loss did not show a mean or a
+    sum, and ``loss_reduction="mean"`` did not help; ``jnp.mean(nll + kl / B)`` warned of "a custom kernel". Each
+    such term is scaled by its value at the whole batch over a microbatch's, so it counts as jit counts it, in the
+    loss, the gradients and an aux value alike, without a word."""
+    fn = _PER_DATAPOINT[name]
+    has_aux = name.startswith("aux")
+
+    def step(params, opt_state, batch):
+        out, grads = autopp.value_and_grad(fn, has_aux=has_aux)(params, batch)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    params = _params(jax.random.key(0))
+    want = jax.jit(step)(params, TX.init(params), _batch(0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2])(
+            params, TX.init(params), _batch(0))
+    assert not [str(w.message) for w in seen if "autopp" in str(w.message)]
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves((autopp.gather(got[0]), *got[1:]))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
