@@ -543,6 +543,32 @@ def _scans_data(xs_flat) -> bool:
     return data
 
 
+class LoopCounter(int):
+    """A Python integer carried by ``lax.scan`` unrolled under ``jax.disable_jit`` (``fori_loop``'s counter, an
+    ``int`` in a scan's carry): it stays concrete, so indices by it stay static (a layer's rows of stacked
+    parameters), but it answers what the body may ask of the int32 array ``jax.jit`` would hand it
+    (``i.astype(jnp.float32)``, ``i.dtype``), and arithmetic on it keeps it one."""
+
+    dtype = np.dtype(np.int32)
+    shape, ndim, size = (), 0, 1
+
+    def astype(self, dtype):
+        return jax.numpy.asarray(int(self), dtype)
+
+
+def _counted(op):
+    def method(self, *other):
+        out = op(int(self), *other)
+        return LoopCounter(out) if type(out) is int else out
+    return method
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__", "__rfloordiv__",
+              "__mod__", "__rmod__", "__neg__", "__abs__", "__pow__", "__lshift__", "__rshift__", "__and__", "__or__",
+              "__xor__"):
+    setattr(LoopCounter, _name, _counted(getattr(int, _name)))
+
+
 class replaying_scans:
     """While active (with ``jax.disable_jit``, which unrolls ``lax.scan``), ``lax.scan`` called on a thread inside
     the block traces its body once and replays it per iteration (:func:`_scan_by_replay`): the same equations as
@@ -571,6 +597,7 @@ class replaying_scans:
                     out = _scan_by_replay(f, init, xs, length, reverse)
                     if out is not None:
                         return out
+                    init = jax.tree_util.tree_map(lambda x: LoopCounter(x) if type(x) is int else x, init)
                 return original[0](f, init, xs, length, reverse, unroll, _split_transpose)
 
             loops.scan = jax.lax.scan = scan

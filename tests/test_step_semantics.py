@@ -919,3 +919,37 @@ def test_a_cond_whose_branch_multiplies_matrices_stays_a_cond():
                              batch_argnums=2)(*args)
     for a, b in zip(jax.tree.leaves(autopp.gather(got)), jax.tree.leaves(jax.jit(step)(*args))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def _annealed_in_the_loss(params, batch):  # a fori_loop's counter read as an array (a step size annealed by it)
+    def refine(i, h):
+        return h + jnp.tanh(h @ params["w"]) * 0.5 ** (i + 1).astype(jnp.float32)
+    h = jax.lax.fori_loop(0, 3, refine, params["embed"][batch["x"]])
+    logp = jax.nn.log_softmax(h @ params["head"])
+    return -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1).mean()
+
+
+def _counter_in_a_scan_carry(params, batch):  # an int counter in a scan's carry, cast to scale each step
+    def body(c, _):
+        h, i = c
+        return (h + jnp.tanh(h @ params["w"]) / (1 + i).astype(h.dtype), i + 1), None
+    h = jax.lax.scan(body, (params["embed"][batch["x"]], 0), None, length=3)[0][0]
+    logp = jax.nn.log_softmax(h @ params["head"])
+    return -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1).mean()
+
+
+@pytest.mark.parametrize("loss", [_annealed_in_the_loss, _counter_in_a_scan_carry], ids=lambda f: f.__name__.strip("_"))
+def test_a_loop_counter_read_as_an_array_runs_as_jit(loss):
+    """``jax.jit`` hands a ``fori_loop``'s body its counter as an int32 array, and a scan's int carry too; autopp's
+    trace handed a Python int, so ``i.astype(jnp.float32)`` (an annealed Langevin step size, a residual flow's term
+    index) failed with ``AttributeError: 'int' object has no attribute 'astype'`` (trial FLOWEBM), in the loss and
+    in the step alike. The counter stays concrete (static indices) and answers as the array."""
+    def step(params, opt_state, batch):  # (the same loop in the step, outside the gradient, too)
+        shift = jax.lax.fori_loop(0, 2, lambda i, s: s + i.astype(jnp.float32) * 1e-3, jnp.float32(0.0))
+        out, grads = autopp.value_and_grad(loss)(params, batch)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out + shift
+
+    (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4)
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
