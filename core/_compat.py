@@ -288,10 +288,27 @@ def name_stack(eqn) -> str:
 
 
 def user_line(eqn) -> str:
-    """Where the user's code made the equation: ``file.py:12:8 (function)``."""
+    """Where the user's code made the equation: ``file.py:12:8 (function)``. Where that is inside an installed
+    library (a Flax or Equinox layer: ``equinox/nn/_dropout.py``), the innermost line of the user's own code that
+    called it, with the library's line after it: ``train.py:30:8 (loss; in equinox/nn/_dropout.py:95)``."""
     from jax._src import source_info_util
 
-    return source_info_util.summarize(eqn.source_info)
+    innermost = source_info_util.summarize(eqn.source_info)
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    if not frames or not _installed(frames[0].file_name):
+        return innermost
+    own = next((f for f in frames if not _installed(f.file_name)), None)
+    if own is None:
+        return innermost
+    library = frames[0].file_name
+    for marker in ("site-packages/", "dist-packages/"):
+        library = library.split(marker, 1)[-1]
+    where = source_info_util._summarize_frame(own)
+    return f"{where[:-1]}; in {library}:{frames[0].start_line})" if where.endswith(")") else where
+
+
+def _installed(file_name: str) -> bool:
+    return "site-packages" in file_name or "dist-packages" in file_name
 
 
 # -- fused attention -------------------------------------------------------------------------------------------

@@ -928,3 +928,21 @@ def test_the_unreadable_loss_warning_names_one_microbatch_for_jit_s_values():
     got = autopp.parallelize(_step(loss), num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(
         _params(), TX.init(_params()), _batch())
     _assert_equal(jax.jit(_step(loss))(_params(), TX.init(_params()), _batch()), (autopp.gather(got[0]), *got[1:]))
+
+
+def test_a_warning_made_inside_a_library_layer_names_the_user_s_line():
+    """Warnings named the line inside an installed library where JAX saw the equation (trial BAYES: Equinox's
+    dropout, ``equinox/nn/_dropout.py:95``, Flax's ``flax/linen/stochastic.py:105``), not the user's call of the layer.
+    They name the user's line, with the library's after it."""
+    eqx = pytest.importorskip("equinox")
+    drop = eqx.nn.Dropout(0.5)
+
+    def loss(p, b):
+        x, y = b
+        keys = jax.random.split(jax.random.key(0), x.shape[0])  # per-example keys made from one key in the loss
+        h = jax.vmap(lambda h, k: drop(h, key=k))(jnp.tanh(x @ p["w0"]), keys)  # the line
+        return _head(p, h, y)
+
+    want, got, texts = _both(_step(loss), _batch())
+    line = loss.__code__.co_firstlineno + 3
+    assert any(f"test_batch_control.py:{line}:" in t and "; in equinox/nn/_dropout.py:" in t for t in texts), texts
