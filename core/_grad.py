@@ -97,6 +97,16 @@ class GradSpec:
         numbered = jax.tree_util.tree_unflatten(self.aux_tree, list(range(self.num_aux)))
         return ["aux" + "".join(_key_str(k, node) for k, node in steps) for steps in _paths(numbered)]
 
+    @property
+    def grad_names(self) -> list[str]:
+        """Each differentiated input named by its gradient's place in what the call returns (``grads[1]['h']`` with
+        ``argnums=(0, 1)``), in the order of :attr:`diff_indices`."""
+        n = len(self.diff_indices)
+        if self.grad_tree is None or self.grad_tree.num_leaves != n:
+            return [f"differentiated input {k}" for k in range(n)]
+        numbered = jax.tree_util.tree_unflatten(self.grad_tree, list(range(n)))
+        return ["grads" + "".join(_key_str(k, node) for k, node in steps) for steps in _paths(numbered)]
+
     def __hash__(self):
         return id(self)
 

@@ -521,8 +521,12 @@ def check_gradient_not_split(traced: TracedStep, num_microbatches: int, who: str
     if not split or num_microbatches == 1:
         return
     outer = traced.jaxpr.jaxpr.invars
-    names = [traced.leaf_paths[outer.index(a)] if a in outer else f"loss argument #{k - traced.spec.num_lifted}"
-             for k in split for a in [traced.grad_eqn.invars[k]]]
+    by_gradient = dict(zip(traced.spec.diff_indices, traced.spec.grad_names))
+    names = [traced.leaf_paths[outer.index(a)] for k in split for a in [traced.grad_eqn.invars[k]] if a in outer]
+    inner = [by_gradient[k] for k in split if traced.grad_eqn.invars[k] not in outer]  # (computed in the step)
+    if inner:
+        names.append(f"the loss's inputs computed from the batch in the step whose gradients are {', '.join(inner[:4])}"
+                     + (f" and {len(inner) - 4} more" if len(inner) > 4 else ""))
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     raise ValueError(
         f"{who}: the gradient is taken with respect to {shown}, which is split into microbatches as part of the "

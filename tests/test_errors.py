@@ -598,3 +598,27 @@ def test_an_aux_leaf_of_a_node_without_keys_is_named_by_the_node_s_type():
     b = (jnp.ones((8, 4)), jnp.zeros((8, 4)))
     with pytest.raises(ValueError, match=r"returns one of its inputs unchanged as aux\['state'\]\[<_Box leaf 0>\]"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(p, _Box(jnp.ones(3)), b)
+
+
+def test_a_gradient_of_rows_gathered_in_the_step_is_refused_naming_them_as_the_gradients_are():
+    """A gradient with respect to embedding rows the step gathers by the batch's ids (a sparse update scattered by
+    hand) is refused, as it would be per microbatch; the refusal numbered flattened leaves, "loss argument #2, loss
+    argument #3", where the loss had three arguments and its #2 was not differentiated (trial KGE). It names them
+    as the gradients come back."""
+    def loss(dense, rows, r):
+        return jnp.mean(jnp.sum(jnp.tanh(rows["h"] @ dense["w"]) * dense["rel"][r] * rows["t"], -1) ** 2)
+
+    def step(p, b):
+        rows = {"h": p["ent"][b["h"]], "t": p["ent"][b["t"]]}
+        value, (gd, gr) = autopp.value_and_grad(loss, argnums=(0, 1))({"rel": p["rel"], "w": p["w"]}, rows, b["r"])
+        ent = p["ent"].at[b["h"]].add(-0.1 * gr["h"]).at[b["t"]].add(-0.1 * gr["t"])
+        return {"ent": ent, "rel": p["rel"] - 0.1 * gd["rel"], "w": p["w"] - 0.1 * gd["w"]}, value
+
+    k = jax.random.split(jax.random.key(0), 6)
+    p = {"ent": jax.random.normal(k[0], (50, 8)), "rel": jax.random.normal(k[1], (5, 8)),
+         "w": jax.random.normal(k[2], (8, 8))}
+    b = {"h": jax.random.randint(k[3], (16,), 0, 50), "r": jax.random.randint(k[4], (16,), 0, 5),
+         "t": jax.random.randint(k[5], (16,), 0, 50)}
+    with pytest.raises(ValueError, match=r"with respect to the loss's inputs computed from the batch in the step whose "
+                                         r"gradients are grads\[1\]\['h'\], grads\[1\]\['t'\], which is split"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(p, b)
