@@ -528,6 +528,13 @@ def tracing_loss(leaves, differentiated):
         yield
     finally:
         stack.pop()
+        _loss_frames.traced = True
+
+
+def _before_the_loss() -> bool:
+    """Whether the step being traced has not reached its loss yet (no loss traced since :class:`replaying_scans`
+    began): its work feeds the loss (a sampler drawing negatives from the parameters) and is not split into stages."""
+    return not getattr(_loss_frames, "stack", None) and not getattr(_loss_frames, "traced", False)
 
 
 def _scans_data(xs_flat) -> bool:
@@ -601,6 +608,8 @@ class replaying_scans:
         from jax._src.lax.control_flow import loops
 
         cls = type(self)
+        if threading.get_ident() not in cls._inside:
+            _loss_frames.traced = False
         if not cls._inside:
             original = cls._original = (loops.scan, jax.lax.scan)
             inside = cls._inside
@@ -608,7 +617,8 @@ class replaying_scans:
             @functools.wraps(original[0])
             def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
                 if threading.get_ident() in inside and jax.config.jax_disable_jit:
-                    if _scans_data(jax.tree_util.tree_leaves(xs)):  # over time or examples: kept one scan
+                    # over time or examples in the loss, or in the step before the loss (a sampler): kept one scan
+                    if _before_the_loss() or _scans_data(jax.tree_util.tree_leaves(xs)):
                         with jax.disable_jit(False):
                             return original[0](f, init, xs, length, reverse, unroll, _split_transpose)
                     out = _scan_by_replay(f, init, xs, length, reverse)

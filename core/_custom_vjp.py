@@ -24,10 +24,16 @@ _PASS_THROUGH = frozenset({"convert_element_type", "reshape", "squeeze", "expand
                            "dynamic_slice", "gather", "transpose"})  # (a layer's row of a stacked leaf)
 # linear in their first operand where the others do not depend on the cotangents
 _LINEAR_IN_FIRST = _PASS_THROUGH | {"neg", "broadcast_in_dim", "reduce_sum", "rev", "cumsum", "real", "imag", "conj",
-                                    "reduce_precision", "pad", "sharding_constraint", "optimization_barrier"}
-_SUMS = frozenset({"add", "sub", "add_any", "concatenate"})
-_PRODUCTS = frozenset({"mul", "dot_general"})
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint"})
+                                    "reduce_precision", "pad", "sharding_constraint", "optimization_barrier", "split",
+                                    "fft", "reduce_window_sum", "psum", "all_gather", "ppermute", "all_to_all",
+                                    "reduce_scatter", "psum_scatter"}
+_SUMS = frozenset({"add", "sub", "add_any", "concatenate", "complex"})
+_PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat",
+                    "checkpoint"})
+# linear in one operand (a right-hand side, a pooled window's cotangent) where the others do not depend on the
+# cotangents: its position
+_LINEAR_IN = {"triangular_solve": 1, "select_and_scatter_add": 0, "select_and_gather_add": 0}
 
 
 def backward_outputs(forward, diff_mask) -> tuple[list, list]:
@@ -122,6 +128,15 @@ def _rule(eqn, ins: list[int]) -> list[int]:
     if name in _LINEAR_IN_FIRST:
         return [LINEAR if ins[0] == LINEAR and all(c <= CONST for c in ins[1:])
                 and (name != "pad" or ins[1] == ZERO) else OTHER] * n
+    if name in _LINEAR_IN:
+        k = _LINEAR_IN[name]
+        return [LINEAR if ins[k] == LINEAR and all(c <= CONST for j, c in enumerate(ins) if j != k) else OTHER] * n
+    if name == "custom_linear_solve":  # (jnp.linalg.solve) linear in the right-hand side for a fixed matrix
+        num_consts = sum(eqn.params["const_lengths"])
+        return [LINEAR if all(c <= CONST for c in ins[:num_consts])
+                and all(c in (ZERO, LINEAR) for c in ins[num_consts:]) else OTHER] * n
+    if name in ("scan", "while"):
+        return _loop(eqn, ins)
     if name == "cond" and ins[0] <= CONST:  # a branch chosen by the residuals: each branch's class, the worst
         per_branch = [_classify(b.jaxpr, dict(zip(b.jaxpr.invars, ins[1:]))) for b in eqn.params["branches"]]
         return [_join(cs) for cs in zip(*per_branch)]
@@ -138,3 +153,32 @@ def _join(classes) -> int:
     if OTHER in classes or LINEAR in classes and CONST in classes:
         return OTHER
     return max(classes)
+
+
+def _loop(eqn, ins: list[int]) -> list[int]:
+    """A scan's or a while loop's outputs' classes: its carry's, iterated until they settle (a Neumann series or a
+    scanned recurrence of the cotangent is linear in it; a loop whose number of iterations reads the cotangent is
+    not)."""
+    p = eqn.params
+    if eqn.primitive.name == "scan":
+        body, nc, ncar = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
+        consts, carry, rest = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+    else:
+        body, cn = p["body_jaxpr"].jaxpr, p["cond_nconsts"]
+        nc = p["body_nconsts"]
+        consts, carry, rest = ins[cn:cn + nc], ins[cn + nc:], []
+    out = carry
+    for _ in range(6):
+        out = _classify(body, dict(zip(body.invars, consts + carry + rest)))
+        settled = [_join((a, b)) for a, b in zip(carry, out[:len(carry)])]
+        if settled == carry:
+            break
+        carry = settled
+    else:
+        return [OTHER] * len(eqn.outvars)
+    if eqn.primitive.name == "while":
+        cond = p["cond_jaxpr"].jaxpr
+        if max(_classify(cond, dict(zip(cond.invars, ins[:cn] + carry))), default=ZERO) > CONST:
+            return [OTHER] * len(eqn.outvars)
+        return carry
+    return carry + out[len(carry):]

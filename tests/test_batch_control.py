@@ -799,19 +799,49 @@ def test_a_parameter_gradient_not_linear_in_the_cotangent_warns(loss):
                    for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0])))
 
 
+@jax.custom_vjp
+def _recomputed(w, x):  # a checkpointing helper: inputs kept, the layer (a convolution) recomputed in the backward
+    return _conv_layer(w, x)
+
+
+def _conv_layer(w, x):
+    return jnp.tanh(jax.lax.conv_general_dilated(x[:, None, :], w[None, None, :3], (1,), "SAME")[:, 0, :])
+
+
+_recomputed.defvjp(lambda w, x: (_conv_layer(w, x), (w, x)), lambda res, g: jax.vjp(_conv_layer, *res)[1](g))
+
+
+@jax.custom_vjp
+def _implicit(w, x):  # a fixed point's implicit gradient: a Neumann series by fori_loop, then a linear solve
+    return jnp.tanh(x @ w)
+
+
+def _implicit_bwd(res, g):
+    w, x = res
+    v = jax.lax.fori_loop(0, 4, lambda i, v: g + 0.1 * v @ w.T, g)
+    v = jnp.linalg.solve(jnp.eye(w.shape[0]) + 0.01 * w @ w.T, v.T).T
+    return jax.vjp(lambda w, x: jnp.tanh(x @ w), w, x)[1](v)
+
+
+_implicit.defvjp(lambda w, x: (jnp.tanh(x @ w), (w, x)), _implicit_bwd)
+
+
 def test_custom_vjp_gradients_of_parameters_run_as_jit_without_a_word():
     """What the checks above must not catch: backwards that return true gradients of a parameter (scaled, read
-    off the cotangent) or zeros for it, and an activation's cotangent clipped elementwise (each example's own)."""
+    off the cotangent) or zeros for it, and an activation's cotangent clipped elementwise (each example's own);
+    backwards linear in the cotangent through a recomputed convolution, a loop (a Neumann series) and a linear solve
+    (trial NOISE11: each warned falsely)."""
     def loss(p, b):
         x, y = b
         q = {**p, "w0": _scaled(p["w0"])}
-        return _head(q, _clipped(_frozen_scale(x, p["s"])), y)
+        h = _recomputed(p["k"], _implicit(p["w1"], x))
+        return _head(q, _clipped(_frozen_scale(h, p["s"])), y)
 
     def step(p, opt_state, b):
         value, g = autopp.value_and_grad(loss)(p, b)
         return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), opt_state, value
 
-    p = {**_params(), "s": jnp.float32(1.5)}
+    p = {**_params(), "s": jnp.float32(1.5), "k": jnp.array([0.3, -0.2, 0.5])}
     want = jax.jit(step)(p, (), _batch())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
