@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numpy as np
 from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
@@ -166,7 +167,8 @@ def _any_or_all_test(we, me) -> bool:
             continue
         other = eqn.invars[1 - k]
         kind = _reduced_over_batch(a, made) or (_reduced_over_batch(carried[a], body_made) if a in carried else None)
-        if kind in ("reduce_max", "reduce_min") or kind == "reduce_sum" and _against_zero(eqn, k, other):
+        total = _count_total(a, made)
+        if kind in ("reduce_max", "reduce_min") or total is not None and _against_count(eqn, k, other, total):
             return True
     return False
 
@@ -191,14 +193,29 @@ def _reduced_over_batch(v, made) -> str | None:
     return name
 
 
-def _against_zero(eqn, k: int, other) -> bool:
-    """Whether comparison ``eqn`` of a count (its operand ``k``) with ``other`` tests "any" / "none": the count
-    against zero (``> 0``, ``!= 0``, ``== 0``, ``<= 0``) or one (``>= 1``, ``< 1``)."""
+def _count_total(v, made) -> float | None:
+    """Where ``v`` counts per-example flags over the examples (``jnp.sum(done)``), or their fraction
+    (``jnp.mean(done)``): how many it counts of (the flags' number; 1 for a fraction); else None."""
+    e = made.get(v, (None,))[0]
+    if e is not None and e.primitive.name == "div" and isinstance(e.invars[1], jex_core.Literal):
+        total = _count_total(e.invars[0], made)
+        return None if total is None or not float(e.invars[1].val) else total / float(e.invars[1].val)
+    if _reduced_over_batch(v, made) != "reduce_sum":
+        return None
+    return float(np.prod(made[v][0].invars[0].aval.shape))
+
+
+def _against_count(eqn, k: int, other, total: float) -> bool:
+    """Whether comparison ``eqn`` of a count of flags (its operand ``k``, counting of ``total``) with ``other`` tests
+    "any" / "none" / "all": the count against zero (``> 0``, ``!= 0``, ``== 0``, ``<= 0``), one (``>= 1``, ``< 1``)
+    or all of them (``jnp.sum(done) < B``, ``jnp.mean(done) < 1.0``)."""
     if not isinstance(other, jex_core.Literal):
         return False
     name = eqn.primitive.name if k == 0 else {"gt": "lt", "lt": "gt", "ge": "le", "le": "ge"}.get(
         eqn.primitive.name, eqn.primitive.name)
-    return float(other.val) == 0 and name in ("gt", "ne", "eq", "le") or float(other.val) == 1 and name in ("ge", "lt")
+    value = float(other.val)
+    return (value == 0 and name in ("gt", "ne", "eq", "le") or value == 1 and total != 1 and name in ("ge", "lt")
+            or value == total and name in ("lt", "ge", "eq", "ne"))
 
 
 def _selected(v, jaxpr, depth: int = 0) -> bool:
@@ -258,7 +275,12 @@ def _flow(w, m, flags: list) -> list | None:
             joined = batched_in and not any(_batched(wv, mv) for wv, mv in zip(we.outvars, me.outvars))
             if joined and me.primitive.name in ("reduce_max", "reduce_min", "reduce_sum"):
                 reduced = _reduced_over_batch(me.outvars[0], made)
-                joined = (_COUNT if reduced == "reduce_sum" else _EXTREME) if reduced else joined
+                joined = ((_COUNT, _count_total(me.outvars[0], made)) if reduced == "reduce_sum" else _EXTREME
+                          ) if reduced else joined
+        elif (joined and me.primitive.name == "div" and not isinstance(me.invars[0], jex_core.Literal)
+              and isinstance(env.get(me.invars[0], (0, 0))[1], tuple)
+              and isinstance(me.invars[1], jex_core.Literal) and float(me.invars[1].val)):
+            joined = (_COUNT, env[me.invars[0]][1][1] / float(me.invars[1].val))  # (a fraction: jnp.mean(done))
         env.update((v, (dep, joined)) for v in me.outvars)
     return [(False, False) if isinstance(v, jex_core.Literal) else env.get(v, (False, False)) for v in m.outvars]
 
@@ -269,12 +291,12 @@ def _tests_each(eqn, env) -> bool:
     against zero or one)."""
     for k, a in enumerate(eqn.invars):
         mark = None if isinstance(a, jex_core.Literal) else env.get(a, (False, False))[1]
-        if mark not in (_EXTREME, _COUNT):
+        if mark != _EXTREME and not isinstance(mark, tuple):
             continue
         other = eqn.invars[1 - k]
         if not isinstance(other, jex_core.Literal) and env.get(other, (False,))[0]:
             return False
-        return mark == _EXTREME or _against_zero(eqn, k, other)
+        return mark == _EXTREME or _against_count(eqn, k, other, mark[1])
     return False
 
 

@@ -682,8 +682,11 @@ def _while(we, me, ins, M):
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
     if outs != carry:
         _look_again(wb, mb, states[cn:cn + bn], carry, outs, [], M)
-        carry = [_join(a, b) for a, b in zip(carry, outs)]  # one more pass from the joined states
-        outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
+        for _ in range(len(carry)):  # more passes from the joined states, until they settle (a flag, then a count)
+            carry = [_join(a, b) for a, b in zip(carry, outs)]
+            outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[cn:cn + bn] + carry, M)
+            if outs == carry:
+                break
         outs = [a if a == b else None for a, b in zip(carry, outs)]
     if loop_test(we, me, ins)[0]:  # a number of iterations that depends on the batch: so does what the loop makes
         outs = [st if st is None else (*st[:2], True) for st in outs]

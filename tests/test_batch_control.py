@@ -200,8 +200,31 @@ def _largest_flag_kept(p, b):  # jnp.max of per-example flags (what jnp.any comp
     return _head(p, z, y), jnp.float32(0.0) + jnp.mean(z)
 
 
+def _done_flags_tested(test):  # done flags carried, "while not all done" written as a count or a fraction of them
+    def loss(p, b):
+        x, y = b
+
+        def body(c):
+            z, done, n = c
+            return jnp.where(done[:, None], z, z * 0.7), done | ~_active(z), n + (~done).astype(jnp.int32)
+
+        z, _, n = jax.lax.while_loop(lambda c: test(c[1]), body,
+                                     (x, jnp.zeros(x.shape[0], bool), jnp.zeros(x.shape[0], jnp.int32)))
+        return _head(p, z, y), n.astype(jnp.float32).mean()  # (each example's iterations, averaged)
+    return loss
+
+
+def _done_counted(p, b):
+    return _done_flags_tested(lambda done: jnp.sum(done) < done.shape[0])(p, b)
+
+
+def _done_fraction(p, b):
+    return _done_flags_tested(lambda done: jnp.mean(done.astype(jnp.float32)) < 1.0)(p, b)
+
+
 @pytest.mark.parametrize("loss", [_per_example_loop, _per_example_branch, _any_not_done_kept, _self_conditioned,
-                                  _all_done_carried, _count_active_kept, _largest_residual_kept, _largest_flag_kept],
+                                  _all_done_carried, _count_active_kept, _largest_residual_kept, _largest_flag_kept,
+                                  _done_counted, _done_fraction],
                          ids=lambda f: f.__name__.strip("_"))
 def test_control_flow_per_example_runs_as_jit_without_a_word(loss):
     """What the warning must not catch: ``jax.vmap`` of a while loop or a cond, each example deciding for itself. The
@@ -211,7 +234,8 @@ def test_control_flow_per_example_runs_as_jit_without_a_word(loss):
     one branch and zeros in the other, was unreadable "through cond" (trial DIFF), with values equal to jit's. A
     per-example solver's "while any is not done" written as ``jnp.sum(active) > 0``, as the batch's largest residual
     carried and compared with a tolerance, or as ``jnp.max`` of the flags, warned falsely (trial NOISE9: values equal
-    to jit's, 0.17325211 for 0.17325209)."""
+    to jit's, 0.17325211 for 0.17325209); so did ``jnp.sum(done) < B`` and ``jnp.mean(done) < 1`` (trial NOISE11),
+    and the mean of each example's iterations, counted beside the done flags, was said to be no combination."""
     want, got, texts = _both(_step(loss, has_aux=True), _batch())
     assert not texts
     _assert_equal(want, got)
