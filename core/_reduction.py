@@ -443,7 +443,7 @@ def _rule(we, me, ins: list, M: int) -> list:
     for odd in (_RATIO, _MIXED):
         if any(st[1] == odd for st in states):
             constant = all(st[1] == odd or st[:3] == (0, 0, False)  # (or a sum over a count from the step: DETR's
-                           or odd == _RATIO and name in _ADD and st[:2] in ((1, -1), (1, 0)) for st in states)  # boxes)
+                           or name in _ADD and st[:2] in ((1, -1), (1, 0)) for st in states)  # boxes; mean + sum + sum)
             if constant and (name in _ADD or name == "mul" or name == "div" and states[0][1] == odd or name in _CARRY
                              or name in ("reduce_sum", "concatenate", "stack")):  # (weighted, stacked, summed)
                 return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
