@@ -32,14 +32,21 @@ def batch_dependent_vars(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) ->
 
 
 def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> set:
-    """Float variables that depend on a differentiated input (only those carry cotangents), other than through
-    ``lax.stop_gradient`` (a frozen stem's output, a weight read as a constant)."""
+    """Float variables of the loss's forward (``jaxpr``, its output 0 the loss) that carry cotangents: they depend on
+    a differentiated input and the loss reads them, both other than through ``lax.stop_gradient`` (a frozen stem's
+    output, a weight read as a constant; AlphaFold's recycling passes, ``prev = stop_gradient(model(p, b, prev))``,
+    whose work feeds the loss only through the ``stop_gradient``: they run no backward)."""
     dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "stop_gradient" and any(not isinstance(a, jex_core.Literal) and a in dep
                                                          for a in eqn.invars):
             dep.update(v for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.inexact))
-    return {v for v in dep if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
+    loss = jaxpr.outvars[0] if jaxpr.outvars else None
+    read = {loss} if loss is not None and not isinstance(loss, jex_core.Literal) else set()
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name != "stop_gradient" and any(v in read for v in eqn.outvars):
+            read.update(a for a in eqn.invars if not isinstance(a, jex_core.Literal))
+    return {v for v in dep if v in read and jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 
 
 _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "reduce_precision",
