@@ -36,17 +36,63 @@ def differentiable_vars(jaxpr: jex_core.Jaxpr, diff_invars: Sequence[bool]) -> s
     a differentiated input and the loss reads them, both other than through ``lax.stop_gradient`` (a frozen stem's
     output, a weight read as a constant; AlphaFold's recycling passes, ``prev = stop_gradient(model(p, b, prev))``,
     whose work feeds the loss only through the ``stop_gradient``: they run no backward)."""
-    dep = {v for v, d in zip(jaxpr.invars, diff_invars) if d}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name != "stop_gradient" and any(not isinstance(a, jex_core.Literal) and a in dep
-                                                         for a in eqn.invars):
-            dep.update(v for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.inexact))
+    dep = _depending(jaxpr, diff_invars)
     loss = jaxpr.outvars[0] if jaxpr.outvars else None
     read = {loss} if loss is not None and not isinstance(loss, jex_core.Literal) else set()
     for eqn in reversed(jaxpr.eqns):
         if eqn.primitive.name != "stop_gradient" and any(v in read for v in eqn.outvars):
             read.update(a for a in eqn.invars if not isinstance(a, jex_core.Literal))
     return {v for v in dep if v in read and jnp.issubdtype(v.aval.dtype, jnp.inexact)}
+
+
+def _depending(jaxpr: jex_core.Jaxpr, flags: Sequence[bool]) -> set:
+    """The float variables of ``jaxpr`` that depend on its inputs flagged in ``flags`` other than through
+    ``lax.stop_gradient``, followed into calls, branches and loops (a recycling loop whose body stops the gradient
+    of what it carries: its results do not depend on the parameters)."""
+    dep = {v for v, d in zip(jaxpr.invars, flags) if d}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(a, jex_core.Literal) and a in dep for a in eqn.invars]
+        if eqn.primitive.name == "stop_gradient" or not any(ins):
+            continue
+        dep.update(v for v, d in zip(eqn.outvars, _outputs_depending(eqn, ins))
+                   if d and jnp.issubdtype(v.aval.dtype, jnp.inexact))
+    return dep
+
+
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+                    "custom_vjp_call"})
+
+
+def _outputs_depending(eqn, ins: list[bool]) -> list[bool]:
+    """Per output of ``eqn``: whether it depends on its operands flagged in ``ins`` (see :func:`_depending`); all of
+    them where the equation is none that this reads into."""
+    name, p = eqn.primitive.name, eqn.params
+
+    def through(inner, flags):
+        inner = getattr(inner, "jaxpr", inner)
+        got = _depending(inner, flags)
+        return [not isinstance(v, jex_core.Literal) and v in got for v in inner.outvars]
+
+    if name in _CALLS:
+        inner = p.get("jaxpr", p.get("call_jaxpr"))
+        if inner is not None and len(getattr(inner, "jaxpr", inner).invars) == len(ins):
+            return through(inner, ins)
+    elif name == "cond":  # (the branch index carries no gradient)
+        return [any(col) for col in zip(*(through(b, ins[1:]) for b in p["branches"]))]
+    elif name in ("scan", "while"):
+        if name == "scan":
+            body, head, carry, tail = p["jaxpr"], ins[:p["num_consts"]], \
+                ins[p["num_consts"]:p["num_consts"] + p["num_carry"]], ins[p["num_consts"] + p["num_carry"]:]
+        else:
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            body, head, carry, tail = p["body_jaxpr"], ins[cn:cn + bn], ins[cn + bn:], []
+        for _ in range(len(carry) + 1):  # what the carry depends on, until it settles
+            out = through(body, head + carry + tail)
+            settled = [a or b for a, b in zip(carry, out)]
+            if settled == carry:
+                return carry + (out[len(carry):] if name == "scan" else [])
+            carry = settled
+    return [True] * len(eqn.outvars)
 
 
 _LINEAR_UNARY = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "reduce_precision",

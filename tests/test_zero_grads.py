@@ -267,3 +267,32 @@ def test_passes_behind_stop_gradient_on_their_outputs_run_no_backward():
         want = jax.jit(_recycled(where))(p, (), b)
         assert_trees_close((autopp.gather(got[0]), got[2]), (want[0], want[2]), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(flops["outputs"], flops["parameters"], rtol=1e-3)  # (the stop_gradient itself)
+
+
+@pytest.mark.filterwarnings("ignore:autopp cost model")
+def test_a_recycling_loop_with_a_sampled_count_is_priced_without_a_backward():
+    """Recycling with a count drawn in the step (a ``while_loop`` whose body stops the gradient of what it carries)
+    was priced with a backward, so three stages were refused: "one lax.while_loop call holds 51% of the loss's
+    work" (trial PROTEIN), though the loop runs forward only. Its results do not depend on the parameters; it
+    runs on 3 stages, as jit."""
+    def model(p, x, prev):
+        return jnp.tanh(x @ p["inp"] + jnp.tanh(prev) @ p["rec"]) @ p["out"]
+
+    def loss(p, b, n):
+        def recycle(i, prev):
+            return jax.lax.stop_gradient(model(p, b["x"], model(p, b["x"], prev)))
+        prev = jax.lax.fori_loop(0, n, recycle, jnp.zeros((b["x"].shape[0], 16)))
+        return jnp.mean((model(p, b["x"], prev) - b["y"]) ** 2)
+
+    def step(p, key, b):
+        key, sub = jax.random.split(key)
+        value, g = autopp.value_and_grad(loss)(p, b, jax.random.randint(sub, (), 1, 4))
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), key, value
+
+    k = jax.random.split(jax.random.key(0), 5)
+    p = {"inp": jax.random.normal(k[0], (8, 16)) * 0.3, "rec": jax.random.normal(k[1], (16, 16)) * 0.3,
+         "out": jax.random.normal(k[2], (16, 16)) * 0.3}
+    b = {"x": jax.random.normal(k[3], (16, 8)), "y": jax.random.normal(k[4], (16, 16))}
+    got = autopp.parallelize(step, num_stages=3, num_microbatches=4, devices=jax.devices()[:3])(p, jax.random.key(1), b)
+    want = jax.jit(step)(p, jax.random.key(1), b)
+    assert_trees_close((autopp.gather(got[0]), got[2]), (want[0], want[2]), rtol=1e-6, atol=1e-6)
