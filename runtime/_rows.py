@@ -122,12 +122,13 @@ def _unequal(reads, length: int, row_stages: dict, plan_stage: Sequence[int] | N
     counts = [sum(1 for _, _, s in reads if named(s) == st) for st in sorted({named(s) for _, _, s in reads})]
     pieces = [sum(1 for _, _, s in reads if s == seg) for seg in sorted({s for _, _, s in reads})]
     if len(pieces) > len(counts):  # a stage cut into segments around its scanned iterations reads them in pieces
-        counts = f"{counts} by stage, {pieces} by the segments the stages are cut into around their scanned iterations"
+        counts = (f"{counts} by stage, {pieces} by the segments the stages are cut into around the iterations that "
+                  "read its rows (a scan's, or a Python loop's over p[i])")
     split = [row for row in range(length) if len({named(s) for s in row_stages.get((length, row), ())}) > 1]
     inside = (f"; the stage split puts a boundary inside iteration {split[0]}, whose parameters are read on stages "
               f"{sorted({named(s) for s in row_stages[(length, split[0])]})}") if split else ""
-    return (f"the stages read unequal numbers of the stack's {length} rows ({counts}{inside}); stages given equally "
-            "many of its iterations hold it by rows")
+    return (f"the stages read unequal numbers of the stack's {length} rows ({counts}{inside}); stages that read "
+            "equally many of its rows hold it by rows")
 
 
 def _blocks_of(reads, length: int):
@@ -334,7 +335,8 @@ def hold_by_rows(traced: TracedStep, forward: jex_core.ClosedJaxpr, stage_eqns: 
             continue  # one stage reads all of it: it holds it anyway
         length = forward.jaxpr.invars[k].aval.shape[0]
         layout = None if reads == "cut" else _blocks_of(reads, length)
-        why = refuse or ("a stage boundary falls inside one of the scan's iterations" if reads == "cut" else
+        why = refuse or ("a stage boundary falls inside the work on one of its rows (a scan's iteration, a Python "
+                         "loop's p[i])" if reads == "cut" else
                          _unequal(reads, length, row_stages, plan_stage) if layout is None else can_hold(layout[0]))
         if why is not None:
             if report is not None and (reads == "cut" or len({row for _, row, _ in reads}) == len(reads)):
