@@ -532,9 +532,10 @@ def tracing_loss(leaves, differentiated):
 
 
 def _before_the_loss() -> bool:
-    """Whether the step being traced has not reached its loss yet (no loss traced since :class:`replaying_scans`
-    began): its work feeds the loss (a sampler drawing negatives from the parameters) and is not split into stages."""
-    return not getattr(_loss_frames, "stack", None) and not getattr(_loss_frames, "traced", False)
+    """Whether a step is being traced (:class:`replaying_scans` with ``steps=True``) that has not reached its loss
+    yet: its work feeds the loss (a sampler drawing negatives from the parameters) and is not split into stages."""
+    return (getattr(_loss_frames, "step", False) and not getattr(_loss_frames, "stack", None)
+            and not getattr(_loss_frames, "traced", False))
 
 
 def _scans_data(xs_flat) -> bool:
@@ -602,6 +603,9 @@ class replaying_scans:
     _inside: dict = {}  # thread id -> depth
     _original = None
 
+    def __init__(self, steps: bool = False):
+        self.steps = steps  # (tracing a step: its loops before the loss stay loops, see _before_the_loss)
+
     def __enter__(self):
         import threading
 
@@ -609,7 +613,7 @@ class replaying_scans:
 
         cls = type(self)
         if threading.get_ident() not in cls._inside:
-            _loss_frames.traced = False
+            _loss_frames.traced, _loss_frames.step = False, self.steps
         if not cls._inside:
             original = cls._original = (loops.scan, jax.lax.scan)
             inside = cls._inside

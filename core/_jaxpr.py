@@ -59,8 +59,8 @@ def _depending(jaxpr: jex_core.Jaxpr, flags: Sequence[bool]) -> set:
     return dep
 
 
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
-                    "custom_vjp_call"})
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"})  # (a custom_jvp's or
+# custom_vjp's derivative is its own rule's, not its forward's: all its outputs depend on all its inputs)
 
 
 def _outputs_depending(eqn, ins: list[bool]) -> list[bool]:

@@ -247,7 +247,7 @@ def _tracing():
     (:func:`outside_the_context_mesh`: its bare ``PartitionSpec`` constraints need it, and are then dropped)."""
     mesh = getattr(_set_aside, "mesh", None)
     with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), marking_gradients(), \
-            _compat.marking_fused_attention(), _compat.replaying_scans(), jax.disable_jit():
+            _compat.marking_fused_attention(), _compat.replaying_scans(steps=True), jax.disable_jit():
         yield
 
 
