@@ -432,6 +432,75 @@ def test_data_scan_first_call_and_step(benchmark):
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
+_SAMPLER = textwrap.dedent("""
+    import os, sys, time, statistics
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, optax
+    import autopp
+    kind, steps = sys.argv[1], int(sys.argv[2])
+    D, H, B, tx = 16, 64, 128, optax.sgd(1e-3)
+
+    def energy(p, x):
+        h = jax.nn.swish(x @ p["w1"])
+        return (jax.nn.swish(h @ p["w2"]) @ p["w3"])[:, 0]
+
+    def loss(p, positives, negatives):  # contrastive divergence
+        return energy(p, positives).mean() - energy(p, negatives).mean()
+
+    def make(value_and_grad):
+        def train_step(p, o, key, x):  # short-run Langevin negatives, drawn before the gradient
+            grad_x = jax.grad(lambda v: energy(p, v).sum())
+            def langevin(i, c):
+                v, k = c
+                k, sub = jax.random.split(k)
+                return v - 0.005 * grad_x(v) + 0.01 * jax.random.normal(sub, v.shape), k
+            negatives = jax.lax.stop_gradient(jax.lax.fori_loop(0, steps, langevin, (x * 0.5, key))[0])
+            l, g = value_and_grad(loss)(p, x, negatives)
+            u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, l
+        return train_step
+
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"w1": jax.random.normal(k[0], (D, H)) / 4, "w2": jax.random.normal(k[1], (H, H)) / 8,
+         "w3": jax.random.normal(k[2], (H, 1)) / 8}
+    o, x = tx.init(p), jax.random.normal(k[3], (B, D))
+    jax.block_until_ready((p, o, x))
+    parallelize = autopp.parallelize
+    t = time.perf_counter()
+    f = (jax.jit(make(jax.value_and_grad)) if kind == "plain" else
+         parallelize(make(autopp.value_and_grad), num_stages=2, num_microbatches=4, devices=jax.devices()[:2]))
+    jax.block_until_ready(f(p, o, k[0], x))
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(15):
+        t = time.perf_counter()
+        jax.block_until_ready(f(p, o, k[0], x))
+        times.append(time.perf_counter() - t)
+    print(first, statistics.median(times))
+""")
+
+
+def test_sampler_before_the_loss_first_call_and_step(benchmark):
+    """An energy-based model's step: 60 Langevin steps (a ``fori_loop``) draw negatives from the parameters before the
+    gradient, on 2 stages x 4 microbatches, against plain jit of the same step: first call (fresh process, empty
+    compilation cache) and median step. The step's work before its loss stays a loop (a user trial, before
+    2026-12-07, when it was unrolled: 14.5 s against jit's 1.9 s)."""
+    import tempfile
+
+    results = {}
+    for kind in ("plain", "autopp"):
+        with tempfile.TemporaryDirectory() as fresh:
+            env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": fresh}
+            out = subprocess.run([sys.executable, "-c", _SAMPLER, kind, "60"], capture_output=True, text=True,
+                                 cwd=ROOT, check=True, env=env)
+        results[kind] = [float(v) for v in out.stdout.split()[-2:]]
+    (pf, ps), (af, as_) = results["plain"], results["autopp"]
+    benchmark.extra_info.update(first_ratio=af / pf, step_ratio=as_ / ps)
+    print(f"\n[sampler] 60 Langevin steps before the loss, 2 stages, 4 microbatches: first call {af:.2f} s vs jit "
+          f"{pf:.2f} s ({af / pf:.2f}x), step {1e3 * as_:.1f} ms vs jit {1e3 * ps:.1f} ms ({as_ / ps:.2f}x)")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
 def test_one_stage_convolutions(benchmark):
     """A convolution net (3 convolutions of 32 channels at 32x32, batch 16, SGD) on one stage in one microbatch,
     against plain jit of the same step, alternating (a user trial: 2335-4283 ms against 33-37 ms before 2026-12-06,
