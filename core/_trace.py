@@ -408,7 +408,7 @@ def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtype
     batch's data that do not grow with it): the step traced again with every batch leaf's leading dimension doubled,
     a loss input whose leading dimension doubles too, or stays. Only inputs that could be one are looked at: not
     differentiated; for the first, not derived from the batch's data, a leading dimension that the batch size
-    divides; for the second, arrays the step derives from its data (not batch leaves themselves), when one of them
+    divides or that divides it (one row per group of consecutive examples: negatives shared per chunk); for the second, arrays the step derives from its data (not batch leaves themselves), when one of them
     has a leading dimension that is no batch leaf's (a step whose loss inputs all look per example traces once; one
     whose whole-batch value happens to have the batch's leading dimension is refused at the microbatch trace). With
     none, or when the step does not trace at twice the batch, none."""
@@ -420,7 +420,8 @@ def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtype
     candidates = [k for k, (a, d, diff) in enumerate(zip(invars, traced._batch_derived_grad_inputs,
                                                           traced.spec.diff_mask))
                   if not d and not diff and not isinstance(a, jex_core.Literal)
-                  and getattr(a.aval, "shape", ()) and a.aval.shape[0] % batch == 0]
+                  and getattr(a.aval, "shape", ()) and a.aval.shape[0] > 1
+                  and (a.aval.shape[0] % batch == 0 or batch % a.aval.shape[0] == 0)]  # (or one per group: chunks)
     outer = set(traced.jaxpr.jaxpr.invars)
     derived = [k for k, a in enumerate(invars)  # (differentiated too: SAM's params + eps, eps from a batch gradient)
                if traced._batch_derived_grad_inputs[k] and not isinstance(a, jex_core.Literal) and a not in outer

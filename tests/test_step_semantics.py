@@ -983,3 +983,29 @@ def test_a_sampler_in_the_step_before_the_loss_stays_one_loop():
     (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=4)
     _assert_equal(l_jit, l_pp)
     _assert_equal(p_jit, p_pp)
+
+
+def test_negatives_drawn_per_chunk_of_examples_in_the_step_are_split_with_the_batch():
+    """PyTorch-BigGraph's chunked negatives: the step draws ``[B // C, K]`` negatives, one row per chunk of ``C``
+    consecutive examples, and the loss scores each chunk against its row. The array was read whole by every
+    microbatch, and the step failed at microbatch size (trial KGE: "Size of label 'n' for operand 1 (2) does not
+    match previous terms (4)"), with advice about grouped examples that did not apply. A value whose leading
+    dimension divides the batch's and grows with it is split with the batch, as one of the batch's own length is."""
+    C, K = 4, 3
+
+    def loss(params, batch, negatives):
+        q = jnp.tanh(params["embed"][batch["x"][:, 0]] @ params["w"]).reshape(-1, C, H)
+        positive = jnp.sum(q * params["embed"][batch["y"][:, 0]].reshape(-1, C, H), -1)
+        negative = jnp.einsum("ncd,nkd->nck", q, params["embed"][negatives])
+        return -jnp.mean(jax.nn.log_softmax(jnp.concatenate([positive[..., None], negative], -1))[..., 0])
+
+    def step(params, opt_state, batch):
+        negatives = jax.random.randint(jax.random.key(7), (batch["x"].shape[0] // C, K), 0, V)
+        value, grads = autopp.value_and_grad(loss)(params, batch, negatives)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    for m in (2, 4):
+        (p_jit, l_jit), (p_pp, l_pp) = _run(step, num_stages=2, num_microbatches=m)
+        _assert_equal(l_jit, l_pp)
+        _assert_equal(p_jit, p_pp)
