@@ -12,7 +12,7 @@ from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
 __all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
-           "loop_test", "lost_reason", "mixing_by_output", "mixing_summary"]
+           "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 CONTROL, SIZED, SIZE = "control", "sized", "size"
@@ -129,15 +129,15 @@ def decides_by_statistic(we, me, ins: list, firsts) -> bool:
     if me.primitive.name != "while":
         return False
     depends, joined = loop_test(we, me, ins, firsts)
-    return joined or depends and _updates_finished(we, me)
+    return joined or depends and _updates_finished(we, me, ins)
 
 
-def _updates_finished(we, me) -> bool:
+def _updates_finished(we, me, ins: list) -> bool:
     """Whether a ``while_loop`` that runs while any example is not done (its test "any" / "all" of per-example tests,
     written by hand: ``jax.vmap`` writes a per-example test instead) goes on updating the examples that are: a value
     with a batch axis that its body changes other than by a selection (``jnp.where(active, new, old)``), so that each
     example's iterations depend on the others' in its batch."""
-    if not _any_or_all_test(we, me):
+    if not _any_or_all_test(we, me, ins):
         return False
     body, wbody = me.params["body_jaxpr"].jaxpr, we.params["body_jaxpr"].jaxpr
     carried = body.invars[me.params["body_nconsts"]:]
@@ -145,10 +145,11 @@ def _updates_finished(we, me) -> bool:
                for wv, mv, old in zip(wbody.outvars, body.outvars, carried))  # (flags carried: done | converged)
 
 
-def _any_or_all_test(we, me) -> bool:
-    """Whether a ``while_loop``'s test (``me``; ``we`` at the whole batch) is "any" / "all" of per-example tests:
-    ``jnp.any(active)``, ``jnp.max(residual) > tol`` (its largest value computed in the test, or in the body and
-    carried), ``jnp.sum(active) > 0``."""
+def _any_or_all_test(we, me, ins: list) -> bool:
+    """Whether a ``while_loop``'s test (``me``; ``we`` at the whole batch; ``ins``: its operands' ``(state, batch
+    axes)``) is "any" / "all" of per-example tests: ``jnp.any(active)``, ``jnp.max(residual) > tol`` (its largest
+    value computed in the test, or in the body and carried), ``jnp.sum(active) > 0``, a counter against the
+    examples' largest count (``fori_loop(0, jnp.max(n), ...)``, the maximum carried unchanged)."""
     cond, wcond = me.params["cond_jaxpr"].jaxpr, we.params["cond_jaxpr"].jaxpr
     made = _made(cond, wcond)
     test = cond.outvars[0]
@@ -159,13 +160,18 @@ def _any_or_all_test(we, me) -> bool:
     if test not in made or made[test][0].primitive.name not in _COMPARE:
         return False
     eqn = made[test][0]
-    cn = me.params["cond_nconsts"]
-    carried = dict(zip(cond.invars[cn:], me.params["body_jaxpr"].jaxpr.outvars))
-    body_made = _made(me.params["body_jaxpr"].jaxpr, we.params["body_jaxpr"].jaxpr)
+    cn, bn = me.params["cond_nconsts"], me.params["body_nconsts"]
+    body = me.params["body_jaxpr"].jaxpr
+    carried = dict(zip(cond.invars[cn:], body.outvars))
+    unchanged = {c for c, out, old, (st, ax) in zip(cond.invars[cn:], body.outvars, body.invars[bn:], ins[cn + bn:])
+                 if out is old and st is not None and st[1] in (_MAX, _MIN) and not ax}  # (a maximum from outside)
+    body_made = _made(body, we.params["body_jaxpr"].jaxpr)
     for k, a in enumerate(eqn.invars):
         if isinstance(a, jex_core.Literal):
             continue
         other = eqn.invars[1 - k]
+        if a in unchanged:
+            return True
         kind = _reduced_over_batch(a, made) or (_reduced_over_batch(carried[a], body_made) if a in carried else None)
         total = _count_total(a, made)
         if kind in ("reduce_max", "reduce_min") or total is not None and _against_count(eqn, k, other, total):
@@ -235,12 +241,25 @@ def _selected(v, jaxpr, depth: int = 0) -> bool:
         not isinstance(a, jex_core.Literal) and _selected(a, jaxpr, depth + 1) for a in e.invars)
 
 
+def loop_bounds(me) -> set[int]:
+    """The operands of a ``while_loop`` (equation ``me``) that its body carries unchanged and reads only in
+    comparisons: a bound its counter is tested against (``fori_loop(0, jnp.max(n), ...)``), which spreads nothing
+    over the examples. Empty for other equations."""
+    if me.primitive.name != "while":
+        return set()
+    cn, bn = me.params["cond_nconsts"], me.params["body_nconsts"]
+    body = me.params["body_jaxpr"].jaxpr
+    return {cn + bn + j for j, (old, out) in enumerate(zip(body.invars[bn:], body.outvars)) if out is old
+            and all(e.primitive.name in _COMPARE for e in body.eqns if old in e.invars)}
+
+
 def loop_test(we, me, ins: list, firsts=()) -> tuple[bool, bool]:
     """Of a ``lax.while_loop``'s test (equation ``me``, ``we`` at the whole batch, operands' ``(state, batch axes)``
     ``ins``): whether it depends on the batch (then so does every value the loop carries out, through its number of
     iterations: per example where the test is per example, as ``jax.vmap`` writes it), and whether it depends on a
     value of the batch's examples together (see :func:`decides_by_statistic`)."""
-    flags = [(st is None or st[2], not ax and (st is None or st[2]) and v not in firsts)
+    flags = [(st is None or st[2], (_EXTREME if st is not None and st[1] in (_MAX, _MIN) else True)
+              if not ax and (st is None or st[2]) and v not in firsts else False)  # (a maximum: "any" if compared)
              if not isinstance(v, jex_core.Literal) else (False, False) for v, (st, ax) in zip(me.invars, ins)]
     cn, bn = me.params["cond_nconsts"], me.params["body_nconsts"]
     carry = flags[cn + bn:]

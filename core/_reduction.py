@@ -32,7 +32,7 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
 from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, PAIRS,
-                                 POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_test, lost_reason,
+                                 POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_bounds, loop_test, lost_reason,
                                  mixing_by_output, mixing_summary)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
@@ -305,7 +305,8 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
     axis per example on both sides: in-batch similarities, pairwise distances), spreads a statistic over the batch's
     examples back over them (batch normalisation, a softmax over the batch), or orders them (a sort or cumulative
     sum along the batch), or draws numbers for each example from a key every microbatch reads whole."""
-    dependent = [(st, ax) for st, ax in ins if st is not None and st[2]]
+    bounds = loop_bounds(me)  # (fori_loop(0, jnp.max(n), ...): a count compared, not spread)
+    dependent = [(st, ax) for k, (st, ax) in enumerate(ins) if st is not None and st[2] and k not in bounds]
     if me.primitive.name in _RANDOM:  # (a gamma draw's shape parameters may come with the batch: its key decides)
         keyed = dependent if me.primitive.name != "random_gamma" else [(st, ax) for st, ax in ins[:1]
                                                                         if st is None or st[2]]
@@ -436,7 +437,7 @@ def _rule(we, me, ins: list, M: int) -> list:
     dep = any(st[2] for st in states)
     if name in ("gt", "ge", "lt", "le") and (1, -1, True) in states:  # a mean compared with a level
         return [(0, _TEST, True)]
-    if any(st[1] in (_MAX, _MIN) for st in states):
+    if any(st[1] in (_MAX, _MIN) for st in states) and name not in ("while", "scan", "cond"):  # (a loop's bound)
         return _extreme(name, states, n_out)
     # a ratio (a mixture) goes on only scaled by, or added to, a constant; a ratio also added to a mean, which
     # averages exactly (BERT's masked-token mean plus its next-sentence loss's mean): a ratio still

@@ -115,9 +115,18 @@ def _until_few_are_active(p, b):  # a count of per-example flags against 3, not 
     return _head(p, z, y)
 
 
+def _counts(x):  # a number of steps per example, from its data
+    return (jnp.abs(x).max(1) * 2).astype(jnp.int32) + 1
+
+
+def _to_the_largest_count(p, b):  # a fori_loop to the batch's largest count, every example updated each time
+    x, y = b
+    return _head(p, jax.lax.fori_loop(0, jnp.max(_counts(x)), lambda i, z: z * 0.7, x), y)
+
+
 @pytest.mark.parametrize("loss", [_shrunk_until_the_batch_is_small, _fori_to_the_batch_maximum,
                                   _branch_on_the_batch_mean, _switch_on_a_count, _residual_carried, _any_not_done,
-                                  _until_few_are_active],
+                                  _until_few_are_active, _to_the_largest_count],
                          ids=lambda f: f.__name__.strip("_"))
 def test_control_flow_decided_by_the_whole_batch_warns(loss):
     """A branch or a loop's trip count decided by a value of the examples together ran silently where the loss is a
@@ -222,9 +231,16 @@ def _done_fraction(p, b):
     return _done_flags_tested(lambda done: jnp.mean(done.astype(jnp.float32)) < 1.0)(p, b)
 
 
+def _to_the_largest_count_masked(p, b):  # the same loop, each example masked past its own count
+    x, y = b
+    n = _counts(x)
+    z = jax.lax.fori_loop(0, jnp.max(n), lambda i, z: jnp.where((i < n)[:, None], z * 0.7, z), x)
+    return _head(p, z, y), jnp.float32(0.0) + jnp.mean(z)
+
+
 @pytest.mark.parametrize("loss", [_per_example_loop, _per_example_branch, _any_not_done_kept, _self_conditioned,
                                   _all_done_carried, _count_active_kept, _largest_residual_kept, _largest_flag_kept,
-                                  _done_counted, _done_fraction],
+                                  _done_counted, _done_fraction, _to_the_largest_count_masked],
                          ids=lambda f: f.__name__.strip("_"))
 def test_control_flow_per_example_runs_as_jit_without_a_word(loss):
     """What the warning must not catch: ``jax.vmap`` of a while loop or a cond, each example deciding for itself. The
@@ -235,7 +251,8 @@ def test_control_flow_per_example_runs_as_jit_without_a_word(loss):
     per-example solver's "while any is not done" written as ``jnp.sum(active) > 0``, as the batch's largest residual
     carried and compared with a tolerance, or as ``jnp.max`` of the flags, warned falsely (trial NOISE9: values equal
     to jit's, 0.17325211 for 0.17325209); so did ``jnp.sum(done) < B`` and ``jnp.mean(done) < 1`` (trial NOISE11),
-    and the mean of each example's iterations, counted beside the done flags, was said to be no combination."""
+    and the mean of each example's iterations, counted beside the done flags, was said to be no combination; and a
+    ``fori_loop`` to the batch's largest count with each example masked past its own."""
     want, got, texts = _both(_step(loss, has_aux=True), _batch())
     assert not texts
     _assert_equal(want, got)
