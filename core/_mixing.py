@@ -307,7 +307,7 @@ def _flow(w, m, flags: list) -> list | None:
 def _tests_each(eqn, env) -> bool:
     """Whether comparison ``eqn`` tests a mark of :func:`_flow` (the examples' largest value, a count of flags)
     against a value that does not depend on the batch, as "any" / "all" of per-example tests does (a count only
-    against zero or one)."""
+    against zero, one or all of them: see :func:`_against_count`)."""
     for k, a in enumerate(eqn.invars):
         mark = None if isinstance(a, jex_core.Literal) else env.get(a, (False, False))[1]
         if mark != _EXTREME and not isinstance(mark, tuple):
