@@ -411,21 +411,28 @@ _DATA_SCAN = textwrap.dedent("""
 """)
 
 
+def _first_call_and_step(script: str, *args: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``script`` (printing its first call's and its median step's seconds) run for plain jit and for autopp, each in
+    a fresh process with an empty compilation cache: ((plain first, plain step), (autopp first, autopp step))."""
+    import tempfile
+
+    results = []
+    for kind in ("plain", "autopp"):
+        with tempfile.TemporaryDirectory() as fresh:
+            env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": fresh}
+            out = subprocess.run([sys.executable, "-c", script, kind, *args], capture_output=True, text=True,
+                                 cwd=ROOT, check=True, env=env)
+        first, step = (float(v) for v in out.stdout.split()[-2:])
+        results.append((first, step))
+    return results[0], results[1]
+
+
 def test_data_scan_first_call_and_step(benchmark):
     """A recurrence over time (``lax.scan`` over 256 steps in each of 2 layers) on 2 stages, 4 microbatches, against
     plain jit of the same step on the whole batch: first call (fresh process, empty compilation cache) and median
     step. The scan over data stays one scan in each stage's program (before 2026-12-07 it was unrolled: 35x jit's
     first call and 5.6x its step in a user trial)."""
-    import tempfile
-
-    results = {}
-    for kind in ("plain", "autopp"):
-        with tempfile.TemporaryDirectory() as fresh:
-            env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": fresh}
-            out = subprocess.run([sys.executable, "-c", _DATA_SCAN, kind, "256"], capture_output=True, text=True,
-                                 cwd=ROOT, check=True, env=env)
-        results[kind] = [float(v) for v in out.stdout.split()[-2:]]
-    (pf, ps), (af, as_) = results["plain"], results["autopp"]
+    (pf, ps), (af, as_) = _first_call_and_step(_DATA_SCAN, "256")
     benchmark.extra_info.update(first_ratio=af / pf, step_ratio=as_ / ps)
     print(f"\n[data scan] 256 steps, 2 stages, 4 microbatches: first call {af:.2f} s vs jit {pf:.2f} s "
           f"({af / pf:.2f}x), step {1e3 * as_:.1f} ms vs jit {1e3 * ps:.1f} ms ({as_ / ps:.2f}x)")
@@ -485,16 +492,7 @@ def test_sampler_before_the_loss_first_call_and_step(benchmark):
     gradient, on 2 stages x 4 microbatches, against plain jit of the same step: first call (fresh process, empty
     compilation cache) and median step. The step's work before its loss stays a loop (a user trial, before
     2026-12-07, when it was unrolled: 14.5 s against jit's 1.9 s)."""
-    import tempfile
-
-    results = {}
-    for kind in ("plain", "autopp"):
-        with tempfile.TemporaryDirectory() as fresh:
-            env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": fresh}
-            out = subprocess.run([sys.executable, "-c", _SAMPLER, kind, "60"], capture_output=True, text=True,
-                                 cwd=ROOT, check=True, env=env)
-        results[kind] = [float(v) for v in out.stdout.split()[-2:]]
-    (pf, ps), (af, as_) = results["plain"], results["autopp"]
+    (pf, ps), (af, as_) = _first_call_and_step(_SAMPLER, "60")
     benchmark.extra_info.update(first_ratio=af / pf, step_ratio=as_ / ps)
     print(f"\n[sampler] 60 Langevin steps before the loss, 2 stages, 4 microbatches: first call {af:.2f} s vs jit "
           f"{pf:.2f} s ({af / pf:.2f}x), step {1e3 * as_:.1f} ms vs jit {1e3 * ps:.1f} ms ({as_ / ps:.2f}x)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._compat import custom_vjp_backward
+from autopp.core._compat import CALL_PRIMITIVE_NAMES, custom_vjp_backward
 
 __all__ = ["backward_outputs"]
 
@@ -29,8 +29,7 @@ _LINEAR_IN_FIRST = _PASS_THROUGH | {"neg", "broadcast_in_dim", "reduce_sum", "re
                                     "reduce_scatter", "psum_scatter"}
 _SUMS = frozenset({"add", "sub", "add_any", "concatenate", "complex"})
 _PRODUCTS = frozenset({"mul", "dot_general", "conv_general_dilated"})
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat",
-                    "checkpoint"})
+_CALLS = CALL_PRIMITIVE_NAMES | {"custom_jvp_call", "custom_vjp_call", "remat", "checkpoint"}
 # linear in one operand (a right-hand side, a pooled window's cotangent) where the others do not depend on the
 # cotangents: its position
 _LINEAR_IN = {"triangular_solve": 1, "select_and_scatter_add": 0, "select_and_gather_add": 0}

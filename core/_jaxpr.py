@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._compat import bind_eqn, new_jaxpr, remat_refuses, user_line
+from autopp.core._compat import CALL_PRIMITIVE_NAMES, bind_eqn, new_jaxpr, remat_refuses, user_line
 from autopp.core._warn import user_stacklevel
 
 Literal = jex_core.Literal
@@ -59,7 +59,7 @@ def _depending(jaxpr: jex_core.Jaxpr, flags: Sequence[bool]) -> set:
     return dep
 
 
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"})  # (a custom_jvp's or
+_CALLS = CALL_PRIMITIVE_NAMES | {"remat", "checkpoint"}  # (a custom_jvp's or
 # custom_vjp's derivative is its own rule's, not its forward's: all its outputs depend on all its inputs)
 
 
@@ -186,10 +186,6 @@ def scale_batch_independent_terms(closed: jex_core.ClosedJaxpr, microbatched: Se
     return jex_core.ClosedJaxpr(new, closed.consts)
 
 
-_SAME_VALUE = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reshape", "squeeze", "broadcast_in_dim",
-                         "transpose", "expand_dims", "reduce_sum", "reduce_precision"})
-
-
 def _value_ratios(whole: jex_core.ClosedJaxpr, closed: jex_core.ClosedJaxpr, shaped: set, sized: set):
     """A function of ``(equation index, operand position)`` of ``closed`` (the loss at a microbatch; ``whole`` at the
     whole batch, the same program) giving the operand's value at the whole batch over its value at the microbatch,
@@ -224,7 +220,7 @@ def _value_ratios(whole: jex_core.ClosedJaxpr, closed: jex_core.ClosedJaxpr, sha
         e = m.eqns[j]
         parts = [of_var(j, n, depth + 1) for n in range(len(e.invars))]
         name = e.primitive.name
-        if name in _SAME_VALUE:
+        if name in _LINEAR_UNARY:  # (the same value, recast or reshaped)
             return parts[0]
         if None in parts:
             return None
