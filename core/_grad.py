@@ -80,6 +80,13 @@ class GradSpec:
     they differ from :attr:`diff_mask` (a weight found to get no gradient, frozen after ``forward`` was made): a
     trace of the loss at another batch size moves it after the same ones, so that both programs match equation by
     equation."""
+    num_hoisted: int = 0
+    """How many of ``forward``'s last inputs are values the step computes once, before the gradient, from inputs the
+    same for every microbatch (:mod:`autopp.core._hoist`: a whole-graph encoder of the parameters): the loss reads
+    them, and the step adds their gradients' backward to the parameters' gradients after it."""
+    returned_mask: tuple[bool, ...] | None = None
+    """The inputs whose gradients the call returns where they differ from :attr:`diff_mask` (a weight only the
+    hoisted work reads gets its gradient from that work's backward, not from this equation)."""
 
     @property
     def num_aux(self) -> int:
@@ -101,11 +108,15 @@ class GradSpec:
     def grad_names(self) -> list[str]:
         """Each differentiated input named by its gradient's place in what the call returns (``grads[1]['h']`` with
         ``argnums=(0, 1)``), in the order of :attr:`diff_indices`."""
-        n = len(self.diff_indices)
+        returned = [k for k, d in enumerate(self.returned_mask or self.diff_mask) if d]
+        n = len(returned)
         if self.grad_tree is None or self.grad_tree.num_leaves != n:
-            return [f"differentiated input {k}" for k in range(n)]
-        numbered = jax.tree_util.tree_unflatten(self.grad_tree, list(range(n)))
-        return ["grads" + "".join(_key_str(k, node) for k, node in steps) for steps in _paths(numbered)]
+            names = [f"differentiated input {k}" for k in range(n)]
+        else:
+            numbered = jax.tree_util.tree_unflatten(self.grad_tree, list(range(n)))
+            names = ["grads" + "".join(_key_str(k, node) for k, node in steps) for steps in _paths(numbered)]
+        by_input = dict(zip(returned, names))
+        return [by_input.get(k, "a value the loss computes from the parameters alone") for k in self.diff_indices]
 
     def __hash__(self):
         return id(self)

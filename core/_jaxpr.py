@@ -274,6 +274,26 @@ def eqns_needed(jaxpr: jex_core.Jaxpr, outvars, exclude=frozenset()) -> list[int
     return ids[::-1]
 
 
+def eval_jaxpr_with(jaxpr, consts, args, override: Callable | None = None):
+    """Evaluate ``jaxpr`` equation by equation; ``override(index, eqn, invals)`` may return the outputs of an
+    equation instead of binding it (None: bind as usual)."""
+    env = dict(zip(jaxpr.constvars, jax_consts(consts)))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(a):
+        return a.val if isinstance(a, jex_core.Literal) else env[a]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [read(a) for a in eqn.invars]
+        outs = override(i, eqn, invals) if override is not None else None
+        if outs is None:
+            outs = bind_eqn(eqn, invals)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(a) for a in jaxpr.outvars]
+
+
 def input_free_vars(jaxpr: jex_core.Jaxpr) -> set:
     """Variables computed from no input (from literals, constants and sizes), by equations without effects; the
     constants themselves included."""

@@ -12,10 +12,10 @@ from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
 __all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
-           "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary"]
+           "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary", "JOINED"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
-CONTROL, SIZED, SIZE = "control", "sized", "size"
+CONTROL, SIZED, SIZE, JOINED = "control", "sized", "size", "joined"
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
 _MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
@@ -59,6 +59,11 @@ _MIXING_KINDS = {
     SIZE: "uses the batch's size other than as a factor or divisor (jnp.log(x.shape[0]), its square root: LSQ's "
           "gradient scale 1 / sqrt(x.size * Qp), a Python `if` on it): each microbatch's program reads its own size "
           "(compute such a value in the step and pass it to the loss, or count per feature, x[0].size)",
+    JOINED: "joins the examples with rows that are the same in every microbatch (a replay buffer's sample, a memory "
+            "bank) along the batch axis: a sum or mean over both counts those rows in every microbatch, beside the "
+            "microbatch's own examples. Combine the two parts apart, (nll(x).sum() + nll(replay).sum()) / n with n "
+            "passed from the step, or a weighted mean of each part's mean: autopp adds the examples' part up over the "
+            "microbatches and counts the other part once",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }
@@ -323,6 +328,17 @@ def _batched(wv, mv) -> bool:
     return getattr(wv.aval, "shape", ()) != getattr(mv.aval, "shape", ())
 
 
+def whole_rows_joined(eqn, ins: list) -> bool:
+    """Whether ``eqn`` concatenates the examples (an operand split along its axis) with rows that are the same in
+    every microbatch (an operand that does not depend on the batch: a replay buffer's sample). ``ins``: each operand's
+    (state, batch axes)."""
+    if eqn.primitive.name != "concatenate":
+        return False
+    axis = eqn.params["dimension"]
+    return (any(st is not None and st[2] and axis in axes for st, axes in ins)
+            and any(st == (0, 0, False) and axis not in axes for st, axes in ins))
+
+
 def lost_reason(eqn, states: list) -> str:
     """What an equation of the loss's outermost program does where no combination of the examples describes its
     result any more, for a warning that says where the loss's reduction could not be read."""
@@ -336,6 +352,8 @@ def lost_reason(eqn, states: list) -> str:
     if name == "while" or _has_while(eqn):
         return ("runs a lax.while_loop over values of all the examples together (an adaptive ODE solver's error "
                 "norm, an iterative solver's stopping test)" + ("" if name == "while" else f", inside {name}"))
+    if name == "concatenate":
+        return _MIXING_KINDS[JOINED]
     if name in ("top_k", "sort", "argsort", "cumsum", "cummax", "cumlogsumexp"):
         return f"orders the examples ({name} along the batch)"
     if name == "div" and len(states) == 2 and isinstance(states[1][0], (int, Fraction)) and states[1][0] > 0:

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from autopp.core import _compat
-from autopp.core._trace import eval_jaxpr_with
-from autopp.core._jaxpr import differentiable_vars, eqns_needed, eval_closed, forward_with_vjp, slice_jaxpr
+from autopp.core._jaxpr import (differentiable_vars, eqns_needed, eval_closed, eval_jaxpr_with, forward_with_vjp,
+                               slice_jaxpr)
 from autopp.core._packing import plan_packing
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import reroll_scans

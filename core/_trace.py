@@ -18,10 +18,11 @@ from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
 from autopp.core._constraints import drop_sharding_constraints
-from autopp.core._jaxpr import eqn_signature, jax_consts, sink_parameter_work
+from autopp.core._jaxpr import eqn_signature, eval_jaxpr_with, sink_parameter_work
 from autopp.core._batch_split import sparse_batch_leaves, sparse_refusal
 from autopp.core._warn import concrete_value_error
 from autopp.core._zero_grads import freeze_zero_gradients
+from autopp.core._hoist import hoist_batch_independent_work, hoisted_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +91,10 @@ class TracedStep:
         """Per input of the gradient equation: whether it is a frozen weight, an array the loss reads that is neither
         differentiated nor split with the batch (a LoRA base, a teacher, a probe's body). Stages hold it like a
         parameter, without gradient or optimizer state, and a tensor axis splits it as one."""
-        return tuple(not d and not mb and bool(getattr(a.aval, "shape", ()))
-                     for a, d, mb in zip(self.grad_eqn.invars, self.spec.diff_mask, self.microbatched_grad_inputs))
+        trained = self.spec.returned_mask or self.spec.diff_mask  # (a weight only hoisted work reads is trained)
+        return tuple(not d and not mb and not t and bool(getattr(a.aval, "shape", ())) for a, d, mb, t in zip(
+            self.grad_eqn.invars, self.spec.diff_mask, self.microbatched_grad_inputs, (*trained, *self.spec.diff_mask[
+                len(trained):])))
 
     @functools.cached_property
     def whole_batch_grad_inputs(self) -> tuple[int, ...]:
@@ -137,26 +140,6 @@ def _inline_calls(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
         return _eval_inlining(closed.jaxpr, closed.consts, args)
 
     return jax.make_jaxpr(interpret)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars])
-
-
-def eval_jaxpr_with(jaxpr, consts, args, override: Callable | None = None):
-    """Evaluate ``jaxpr`` equation by equation; ``override(index, eqn, invals)`` may return the outputs of an
-    equation instead of binding it (None: bind as usual)."""
-    env = dict(zip(jaxpr.constvars, jax_consts(consts)))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(a):
-        return a.val if isinstance(a, jex_core.Literal) else env[a]
-
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(a) for a in eqn.invars]
-        outs = override(i, eqn, invals) if override is not None else None
-        if outs is None:
-            outs = _compat.bind_eqn(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(a) for a in jaxpr.outvars]
 
 
 def _eval_inlining(jaxpr, consts, args):
@@ -399,7 +382,30 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
             f"(args[{'], args['.join(map(str, batch_argnums))}]), so there is nothing to split into microbatches. "
             f"batch_argnums names the step arguments that hold the batch; pass the batch's position (by default the "
             f"last argument, {last}).")
-    return traced
+    return _hoisted(traced, step_fn, args, who) if probe_shapes else traced
+
+
+def _hoisted(traced: TracedStep, step_fn: Callable, args: Sequence[Any], who: str) -> TracedStep:
+    """``traced`` with the loss's heavy work that is the same for every microbatch computed once per step
+    (:func:`autopp.core._hoist.hoist_batch_independent_work`), where the step traced at twice the batch shows that
+    work's results keeping their shapes (not so for work on ``jnp.zeros((x.shape[0], d))``)."""
+    zeroed = traced.zeroed_gradients
+    same = _same_in_every_microbatch(traced)
+    done = hoist_batch_independent_work(traced.jaxpr, traced.grad_index, same, [v for v, _ in zeroed],
+                                        evaluate=_eval_inlining)
+    if done is None:
+        return traced
+    closed, index, kept = done
+    probe = _at_twice_the_batch(step_fn, args, traced)
+    try:
+        if probe is None:
+            raise ValueError
+        hoisted_like(probe.spec.forward, closed.jaxpr.eqns[index].params["spec"], same[:len(probe.grad_eqn.invars)],
+                     who)
+    except ValueError:
+        return traced
+    return dataclasses.replace(traced, jaxpr=closed, grad_index=index,
+                               zeroed_gradients=tuple((v, k) for v, (_, k) in zip(kept, zeroed)))
 
 
 def _shape_batched(step_fn: Callable, in_tree, abstract: Sequence[jax.ShapeDtypeStruct],
@@ -507,6 +513,14 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
                 left_out += (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading "
                              f"dimension, kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if "
                              "they belong to the batch, add their argument to batch_argnums.")
+            stacked = [n for v, n in zip(invars, traced.leaf_paths) if v in params and v.aval.shape
+                       and v.aval.shape[0] in sizes]
+            if stacked and "inconsistent sizes" in str(e):  # (personalised heads [clients, ...] vmapped with the
+                # clients' data: jax.vmap's error; a weight whose first dimension only equals the batch's is not it)
+                left_out += (f" Parameters with the batch's leading dimension, read whole by every microbatch: "
+                             f"{', '.join(stacked[:4])}{' ...' if len(stacked) > 4 else ''}; where each belongs to one "
+                             "example (a client's own head, vmapped with its data), pass each example's index with "
+                             "the batch and read its row, heads[ids], or use num_microbatches=1.")
         raise ValueError(
             f"{who}: the step traces at the full batch but fails at microbatch size (every batch leaf's leading "
             f"dimension divided by num_microbatches={num_microbatches}): {type(e).__name__}: {e}\nA batch leaf "
@@ -596,8 +610,9 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
             with _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
                 mb = trace_step(step_fn, jax.tree_util.tree_unflatten(in_tree, small), traced.batch_argnums, who,
                                 probe_shapes=False)
-            mb_forward = mb.spec.forward
-            mb_in = [a.aval for a in mb.grad_eqn.invars]
+            mb_forward = hoisted_like(mb.spec.forward, spec, _same_in_every_microbatch(traced)[
+                :len(mb.grad_eqn.invars)], who)
+            mb_in = [v.aval for v in mb_forward.jaxpr.invars]
         except ValueError:
             # Step code that only runs at the full batch (rewards normalised in groups larger than a microbatch):
             # the runtime runs it on the whole batch anyway and splits the loss inputs by rows, so the loss alone
@@ -648,15 +663,22 @@ def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: Tra
                              who: str) -> jex_core.ClosedJaxpr:
     """The loss alone (``GradSpec.loss_fn``) traced with its microbatched inputs' rows divided by
     ``num_microbatches``, the rest as the step passes them."""
-    small = []
-    for a, is_mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs):
+    small, spec = [], traced.spec
+    loss_inputs = len(traced.grad_eqn.invars) - spec.num_hoisted
+    for a, is_mb in zip(traced.grad_eqn.invars[:loss_inputs], traced.microbatched_grad_inputs):
         shape = tuple(a.aval.shape)
         if is_mb and shape and shape[0] % num_microbatches == 0:
             shape = (shape[0] // num_microbatches,) + shape[1:]
         small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
     with _tracing(), _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
-        loss = drop_sharding_constraints(jax.make_jaxpr(traced.spec.loss_fn)(*small), who)
-        return sink_parameter_work(loss, traced.spec.sunk_mask or traced.spec.diff_mask)
+        loss = drop_sharding_constraints(jax.make_jaxpr(spec.loss_fn)(*small), who)
+        loss = sink_parameter_work(loss, spec.sunk_mask or spec.diff_mask)
+    return hoisted_like(loss, spec, _same_in_every_microbatch(traced)[:loss_inputs], who)
+
+
+def _same_in_every_microbatch(traced: TracedStep) -> list[bool]:
+    return [not mb and not isinstance(a, jex_core.Literal)
+            for a, mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs)]
 
 
 def _rows_grow_along_axis_0(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> bool:

@@ -79,18 +79,36 @@ def place_outer(
     avail: dict = {}  # var -> frozenset of locations that hold it (anchored values)
     for v, loc in [*zip(grad.outvars, grad_out_loc), *(anchors or {}).items()]:
         avail[v] = frozenset({loc})
+    home = _homes(jaxpr, grad_index, grad_in_required)
     eqn_locs: dict[int, frozenset[int]] = {}
+    # A reduction before the gradient of values computed from weights that live on one stage (a weight penalty's
+    # terms, computed once per step: autopp.core._hoist) runs there: only its result travels, not every weight.
+    from_grad = set(grad.outvars)  # (and after it, one not reading the gradients: the penalty's value returned)
+    for i, e in enumerate(eqns):
+        if i == grad_index or any(v in from_grad for v in _vars(e.invars)):
+            from_grad.update(e.outvars)
+            continue
+        if (e.primitive.name in _SUMMARIES and home.get(e.invars[0]) is not None
+                and aval_bytes(e.invars[0].aval) >= 8 * sum(aval_bytes(v.aval) for v in e.outvars)):
+            eqn_locs[i] = frozenset({home[e.invars[0]]})
+            for v in e.outvars:
+                avail[v] = eqn_locs[i]
+    pinned = set(eqn_locs)
     anchored = set()
     for i, e in enumerate(eqns):
         if i == grad_index or i in pre:
             continue
         ins = [v for v in _vars(e.invars) if v in avail]
-        if not ins:
-            continue
+        small = sum(aval_bytes(v.aval) for v in ins)
+        if not ins or small <= 64 and 8 * small <= sum(aval_bytes(v.aval) for v in e.outvars):
+            continue  # (a scalar broadcast to a weight's shape, a penalty's backward: made where it is needed)
         weight = collections.Counter()
         for v in ins:
             for loc in avail[v]:
                 weight[loc] += aval_bytes(v.aval) + 1
+        for v in _vars(e.invars):  # (and values of weights that live on one stage: a penalty's backward goes there)
+            if v not in avail and home.get(v) is not None:
+                weight[home[v]] += aval_bytes(v.aval) + 1
         best = max(sorted(weight), key=lambda loc: weight[loc])
         eqn_locs[i] = frozenset({best})
         anchored.add(i)
@@ -104,11 +122,11 @@ def place_outer(
             required[v] |= set(locs)
     for v, loc in (anchors or {}).items():  # made where it lives
         required[v].add(loc)
-    for i in anchored:
+    for i in anchored | pinned:
         for v in _vars(eqns[i].invars):
             if v not in avail:
                 required[v] |= set(eqn_locs[i])
-    floating = [i for i in range(len(eqns)) if i != grad_index and i not in anchored]
+    floating = [i for i in range(len(eqns)) if i != grad_index and i not in anchored and i not in pinned]
     changed = True
     while changed:
         changed = False
@@ -202,6 +220,25 @@ def place_outer(
     region = {i: ("pre" if i in pre else "post") for i in eqn_locs}
     return OuterPlacement(eqn_locs=eqn_locs, region=region, phase=phase, input_homes=input_homes,
                           out_locs=out_locs)
+
+
+_SUMMARIES = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+
+
+def _homes(jaxpr: jex_core.Jaxpr, grad_index: int, grad_in_required: Sequence[frozenset[int]]) -> dict:
+    """The one location each value computed outside the pipeline from weights comes from: a step input the gradient
+    needs on one stage only, or a value computed from such inputs of one stage alone (``f * (w - w0) ** 2``)."""
+    grad = jaxpr.eqns[grad_index]
+    inputs = set(jaxpr.invars)
+    home = {v: next(iter(locs)) for v, locs in zip(grad.invars, grad_in_required)
+            if not isinstance(v, Literal) and v in inputs and len(locs) == 1}
+    for i, e in enumerate(jaxpr.eqns):
+        if i == grad_index:
+            continue
+        found = {home.get(v) for v in _vars(e.invars)} - {None}
+        if len(found) == 1:
+            home.update((v, next(iter(found))) for v in e.outvars)
+    return home
 
 
 _NOT_BOTH = frozenset({"while", "dot_general", "conv_general_dilated"})

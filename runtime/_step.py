@@ -479,13 +479,13 @@ class StepBuilder:
             return {v for i in ids for v in jaxpr.eqns[i].outvars if needed(v)}
 
         # Pre-processing (ancestors of the gradient), one program per location.
-        pre_by_loc = collections.defaultdict(list)
-        for i in sorted(pl.eqn_locs):
+        pre_by_loc = collections.defaultdict(list)  # (by phase: a penalty's terms summed where their weights live)
+        for (i, loc), ph in sorted(pl.phase.items()):
             if pl.region[i] == "pre":
-                for loc in pl.eqn_locs[i]:
-                    pre_by_loc[loc].append(i)
-        for loc in sorted(pre_by_loc):
-            self.outer_program(pre_by_loc[loc], loc, f"pre stage {loc}", consumers_outside)
+                pre_by_loc[(ph, loc)].append(i)
+        for ph, loc in sorted(pre_by_loc):
+            label = f"pre stage {loc}" + (f" phase {ph}" if ph else "")
+            self.outer_program(pre_by_loc[(ph, loc)], loc, label, consumers_outside)
 
         pipe = lay_out_pipeline(self)
         self.publish(pipe.reduced, pipe.acc, pipe.programs)

@@ -622,3 +622,54 @@ def test_a_gradient_of_rows_gathered_in_the_step_is_refused_naming_them_as_the_g
     with pytest.raises(ValueError, match=r"with respect to the loss's inputs computed from the batch in the step whose "
                                          r"gradients are grads\[1\]\['h'\], grads\[1\]\['t'\], which is split"):
         autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(p, b)
+
+
+def test_parameters_stacked_per_example_are_named_with_the_fix():
+    """Personalised heads stacked per client, ``[C, H, K]``, vmapped with the clients' data (trial FED): the step fails
+    at microbatch size, and the refusal's hints were about batch leaves and grouped examples. It names the
+    parameter with the batch's leading dimension and the fix (an index per example, read as ``heads[ids]``)."""
+    c, n, d, h, k = 4, 4, 6, 16, 3
+    params = {"w1": 0.3 * jax.random.normal(jax.random.key(0), (d, h)),
+              "heads": 0.3 * jax.random.normal(jax.random.key(3), (c, h, k))}
+    batch = {"x": jax.random.normal(jax.random.key(1), (c, n, d)),
+             "y": jax.random.randint(jax.random.key(2), (c, n), 0, k)}
+
+    def loss(p, b):
+        def one(head, x, y):
+            return optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(x @ p["w1"]) @ head, y).mean()
+        return jax.vmap(one)(p["heads"], b["x"], b["y"]).mean()
+
+    tx = optax.sgd(0.5)
+
+    def step(p, s, b):
+        value, grads = autopp.value_and_grad(loss)(p, b)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"(?s)Parameters with the batch's leading dimension.*args\[0\]\['heads'\]"
+                                         r".*heads\[ids\]"):
+        piped(params, tx.init(params), batch)
+
+
+def test_weights_the_size_of_the_batch_are_not_named_as_per_example():
+    """A loss that fails at microbatch size for another reason (a reshape to the full batch) with weights whose first
+    dimension equals the batch size (trial CTC: width 32, batch 32) is not told they are per-example parameters."""
+    b, d = 32, 32
+    params = {"w": jax.random.normal(jax.random.key(0), (d, d)) / 6}
+    batch = {"x": jax.random.normal(jax.random.key(1), (b, 2, d)), "y": jax.random.normal(jax.random.key(2), (b, 2, d))}
+
+    def loss(p, bt):
+        return jnp.mean(((bt["x"] @ p["w"]).reshape(b * 2, d) - bt["y"].reshape(-1, d)) ** 2)
+
+    tx = optax.sgd(0.5)
+
+    def step(p, s, bt):
+        value, grads = autopp.value_and_grad(loss)(p, bt)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(params, updates), s, value
+
+    piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="fails at microbatch size") as info:
+        piped(params, tx.init(params), batch)
+    assert "Parameters with the batch's leading dimension" not in str(info.value)

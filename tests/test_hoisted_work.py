@@ -1,0 +1,222 @@
+"""Heavy work in the loss that is the same for every microbatch (a whole-graph encoder of the parameters, an
+orthogonal parametrisation's solve) is computed once per step, before the gradient, with its backward after it, as
+``jax.jit`` of the whole batch computes it: the step still equals plain ``jax.jit``; cheap parameter work (casts, a
+LoRA merge) stays in the loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import autopp
+from autopp.core._trace import trace_step
+from autopp.profiler import profile
+
+from _helpers import assert_trees_close
+
+NE, NR, D, B, K, E = 96, 3, 16, 16, 4, 400
+
+
+def _graph_problem():
+    ks = jax.random.split(jax.random.key(0), 12)
+    params = {"ent": 0.3 * jax.random.normal(ks[0], (NE, D)), "rel": 0.3 * jax.random.normal(ks[1], (NR, D)),
+              "W1": 0.2 * jax.random.normal(ks[2], (NR, D, D)), "W2": 0.2 * jax.random.normal(ks[3], (NR, D, D)),
+              "self": 0.2 * jax.random.normal(ks[4], (D, D))}
+    graph = jnp.stack([jax.random.randint(ks[5], (E,), 0, NE), jax.random.randint(ks[6], (E,), 0, NR),
+                       jax.random.randint(ks[7], (E,), 0, NE)], 1)
+    batch = {"h": jax.random.randint(ks[8], (B,), 0, NE), "r": jax.random.randint(ks[9], (B,), 0, NR),
+             "t": jax.random.randint(ks[10], (B,), 0, NE), "nt": jax.random.randint(ks[11], (B, K), 0, NE)}
+    return params, graph, batch
+
+
+def _rgcn_layer(p, w, x, graph):
+    msg = jnp.einsum("ed,edf->ef", x[graph[:, 0]], w[graph[:, 1]])
+    deg = jax.ops.segment_sum(jnp.ones(E), graph[:, 2], NE)
+    return jnp.tanh(jax.ops.segment_sum(msg, graph[:, 2], NE) / jnp.maximum(deg, 1)[:, None] + x @ p["self"])
+
+
+def _encode(p, graph):
+    return _rgcn_layer(p, p["W2"], _rgcn_layer(p, p["W1"], p["ent"], graph), graph)
+
+
+def _score_loss(p, x, b):
+    """DistMult over the batch's triples and sampled negatives."""
+    q = x[b["h"]] * p["rel"][b["r"]]
+    pos = jnp.sum(q * x[b["t"]], -1)
+    neg = jnp.einsum("bd,bkd->bk", q, x[b["nt"]])
+    return jnp.mean(jax.nn.softplus(-pos)) + jnp.mean(jax.nn.softplus(neg))
+
+
+def _rgcn_loss(p, graph, b):
+    return _score_loss(p, _encode(p, graph), b)
+
+
+def _step(loss, tx):
+    def step(params, opt_state, graph, batch):
+        value, grads = autopp.value_and_grad(loss)(params, graph, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    return step
+
+
+def _equal_to_jit(step, params, graph, batch, steps=2, atol=1e-7, **kw):
+    tx_state = optax.sgd(0.5).init(params)
+    ref, got = (params, tx_state), (params, tx_state)
+    piped = autopp.parallelize(step, **kw)
+    for _ in range(steps):
+        *ref, ref_loss = jax.jit(step)(*ref, graph, batch)
+        *got, got_loss = piped(*got, graph, batch)
+        assert float(got_loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    assert_trees_close(got[0], ref[0], rtol=1e-6, atol=atol)
+    return piped
+
+
+@pytest.mark.parametrize("num_stages,num_microbatches", [(2, 4), (1, 4), (3, 2)])
+def test_graph_encoder_is_computed_once_per_step(num_stages, num_microbatches):
+    """An R-GCN encoder over the whole graph (the parameters and a graph that is no batch), then the batch's triples
+    scored: the encoder leaves the pipelined loss (no scatter-add, no message matmul in it) and the step equals jit,
+    the gradient of the entity table (read by the encoder alone) included."""
+    params, graph, batch = _graph_problem()
+    step = _step(_rgcn_loss, optax.sgd(0.5))
+    traced = trace_step(step, (params, optax.sgd(0.5).init(params), graph, batch), (3,))
+    assert traced.spec.num_hoisted == 1
+    loss_prims = {e.primitive.name for e in traced.spec.forward.jaxpr.eqns}
+    assert "scatter-add" not in loss_prims
+    outer = [e.primitive.name for e in traced.jaxpr.jaxpr.eqns]
+    assert outer.count("scatter-add") >= 2  # the encoder's, once, before the gradient (and its backward after)
+    _equal_to_jit(step, params, graph, batch, num_stages=num_stages, num_microbatches=num_microbatches,
+                  devices=jax.devices()[:num_stages])
+
+
+def test_hoisted_work_is_priced_once_per_step():
+    """The profile prices the encoder outside the loss, once per step (its forward and backward), by its FLOPs:
+    at least the two layers' message and self matmuls, counted by hand."""
+    params, graph, batch = _graph_problem()
+    step = _step(_rgcn_loss, optax.sgd(0.5))
+    prof = profile(step, params, optax.sgd(0.5).init(params), graph, batch)
+    encoder_forward = 2 * (2 * E * D * D + 2 * NE * D * D)
+    assert prof.update_flops >= 2 * encoder_forward
+    assert prof.forward_flops < encoder_forward / 4  # the loss itself scores 16 triples
+
+
+def test_loss_closing_over_step_values_and_aux():
+    """The loss closes over a value the step computes (so the microbatch trace is the step's) and returns a statistic
+    of the encoder's output as aux: the same as jit."""
+    params, graph, batch = _graph_problem()
+    tx = optax.sgd(0.5)
+
+    def step(params, opt_state, graph, batch):
+        edges = graph + 0  # computed in the step: the loss closes over it
+
+        def loss(p, b):
+            x = _encode(p, edges)
+            return _score_loss(p, x, b), {"norm": jnp.mean(x ** 2)}
+
+        (value, aux), grads = autopp.value_and_grad(loss, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value + 0 * aux["norm"]
+
+    traced = trace_step(step, (params, tx.init(params), graph, batch), (3,))
+    assert traced.spec.num_hoisted >= 1 and traced.spec.loss_fn is None
+    _equal_to_jit(step, params, graph, batch, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+
+
+def test_orthogonal_parametrisation_solve():
+    """A Cayley-orthogonal weight ``(I - S)^-1 (I + S)``, S skew, solved from the parameters alone, then applied to
+    the batch: the solve runs once per step; the same as jit."""
+    n = 24
+    ks = jax.random.split(jax.random.key(3), 4)
+    params = {"a": 0.1 * jax.random.normal(ks[0], (n, n)), "out": 0.2 * jax.random.normal(ks[1], (n, 1))}
+    batch = {"x": jax.random.normal(ks[2], (B, n)), "y": jax.random.normal(ks[3], (B, 1))}
+
+    def loss(p, _, b):
+        s = p["a"] - p["a"].T
+        w = jnp.linalg.solve(jnp.eye(n) - s, jnp.eye(n) + s)
+        h = jnp.tanh(b["x"] @ w)
+        return jnp.mean((h @ p["out"] - b["y"]) ** 2)
+
+    step = _step(loss, optax.sgd(0.5))
+    traced = trace_step(step, (params, optax.sgd(0.5).init(params), jnp.zeros(()), batch), (3,))
+    assert traced.spec.num_hoisted == 1
+    # (1e-6 of the weights' size, about 0.5: the solve's rounding, which jit's own accumulation over the same
+    # microbatches shows too)
+    _equal_to_jit(step, params, jnp.zeros(()), batch, atol=5e-7, num_stages=2, num_microbatches=4,
+                  devices=jax.devices()[:2])
+
+
+def test_cheap_parameter_work_stays_in_the_loss():
+    """A bf16 cast of the weights and a LoRA merge ``W + A @ B`` (its merged weight larger than the two factors it
+    comes from) are not moved."""
+    ks = jax.random.split(jax.random.key(5), 5)
+    params = {"w": jax.random.normal(ks[0], (D, D)), "a": 0.1 * jax.random.normal(ks[1], (D, 2)),
+              "b": 0.1 * jax.random.normal(ks[2], (2, D))}
+    batch = {"x": jax.random.normal(ks[3], (4, D)), "y": jax.random.normal(ks[4], (4, D))}
+
+    def cast_loss(p, _, b):
+        w = p["w"].astype(jnp.bfloat16)
+        return jnp.mean(((b["x"].astype(jnp.bfloat16) @ w).astype(jnp.float32) - b["y"]) ** 2)
+
+    def lora_loss(p, _, b):
+        w = jax.lax.stop_gradient(p["w"]) + p["a"] @ p["b"]
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+    for loss in (cast_loss, lora_loss):
+        step = _step(loss, optax.sgd(0.5))
+        traced = trace_step(step, (params, optax.sgd(0.5).init(params), jnp.zeros(()), batch), (3,))
+        assert traced.spec.num_hoisted == 0, loss.__name__
+
+
+def _mlp(key, dim=32, layers=6):
+    ks = jax.random.split(key, layers + 2)
+    return {"inp": jax.random.normal(ks[0], (dim, dim)) / 6,
+            "layers": [{"w": jax.random.normal(k, (dim, dim)) / 6, "b": jnp.zeros(dim)} for k in ks[1:-1]],
+            "out": jax.random.normal(ks[-1], (dim, 4)) / 6}
+
+
+def _mlp_loss(p, b):
+    h = b["x"] @ p["inp"]
+    for layer in p["layers"]:
+        h = h + jnp.tanh(h @ layer["w"] + layer["b"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["y"]).mean()
+
+
+@pytest.mark.parametrize("penalty", ["ewc", "l2"])
+def test_a_weight_penalty_in_the_loss_stays_with_each_stage(penalty):
+    """An EWC penalty ``sum(F * (w - w_old) ** 2)`` or an L2 term over every weight, added to the loss (trial CONT):
+    the last stage read, held and differentiated every weight (its peak 798 KB against 149 KB without the penalty, 4
+    stages). The penalty is computed once per step, each stage's terms where its weights live, only scalars sent:
+    every stage's peak stays within 2.2x of the same model's without the penalty (which holds no anchor and no
+    Fisher), and the step equals jit."""
+    params = _mlp(jax.random.key(0))
+    anchor = jax.tree.map(lambda a: 0.9 * a, params)
+    fisher = jax.tree.map(jnp.abs, params)
+    batch = {"x": jax.random.normal(jax.random.key(1), (16, 32)), "y": jax.random.randint(jax.random.key(2), (16,), 0, 4)}
+
+    def weighted(p, old, fis):
+        terms = zip(jax.tree.leaves(p), jax.tree.leaves(old), jax.tree.leaves(fis))
+        if penalty == "ewc":
+            return 10.0 * sum(jnp.sum(f * (a - o) ** 2) for a, o, f in terms)
+        return 1e-3 * sum(jnp.sum(a ** 2) for a, _, _ in terms)
+
+    def step_with(with_penalty):
+        def loss(p, old, fis, b):
+            return _mlp_loss(p, b) + (weighted(p, old, fis) if with_penalty else 0.0)
+
+        def step(p, opt_state, old, fis, b):
+            value, grads = autopp.value_and_grad(loss)(p, old, fis, b)
+            updates, opt_state = optax.sgd(0.1).update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, value
+        return step
+
+    args = (params, optax.sgd(0.1).init(params), anchor, fisher, batch)
+    peaks = {}
+    for with_penalty in (False, True):
+        piped = autopp.parallelize(step_with(with_penalty), num_stages=4, num_microbatches=4,
+                                   devices=jax.devices()[:4], batch_argnums=4)
+        peaks[with_penalty] = piped.memory_report(*args)
+    assert all(peaks[True][d] <= 2.2 * peaks[False][d] for d in peaks[True]), peaks
+    got, want = piped(*args), jax.jit(step_with(True))(*args)
+    assert float(got[2]) == pytest.approx(float(want[2]), rel=1e-6)
+    assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-7)
