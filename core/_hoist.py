@@ -36,7 +36,7 @@ from jax.extend import core as jex_core
 from jax.extend.core import Literal
 
 from autopp.core import _compat
-from autopp.core._jaxpr import eval_jaxpr_with
+from autopp.core._jaxpr import eval_jaxpr_with, forward_with_vjp
 
 HOISTED_SHARE = 0.05
 """The share of the loss's forward work (at the full batch) that batch-independent heavy work must reach to be
@@ -67,6 +67,8 @@ def eqn_flops(eqn) -> float:
         rhs = eqn.invars[1].aval
         out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
         return 2.0 * out * _size(rhs) / max(out_features, 1)
+    if name in ("bcoo_dot_general", "bcsr_dot_general") and eqn.outvars[0].aval.shape:  # (a sparse matrix's
+        return 2.0 * _size(eqn.invars[0].aval) * out / eqn.outvars[0].aval.shape[0]  # entries times the columns)
     if name in _CUBIC or name == "triangular_solve":
         shape = eqn.invars[0].aval.shape
         n = shape[-1] if shape else 1
@@ -93,15 +95,19 @@ def _bytes(vs) -> int:
     return sum(_size(v.aval) * v.aval.dtype.itemsize for v in vs if hasattr(v.aval, "dtype"))
 
 
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
+_REDUCTIONS = {"reduce_sum": 0, "reduce_max": 0, "reduce_min": 0, "reduce_prod": 0, "argmax": 0, "argmin": 0,
+               "scatter-add": 2, "scatter_add": 2}
+"""Reductions, by the position of the operand they reduce (a segment sum's messages: ``scatter-add``'s updates)."""
 
 
-def _is_heavy(eqn) -> bool:
+def is_heavy(eqn) -> bool:
     """Work of at least :data:`_HEAVY_PER_ELEMENT` per output element, or a reduction of at least as many elements
-    into each (a weight penalty's sum: a summary of the weights)."""
+    into each (a weight penalty's sum: a summary of the weights; a segment sum over a graph's edges into its nodes,
+    LightGCN's propagation, at an average degree of 8)."""
     out = max(sum(_size(v.aval) for v in eqn.outvars), 1)
-    if eqn.primitive.name in _REDUCTIONS:
-        return _size(eqn.invars[0].aval) >= _HEAVY_PER_ELEMENT * out
+    operand = _REDUCTIONS.get(eqn.primitive.name)
+    if operand is not None and len(eqn.invars) > operand:
+        return _size(eqn.invars[operand].aval) >= _HEAVY_PER_ELEMENT * out
     return eqn_flops(eqn) >= _HEAVY_PER_ELEMENT * out
 
 
@@ -121,7 +127,7 @@ def hoisted_equations(forward: jex_core.ClosedJaxpr, same: Sequence[bool], *, de
             free.update(e.outvars)
             independent.append(i)
     eqns = jaxpr.eqns
-    heavy = {i for i in independent if _is_heavy(eqns[i])}
+    heavy = {i for i in independent if is_heavy(eqns[i])}
     if not heavy:
         return []
     producer = {v: i for i in independent for v in eqns[i].outvars}
@@ -215,10 +221,11 @@ def hoist_batch_independent_work(closed: jex_core.ClosedJaxpr, grad_index: int, 
         return None
     cut = split_forward(spec.forward, ids, spec.diff_mask)
     values, inputs = cut.work.jaxpr.outvars, cut.work.jaxpr.invars
-    if (_bytes(v for v, d in zip(values, cut.differentiable) if d)
-            > _bytes(v for v, k in zip(inputs, cut.work_inputs) if spec.diff_mask[k])
+    if (2 * _bytes(v for v, d in zip(values, cut.differentiable) if d)
+            > _bytes(inputs) + _bytes(v for v, k in zip(inputs, cut.work_inputs) if spec.diff_mask[k])
             or _bytes(values) > _bytes(inputs)):
-        return None  # held per step, with gradients, larger than the weights they come from: a LoRA merge W + A @ B
+        return None  # results and their gradients, held per step, larger than what the work reads and the weights'
+        # own gradients: a LoRA merge W + A @ B (a merged weight and its gradient for two thin factors)
     rest_reads = {a for e in cut.rest.jaxpr.eqns for a in e.invars if not isinstance(a, Literal)}
     rest_reads |= {a for a in cut.rest.jaxpr.outvars if not isinstance(a, Literal)}
     invars = spec.forward.jaxpr.invars
@@ -236,34 +243,27 @@ def hoist_batch_independent_work(closed: jex_core.ClosedJaxpr, grad_index: int, 
     # penalty) is computed again for its backward, which then reads the weights where they live.
     recompute = not _heavy_share(spec.forward.jaxpr, ids)
 
+    positions = [j for j, k in enumerate(cut.work_inputs) if spec.diff_mask[k]]
+    taken = [j for j, d in enumerate(cut.differentiable) if d]
+    with_vjp = forward_with_vjp(cut.work, positions, taken, run=lambda vals: evaluate(cut.work.jaxpr, cut.work.consts,
+                                                                                       vals))
+
     def gradient(i, e, invals):
         if i != grad_index:
             return None
-        work_args = {k: invals[k] for k in cut.work_inputs}
-
-        def work(*diff_vals):
-            args = {**work_args, **dict(zip(work_diff, diff_vals))}
-            values = evaluate(cut.work.jaxpr, cut.work.consts, [args[k] for k in cut.work_inputs])
-            return ([v for v, d in zip(values, cut.differentiable) if d],
-                    [v for v, d in zip(values, cut.differentiable) if not d])
-
-        diff_args = [invals[k] for k in work_diff]
-        if work_diff and not recompute:
-            diff_values, backward, other_values = jax.vjp(work, *diff_args, has_aux=True)
+        args = [invals[k] for k in cut.work_inputs]
+        if positions and not recompute:
+            values, backward = with_vjp(*args)
         else:
-            (diff_values, other_values), backward = work(*diff_args), None
-        it_d, it_o = iter(diff_values), iter(other_values)
-        values = [next(it_d) if d else next(it_o) for d in cut.differentiable]
+            values, backward = evaluate(cut.work.jaxpr, cut.work.consts, args), None
         outs = _compat.bind_eqn(e.replace(params={**e.params, "spec": new_spec},
                                           invars=[*e.invars, *cut.rest.jaxpr.invars[len(invars):]]),
                                 [*invals, *values])
         grads = dict(zip(new_spec.diff_indices, outs[head:]))
         extra = {}
-        if work_diff and recompute:
-            backward = jax.vjp(work, *diff_args, has_aux=True)[1]
-        if backward is not None:
-            cotangents = [grads[len(invars) + j] for j, d in enumerate(cut.differentiable) if d]
-            extra = dict(zip(work_diff, backward(cotangents)))
+        if positions:
+            backward = backward or with_vjp(*args)[1]  # (a summary: computed again for its backward)
+            extra = dict(zip(work_diff, backward([grads[len(invars) + j] for j in taken])))
         result = list(outs[:head])
         for k in spec.diff_indices:
             g, x = grads.get(k), extra.get(k)

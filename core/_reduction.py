@@ -185,7 +185,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or (SIZE if any(o is not None and o[2] and not o[0] and _root(o[1]) for o in outs)  # (sqrt(B),
                        and not any(st is not None and st[2] and _root(st[1]) for st, _ in ins) else None)  # met here)
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
-                       and not joined.intersection(me.outvars) and not positions.keys() & set(me.invars)
+                       and not joined.intersection(me.outvars)
+                       and not any(a in positions for a in me.invars if not isinstance(a, jex_core.Literal))
                        else None))
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
@@ -529,8 +530,7 @@ def _rule(we, me, ins: list, M: int) -> list:
     if sub is not None:
         return sub(ins, M)
     if all(st[:2] == (0, 0) for st in states):  # a per-example (or batch-independent) operation; one whose result
-        # lost the batch axes of an input that depends on the batch combined its examples somehow (a custom kernel,
-        # a callback): how, nothing shows
+        # lost the batch axes of an input that depends on the batch combined its examples somehow: how, nothing shows
         batched = any(st[2] and ax for st, ax in ins)
         return [None if batched and not _batch_axes(wv, mv) else (0, 0, dep)
                 for wv, mv in zip(we.outvars, me.outvars)]

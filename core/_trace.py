@@ -624,7 +624,8 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
             mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]
     outer = traced.jaxpr.jaxpr.invars
-    problems, same_shape = [], 0
+    problems, same_shape, added = [], 0, 0
+    batch = int(np.gcd.reduce([v.aval.shape[0] for v, b in zip(outer, traced.batch_mask) if b and v.aval.shape] or [1]))
     for k, (f, m, is_mb) in enumerate(zip(full_in, mb_in, traced.microbatched_grad_inputs)):
         a = traced.grad_eqn.invars[k]
         name = f"loss input #{k}" + (f" ({traced.leaf_paths[outer.index(a)]})" if a in outer else
@@ -637,6 +638,7 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
             problems.append(f"  {name}: {f.str_short()} at full batch, {m.str_short()} per microbatch "
                             f"(expected {expect})")
             same_shape += is_mb and m.shape == f.shape
+            added += bool(is_mb and m.shape and f.shape[0] - m.shape[0] == batch - batch // num_microbatches)
     if len(full_in) != len(mb_in) or problems:
         raise ValueError(
             f"{who}: the loss inputs do not scale with the batch, so the batch cannot be split "
@@ -652,7 +654,11 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
                 "\nA loss input that keeps its shape per microbatch is such a value whose leading dimension equals "
                 "the batch size by chance (a mean over the batch per time step, with as many steps as examples): "
                 "give it a leading axis of 1 (x.mean(0, keepdims=True)) and every microbatch reads it whole, as "
-                "under jax.jit." if same_shape else "")
+                "under jax.jit." if same_shape else "") + (
+                "\nA loss input with the batch's examples plus a fixed number of other rows (a replay sample "
+                "concatenated to the batch in the step) cannot be split: concatenate those rows to the batch before "
+                "the step, so that they are split with it, or pass them to the loss apart and combine the two parts' "
+                "sums, (nll(x).sum() + nll(replay).sum()) / n with n from the step." if added else "")
         )
     refuse_reads_past_rows(mb_forward, traced, num_microbatches, who)
     refuse_batch_positions(mb_forward, traced, who)
@@ -677,8 +683,9 @@ def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: Tra
 
 
 def _same_in_every_microbatch(traced: TracedStep) -> list[bool]:
-    return [not mb and not isinstance(a, jex_core.Literal)
-            for a, mb in zip(traced.grad_eqn.invars, traced.microbatched_grad_inputs)]
+    """Per loss input: whether it comes from no batch leaf nor the batch's shape (weights, a graph passed whole)."""
+    return [not d and not isinstance(a, jex_core.Literal)
+            for a, d in zip(traced.grad_eqn.invars, traced._batch_derived_grad_inputs)]
 
 
 def _rows_grow_along_axis_0(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> bool:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp.core import TracedStep, eval_closed, eval_jaxpr_with, value_and_grad_p
+from autopp.core import TracedStep, eval_closed, eval_jaxpr_with, is_heavy, value_and_grad_p
 from autopp.profiler import aval_bytes
 
 Literal = jex_core.Literal
@@ -83,14 +83,22 @@ def place_outer(
     eqn_locs: dict[int, frozenset[int]] = {}
     # A reduction before the gradient of values computed from weights that live on one stage (a weight penalty's
     # terms, computed once per step: autopp.core._hoist) runs there: only its result travels, not every weight.
+    # Heavy work of the weights alone (a whole-graph encoder, a hypernetwork: autopp.core._hoist) runs once, on the
+    # stage of the weights it reads (else the first), and its results are sent where they are read.
     from_grad = set(grad.outvars)  # (and after it, one not reading the gradients: the penalty's value returned)
+    from_batch = {v for v, b in zip(jaxpr.invars, batch_mask) if b}
     for i, e in enumerate(eqns):
         if i == grad_index or any(v in from_grad for v in _vars(e.invars)):
             from_grad.update(e.outvars)
             continue
-        if (e.primitive.name in _SUMMARIES and home.get(e.invars[0]) is not None
-                and aval_bytes(e.invars[0].aval) >= 8 * sum(aval_bytes(v.aval) for v in e.outvars)):
-            eqn_locs[i] = frozenset({home[e.invars[0]]})
+        if any(v in from_batch for v in _vars(e.invars)):
+            from_batch.update(e.outvars)
+            continue
+        where = {home.get(v) for v in _vars(e.invars)} - {None}
+        summary = (e.primitive.name in _SUMMARIES and home.get(e.invars[0]) is not None
+                   and aval_bytes(e.invars[0].aval) >= 8 * sum(aval_bytes(v.aval) for v in e.outvars))
+        if summary or i in pre and len(where) <= 1 and is_heavy(e):
+            eqn_locs[i] = frozenset(where or {default_loc})
             for v in e.outvars:
                 avail[v] = eqn_locs[i]
     pinned = set(eqn_locs)

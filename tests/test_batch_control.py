@@ -1081,3 +1081,19 @@ def test_replay_rows_joined_with_the_examples_warn():
 
 def _head_out(p, z):
     return jnp.tanh(jnp.tanh(z @ p["w0"]) @ p["w1"]) @ p["wo"]
+
+
+def test_a_covariance_aux_divided_by_a_size_warns_without_crashing():
+    """A feature covariance returned as aux, ``zc.T @ zc / (z.shape[0] - 1)`` (trial NOISE12): the size's literal in the
+    division crashed the analysis (``unhashable type: 'Literal'``) in this session's first version of the replay
+    check. It warns that the aux spreads a statistic over the examples; the loss is jit's."""
+    def loss(p, b):
+        x, y = b
+        z = jnp.tanh(jnp.tanh(x @ p["w0"]) @ p["w1"])
+        zc = z - z.mean(0)
+        cov = zc.T @ zc / (z.shape[0] - 1)
+        return jnp.mean((z @ p["wo"] - y) ** 2), jnp.sum(cov ** 2)
+
+    want, got, texts = _both(_step(loss, has_aux=True), _batch())
+    assert any("aux spreads a statistic" in t for t in texts), texts
+    np.testing.assert_allclose(float(got[-1][0]), float(want[-1][0]), rtol=1e-6)

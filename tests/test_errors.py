@@ -673,3 +673,24 @@ def test_weights_the_size_of_the_batch_are_not_named_as_per_example():
     with pytest.raises(ValueError, match="fails at microbatch size") as info:
         piped(params, tx.init(params), batch)
     assert "Parameters with the batch's leading dimension" not in str(info.value)
+
+
+def test_replay_rows_concatenated_in_the_step_are_named_with_the_fix():
+    """A replay sample concatenated to the batch in the step (16 + 8 rows, trial NOISE12) cannot be split; the
+    refusal's advice was about keeping the batch axis first. It says what the rows are and the two forms that run."""
+    params = {"w": jax.random.normal(jax.random.key(0), (12, 5)) / 4}
+    replay = (jax.random.normal(jax.random.key(1), (8, 12)), jnp.arange(8) % 5)
+    batch = (jax.random.normal(jax.random.key(2), (16, 12)), jnp.arange(16) % 5)
+    tx = optax.sgd(0.1)
+
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y).mean()
+
+    def step(p, s, rep, b):
+        value, grads = autopp.value_and_grad(loss)(p, jnp.concatenate([b[0], rep[0]]), jnp.concatenate([b[1], rep[1]]))
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"(?s)examples plus a fixed number of other rows.*nll\(replay\)"):
+        piped(params, tx.init(params), replay, batch)

@@ -181,8 +181,8 @@ def test_update_traffic_is_fused(name, per_param_byte):
     params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32), "b": jax.ShapeDtypeStruct((1024, 64), jnp.float32)}
     param_bytes = (256 * 512 + 1024 * 64) * 4
 
-    def loss(p, x):
-        return jnp.sum((x @ p["w"]) ** 2) + jnp.sum(p["b"])
+    def loss(p, x):  # (the b term reads the batch: a sum of the weight alone would be computed once per step, outside
+        return jnp.sum((x @ p["w"]) ** 2) + jnp.sum(p["b"] * jnp.mean(x))  # the loss, its gradient no array)
 
     def step(p, o, x):
         g = autopp.grad(loss)(p, x)
