@@ -655,10 +655,9 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
                 "the batch size by chance (a mean over the batch per time step, with as many steps as examples): "
                 "give it a leading axis of 1 (x.mean(0, keepdims=True)) and every microbatch reads it whole, as "
                 "under jax.jit." if same_shape else "") + (
-                "\nA loss input with the batch's examples plus a fixed number of other rows (a replay sample "
-                "concatenated to the batch in the step) cannot be split: concatenate those rows to the batch before "
-                "the step, so that they are split with it, or pass them to the loss apart and combine the two parts' "
-                "sums, (nll(x).sum() + nll(replay).sum()) / n with n from the step." if added else "")
+                "\nA loss input with the batch's examples plus a fixed number of other rows (replay rows added in "
+                "the step) cannot be split: add them to the batch before the step, or pass them to the loss apart "
+                "and add the parts' sums, (nll(x).sum() + nll(replay).sum()) / n, n from the step." if added else "")
         )
     refuse_reads_past_rows(mb_forward, traced, num_microbatches, who)
     refuse_batch_positions(mb_forward, traced, who)
