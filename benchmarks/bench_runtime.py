@@ -528,12 +528,17 @@ def test_one_stage_convolutions(benchmark):
            **{f"autopp, {m} microbatch(es)": autopp.parallelize(make_train_step(loss, tx), num_stages=1,
                                                                 num_microbatches=m, devices=jax.devices()[:1])
               for m in (1, 4)}}
+    _medians_against_plain(benchmark, "one-stage convolutions", fns, params, tx, batch, 10)
+
+
+def _medians_against_plain(benchmark, label, fns, params, tx, batch, rounds):
+    """Median step of each of ``fns`` (``"plain"`` among them), alternating, after two rounds to compile; printed
+    as ratios to plain jit's."""
     state = {k: (params, tx.init(params)) for k in fns}
     interleaved_medians(fns, state, batch, 2)  # compile them
-    med = interleaved_medians(fns, state, batch, 10)
+    med = interleaved_medians(fns, state, batch, rounds)
     benchmark.extra_info.update({k: 1e3 * v for k, v in med.items()})
-    print("\n[one-stage convolutions] " + ", ".join(f"{k} {1e3 * v:.1f} ms ({v / med['plain']:.2f}x)"
-                                                   for k, v in med.items()))
+    print(f"\n[{label}] " + ", ".join(f"{k} {1e3 * v:.1f} ms ({v / med['plain']:.2f}x)" for k, v in med.items()))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
@@ -619,10 +624,4 @@ def test_graph_encoder_in_the_loss(benchmark):
            "plain, scan of 4": jax.jit(scan_accumulation_step(types.SimpleNamespace(loss=loss), tx, 4)),
            "autopp": autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4,
                                         devices=jax.devices()[:2])}
-    state = {k: (params, tx.init(params)) for k in fns}
-    interleaved_medians(fns, state, batch, 2)  # compile them
-    med = interleaved_medians(fns, state, batch, 8)
-    benchmark.extra_info.update({k: 1e3 * v for k, v in med.items()})
-    print("\n[graph encoder in the loss] " + ", ".join(f"{k} {1e3 * v:.1f} ms ({v / med['plain']:.2f}x)"
-                                                      for k, v in med.items()))
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    _medians_against_plain(benchmark, "graph encoder in the loss", fns, params, tx, batch, 8)

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import autopp
+from autopp.models import make_train_step
 from tests._helpers import make_optimizer, make_step, tiny_mlp
 
 
@@ -640,13 +641,7 @@ def test_parameters_stacked_per_example_are_named_with_the_fix():
         return jax.vmap(one)(p["heads"], b["x"], b["y"]).mean()
 
     tx = optax.sgd(0.5)
-
-    def step(p, s, b):
-        value, grads = autopp.value_and_grad(loss)(p, b)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, value
-
-    piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"(?s)Parameters with the batch's leading dimension.*args\[0\]\['heads'\]"
                                          r".*heads\[ids\]"):
         piped(params, tx.init(params), batch)
@@ -663,13 +658,7 @@ def test_weights_the_size_of_the_batch_are_not_named_as_per_example():
         return jnp.mean(((bt["x"] @ p["w"]).reshape(b * 2, d) - bt["y"].reshape(-1, d)) ** 2)
 
     tx = optax.sgd(0.5)
-
-    def step(p, s, bt):
-        value, grads = autopp.value_and_grad(loss)(p, bt)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(params, updates), s, value
-
-    piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="fails at microbatch size") as info:
         piped(params, tx.init(params), batch)
     assert "Parameters with the batch's leading dimension" not in str(info.value)
