@@ -135,7 +135,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     names = traced.spec.aux_names
     if STRUCTURE in undetermined:
         warnings.warn(
-            f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it: "
+            f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it"
+            + (f" (compared there: each of the {num_microbatches} microbatches holds one example)"
+               if factor != num_microbatches else "") + ": "
             "it loops over the batch axis or branches on its size (a lax.fori_loop or Python loop over the examples "
             "or along axis 0 of the batch, an `if` on x.shape[0]), so how its examples combine cannot be read, and "
             f"the microbatches' losses are {'added up' if config.loss_reduction == 'sum' else 'averaged'}. If axis 0 "

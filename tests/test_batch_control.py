@@ -1097,3 +1097,20 @@ def test_a_covariance_aux_divided_by_a_size_warns_without_crashing():
     want, got, texts = _both(_step(loss, has_aux=True), _batch())
     assert any("aux spreads a statistic" in t for t in texts), texts
     np.testing.assert_allclose(float(got[-1][0]), float(want[-1][0]), rtol=1e-6)
+
+
+def test_a_loop_over_examples_at_one_example_per_microbatch_says_how_it_compared():
+    """A loss that loops over its examples in Python, 4 examples in 4 microbatches (trial FED: per-client heads cut to
+    the batch's size): the warning said "a microbatch of 1/2 of it" for num_microbatches=4, the size it compared at
+    (one example per microbatch cannot be compared); it says so."""
+    def loss(p, b):
+        x, y = b
+        return sum(jnp.mean((_head_out(p, x[i:i + 1]) - y[i:i + 1]) ** 2) for i in range(x.shape[0])) / x.shape[0]
+
+    step, batch = _step(loss), (_batch()[0][:4], _batch()[1][:4])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            _params(), TX.init(_params()), batch)
+    texts = [str(w.message) for w in seen]
+    assert any("1/2 of it (compared there: each of the 4 microbatches holds one example)" in t for t in texts), texts
