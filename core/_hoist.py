@@ -165,9 +165,10 @@ def _summary(jaxpr, ids: Sequence[int]) -> bool:
     """Whether the work ``ids`` returns to the rest of the loss at most 1/:data:`_HEAVY_PER_ELEMENT` of the bytes it
     reads from the loss's inputs (a weight penalty, a norm of the weights): moved out, the stages that read its results
     no longer read, hold and differentiate every weight it reads."""
-    made = {v for i in ids for v in jaxpr.eqns[i].outvars}
-    read_after = {a for i, e in enumerate(jaxpr.eqns) if i not in set(ids) for a in e.invars if not isinstance(a, Literal)}
-    inputs = {a for i in ids for a in jaxpr.eqns[i].invars if not isinstance(a, Literal) and a in set(jaxpr.invars)}
+    made, chosen, given = {v for i in ids for v in jaxpr.eqns[i].outvars}, set(ids), set(jaxpr.invars)
+    read_after = {a for i, e in enumerate(jaxpr.eqns) if i not in chosen for a in e.invars
+                  if not isinstance(a, Literal)}
+    inputs = {a for i in ids for a in jaxpr.eqns[i].invars if not isinstance(a, Literal) and a in given}
     return _HEAVY_PER_ELEMENT * _bytes(made & read_after) <= _bytes(inputs)
 
 
@@ -291,7 +292,8 @@ def hoisted_like(forward: jex_core.ClosedJaxpr, spec, same: Sequence[bool], who:
     if not getattr(spec, "num_hoisted", 0):
         return forward
     ids = hoisted_equations(forward, same, decide=False)
-    cut = split_forward(forward, ids, (spec.returned_mask or spec.diff_mask)[:len(forward.jaxpr.invars)]) if ids else None
+    mask = (spec.returned_mask or spec.diff_mask)[:len(forward.jaxpr.invars)]
+    cut = split_forward(forward, ids, mask) if ids else None
     full = spec.forward.jaxpr.invars[len(spec.forward.jaxpr.invars) - spec.num_hoisted:]
     if cut is None or [v.aval for v in cut.rest.jaxpr.invars[len(forward.jaxpr.invars):]] != [v.aval for v in full]:
         raise ValueError(

@@ -31,6 +31,7 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
+from autopp.core._joined import after_joined, follow_joined, joined_parts
 from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, JOINED,
                                  PAIRS, POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_bounds, loop_test,
                                  lost_reason, mixing_by_output, mixing_summary, whole_rows_joined)
@@ -133,7 +134,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     positions: dict = {}  # values computed from the examples' positions (jnp.arange along the batch axis) -> where
     segments: dict = {}  # values whose batch axis holds several segments of rows (autopp.core._batch_parts)
     firsts: dict = {}  # values read off a fixed number of examples (x[0]), not yet combined with the others'
-    joined: set = set()  # values of the examples joined with rows the same in every microbatch (replay rows)
+    joined: dict = {}  # values of the examples joined with rows the same in every microbatch (core._joined)
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
     positions.update((v, p) for v, p in zip(m.invars, in_positions or ()) if p)  # (a call's operands')
     depends = {v for v, st in zip(m.invars, in_states) if st is None or st[2]}  # on the batch, whatever the state
@@ -165,6 +166,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         returned = _MIXING.__dict__.pop("call_out", None) if call else None
         positions.update((v, p) for v, (_, p) in zip(me.outvars, returned or ()) if p)  # (an argsort's indices)
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
+        outs, joining = follow_joined(joined, we, me, ins, outs, out_axes)  # (replay rows beside the examples)
         for mv, st, axes in zip(me.outvars, outs, out_axes):
             env[mv] = (st, axes)
         read_batch = [a for a in me.invars if not isinstance(a, jex_core.Literal) and a in depends]
@@ -173,10 +175,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         events = getattr(_MIXING, "events", None)
         if events is not None:
             by_position = _by_position(we, me, ins, out_axes, positions, _MIXING.top)  # (followed whatever else)
-            joins = whole_rows_joined(me, ins)  # (and what is computed from them: their mean's divisor is no size)
-            joined.update(me.outvars if joins or joined.intersection(read_batch) else ())
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
-                   or (JOINED if joins else None)
                    or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None)
                    or _mixes(me, ins, out_axes) or by_position
                    or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
@@ -185,9 +184,10 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or (SIZE if any(o is not None and o[2] and not o[0] and _root(o[1]) for o in outs)  # (sqrt(B),
                        and not any(st is not None and st[2] and _root(st[1]) for st, _ in ins) else None)  # met here)
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
-                       and not joined.intersection(me.outvars)
+                       and not after_joined(joined, me)
                        and not any(a in positions for a in me.invars if not isinstance(a, jex_core.Literal))
                        else None))
+            why = {"combined": JOINED, "separated": None}.get(joining, why)  # (a slice of one part: that part)
             if why == FIRST or any(not isinstance(a, jex_core.Literal) and a in firsts for a in me.invars):
                 # some examples' values (x[0]): said where they meet the examples' own (nll / temp[0]); an aux that
                 # is one example's value alone is said otherwise (no combination of the microbatches gives it)
@@ -204,7 +204,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                 if g:
                     segments[v] = g
         lost = getattr(_MIXING, "lost", None)
-        if (lost is not None and top and any(o is None for o in outs)
+        if (lost is not None and top and any(o is None for o in outs) and joining != "combined"
                 and all(st is not None for st, _ in ins) and any(st[2] for st, _ in ins)):
             lost.append((lost_reason(me, [st for st, _ in ins]), me, at))
 
@@ -469,8 +469,8 @@ def _rule(we, me, ins: list, M: int) -> list:
     if name == "sign" and states[0][0] == 0:  # (a sign ignores a positive scale: FGSM's sign of a mean's gradient)
         return [(0, 0, dep)]
     if name in _SAME:
-        if whole_rows_joined(me, ins):
-            return [None]  # (replay rows beside the examples: summed over, each microbatch counts them again)
+        if whole_rows_joined(me, ins) and joined_parts(we, me, ins) is None:  # (else followed: core._joined)
+            return [None]  # (replay rows beside two parts of the examples: summed over, counted in each microbatch)
         data = states[1:] if name == "select_n" else states
         if name == "select_n" and states[0][:2] != (0, 0) or name in ("max", "min", "clamp") and (1, -1, True) in data:
             return [None]  # (a mean clamped to a level: free bits, jnp.maximum(kl.mean(), free))

@@ -1114,3 +1114,31 @@ def test_a_loop_over_examples_at_one_example_per_microbatch_says_how_it_compared
             _params(), TX.init(_params()), batch)
     texts = [str(w.message) for w in seen]
     assert any("1/2 of it (compared there: each of the 4 microbatches holds one example)" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("apart", ["slices", "split"])
+def test_replay_rows_through_one_forward_then_apart_run_silent(apart):
+    """DER++ runs one forward over ``[examples; replay rows]`` and takes the two parts back apart (``z[:n]``,
+    ``z[n:]``, or ``jnp.split``) before each part's mean: trial CONT got jit's values with a false warning (the slice
+    read as taking some examples for all, the split as a custom kernel; then, this session, as joining the rows).
+    The parts are followed through the forward: silent, jit's values."""
+    buffer = jax.random.normal(jax.random.key(9), (32, D))
+
+    def loss(p, b, xr):
+        x, y = b
+        z = _head_out(p, jnp.concatenate([x, xr]))
+        if apart == "slices":
+            mine, theirs = z[:x.shape[0]], z[x.shape[0]:]
+        else:
+            mine, theirs = jnp.split(z, [x.shape[0]])
+        return jnp.mean((mine - y) ** 2) + 0.3 * jnp.mean(theirs ** 2)
+
+    def step(params, opt_state, batch):
+        xr = buffer[jax.random.randint(jax.random.key(3), (4,), 0, 32)]
+        out, grads = autopp.value_and_grad(loss)(params, batch, xr)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+
+    want, got, texts = _both(step, _batch())
+    assert not texts, texts
+    _assert_equal(got, want)
