@@ -297,8 +297,14 @@ def _wraps(eqn) -> bool:
     return next(jex_core.jaxprs_in_params(eqn.params), None) is not None
 
 
-def _uncuttable(calls) -> str:
-    """What to do about the model's work sitting inside calls a stage boundary cannot cut."""
+def _mapped(eqns) -> bool:
+    """Whether one of ``eqns`` is a scan without a carry (``lax.map``: a function mapped over the examples)."""
+    return any(e.primitive.name == "scan" and e.params.get("num_carry") == 0 for e in eqns)
+
+
+def _uncuttable(calls, mapped: bool = False) -> str:
+    """What to do about the model's work sitting inside calls a stage boundary cannot cut (``mapped``: one is a
+    ``lax.map``)."""
     fixes = []
     if "jax.checkpoint" in calls:
         fixes.append("apply jax.checkpoint to each layer instead of the whole loss, or leave it out and use "
@@ -308,10 +314,11 @@ def _uncuttable(calls) -> str:
                      "it (a loss head, say), or select with jnp.where")
     if "scan" in calls:  # (a scan over data: over stacked parameters it is unrolled, one layer per iteration)
         fixes.append("a scan over time steps or inner iterations runs whole on one stage, so keep the layers outside "
-                     "it (a recurrent layer per scan, each its own call), map a function of one example over the "
-                     "batch with jax.vmap rather than lax.map, and write a fixed number of steps that read per-step "
-                     "inputs (a sampler's noise, batch first) as lax.fori_loop(0, n, lambda i, x: step(x, "
-                     "noise[:, i]), x), whose steps are split across stages")
+                     "it (a recurrent layer per scan, each its own call), "
+                     + ("map a function of one example over the batch with jax.vmap rather than lax.map, " if mapped
+                        else "") + "and write a fixed number of steps that read per-step inputs (a sampler's noise, "
+                     "batch first) as lax.fori_loop(0, n, lambda i, x: step(x, noise[:, i]), x), whose steps are split "
+                     "across stages")
     if not fixes or set(calls) - {"jax.checkpoint", "lax.cond/lax.switch", "scan"}:
         fixes.append("call the layers outside it, one call per layer at most")
     return "To pipeline the model, " + "; ".join(fixes) + "."
@@ -344,7 +351,7 @@ def split_stages(
         wrapped = sorted({_CALL_NAMES.get(e.primitive.name, e.primitive.name) for i in problem.seq
                           for e in [forward.jaxpr.eqns[i]] if _wraps(e)})
         why = f" Its batch-dependent work sits inside {', '.join(wrapped)} call(s), which a stage boundary " \
-            f"cannot cut. {_uncuttable(wrapped)}" \
+            f"cannot cut. {_uncuttable(wrapped, _mapped(forward.jaxpr.eqns[i] for i in problem.seq))}" \
             if wrapped else ""
         raise ValueError(
             f"autopp: the loss has only {len(problem.seq)} operation(s) that depend on the batch, so it cannot "
@@ -360,7 +367,7 @@ def split_stages(
         raise ValueError(
             f"autopp: one {name} call{f' at {where}' if where else ''} holds {problem.costs[heaviest] / total:.0%} of "
             f"the loss's work, and a stage boundary cannot cut inside it: whichever stage runs it would do that share "
-            f"alone, so {num_stages} stages cannot balance. {_uncuttable([name])} Or use fewer stages: "
+            f"alone, so {num_stages} stages cannot balance. {_uncuttable([name], _mapped([eqn]))} Or use fewer stages: "
             f"num_stages <= {max(1, int(1.5 * total / problem.costs[heaviest]))} (a solver's or a loop's iterations "
             "run on one stage, beside the work before and after it).")
     if weights is not None and len(set(weights)) == 1:

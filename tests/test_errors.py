@@ -683,3 +683,27 @@ def test_replay_rows_concatenated_in_the_step_are_named_with_the_fix():
     piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"(?s)examples plus a fixed number of other rows.*nll\(replay\)"):
         piped(params, tx.init(params), replay, batch)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_scan_holding_the_work_gets_advice_that_fits(mapped):
+    """One recurrent layer applied per example with ``jax.vmap`` (trial NOISE12) holds the loss's work in one scan,
+    and 2 stages are refused: the advice said to map over the batch with jax.vmap rather than lax.map, which the code
+    already did. That advice is given where the scan is a ``lax.map`` over the examples."""
+    b, t, d, h = 16, 10, 6, 16
+    params = {"wx": 0.3 * jax.random.normal(jax.random.key(0), (d, h)),
+              "wh": 0.2 * jax.random.normal(jax.random.key(2), (h, h)),
+              "wo": 0.3 * jax.random.normal(jax.random.key(3), (h, 3))}
+    batch = (jax.random.normal(jax.random.key(1), (b, t, d)), jnp.arange(b) % 3)
+
+    def loss(p, bt):
+        def one(xs):
+            return jax.lax.scan(lambda hs, xt: (jnp.tanh(xt @ p["wx"] + hs @ p["wh"]), None), jnp.zeros(h), xs)[0]
+        final = jax.lax.map(one, bt[0]) if mapped else jax.vmap(one)(bt[0])
+        return optax.softmax_cross_entropy_with_integer_labels(final @ p["wo"], bt[1]).mean()
+
+    tx = optax.sgd(0.1)
+    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="holds") as info:
+        piped(params, tx.init(params), batch)
+    assert ("jax.vmap rather than lax.map" in str(info.value)) == mapped, str(info.value)
