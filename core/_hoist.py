@@ -36,7 +36,7 @@ from jax.extend import core as jex_core
 from jax.extend.core import Literal
 
 from autopp.core import _compat
-from autopp.core._jaxpr import eval_jaxpr_with, forward_with_vjp
+from autopp.core._jaxpr import ROW_READS, eval_jaxpr_with, forward_with_vjp
 
 HOISTED_SHARE = 0.05
 """The share of the loss's forward work (at the full batch) that batch-independent heavy work must reach to be
@@ -207,6 +207,14 @@ def split_forward(forward: jex_core.ClosedJaxpr, ids: Sequence[int], diff_mask: 
     return HoistedSplit(work, work_inputs, rest, differentiable)
 
 
+def _rows_read(cut: HoistedSplit, invars) -> bool:
+    """Whether an input the moved work reads is one the rest of the loss reads row by row (a stack of layers: rows
+    taken for each layer of a scan, replayed or not)."""
+    read = {invars[k] for k in cut.work_inputs}
+    return any(e.primitive.name in ROW_READS | {"scan"} and any(a in read for a in e.invars)
+               for e in cut.rest.jaxpr.eqns)
+
+
 def hoist_batch_independent_work(closed: jex_core.ClosedJaxpr, grad_index: int, same: Sequence[bool],
                                  keep: Sequence = (), evaluate: Callable = eval_jaxpr_with):
     """``closed`` (a step whose equation ``grad_index`` is the gradient) with the loss's heavy batch-independent
@@ -227,6 +235,9 @@ def hoist_batch_independent_work(closed: jex_core.ClosedJaxpr, grad_index: int, 
             or _bytes(values) > _bytes(inputs)):
         return None  # results and their gradients, held per step, larger than what the work reads and the weights'
         # own gradients: a LoRA merge W + A @ B (a merged weight and its gradient for two thin factors)
+    if _rows_read(cut, spec.forward.jaxpr.invars):
+        return None  # (a penalty on a stack of layers the loss reads row by row: the stack may be held by rows, one
+        # stage each, which work on the whole stack outside the loss would gather on every stage)
     rest_reads = {a for e in cut.rest.jaxpr.eqns for a in e.invars if not isinstance(a, Literal)}
     rest_reads |= {a for a in cut.rest.jaxpr.outvars if not isinstance(a, Literal)}
     invars = spec.forward.jaxpr.invars

@@ -304,7 +304,7 @@ def input_free_vars(jaxpr: jex_core.Jaxpr) -> set:
     return free
 
 
-_ROW_READS = frozenset({"slice", "squeeze", "dynamic_slice"})
+ROW_READS = frozenset({"slice", "squeeze", "dynamic_slice"})
 
 
 def sink_parameter_work(closed: jex_core.ClosedJaxpr, diff_invars: Sequence[bool]) -> jex_core.ClosedJaxpr:
@@ -330,7 +330,7 @@ def sink_parameter_work(closed: jex_core.ClosedJaxpr, diff_invars: Sequence[bool
             prologue = False
         derived = (not e.effects and any(a in param_only for a in ins)
                    and all(a in param_only or a in neutral for a in ins))
-        movable.append(prologue and derived and e.primitive.name not in _ROW_READS)
+        movable.append(prologue and derived and e.primitive.name not in ROW_READS)
         if derived:
             param_only.update(e.outvars)
     if not any(movable):

@@ -10,10 +10,51 @@ microbatches' losses undoes: :func:`follow_joined` says so there (:data:`~autopp
 
 from __future__ import annotations
 
+import threading
+from fractions import Fraction
+
 from jax.extend import core as jex_core
 
 AFTER = "after"
 """A value computed from a combination across joined rows (its state is none: nothing more to say of it)."""
+APART = "apart"
+"""Key of :func:`follow_joined`'s dict holding the values computed from joined rows taken apart (the replay rows
+alone, the same in every microbatch by their values, though they come out of the examples' forward)."""
+_TOP = threading.local()
+
+
+def new_joined(top: bool) -> dict:
+    """The dict :func:`follow_joined` fills for one program; the outermost one is kept for :func:`sums_apart`."""
+    joined: dict = {APART: set()}
+    if top:
+        _TOP.joined = joined
+    return joined
+
+
+def fractional(b) -> bool:
+    """Whether a power of the batch size is a fractional one (its square root, by which no reduction divides)."""
+    return isinstance(b, Fraction) and b.denominator != 1
+
+
+def sums_apart(kinds: tuple, states: list, jaxpr, lost: list | None) -> tuple:
+    """``kinds`` with each output that is a sum over the examples and reads rows taken apart from the examples' (a
+    replay part summed) said as no combination: the microbatches' sums would count those rows in each, and the terms
+    the step counts once are found by what reads the batch (``autopp.core.scale_batch_independent_terms``), which
+    these rows do. A mean counts them as jit does (the microbatches' values averaged)."""
+    apart = getattr(_TOP, "joined", {}).get(APART, set())
+    made = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    kinds = list(kinds)
+    for k, (v, kind) in enumerate(zip(jaxpr.outvars, kinds)):
+        if kind == "sum" and not isinstance(v, jex_core.Literal) and v in apart:
+            kinds[k], states[k] = None, None
+            if lost is not None and v in made:
+                lost.append((JOINED_SUM, made[v][1], made[v][0]))
+    return tuple(kinds)
+
+
+JOINED_SUM = ("adds up rows taken apart from the examples' (replay rows run through the model with the batch, then "
+              "sliced off), which each microbatch counts again: run them through the model in a call of their own, "
+              "or take their mean")
 
 
 def joined_parts(we, me, ins: list):
@@ -57,6 +98,8 @@ def follow_joined(joined: dict, we, me, ins: list, outs: list, out_axes: list) -
     and what happened: ``"joined"`` (the concatenation), ``"separated"`` (a slice of one part: the examples' rows
     stay the examples', the other rows are the same in every microbatch), ``"combined"`` (a combination across
     both parts: undetermined, said as :data:`~autopp.core._mixing.JOINED`), or None."""
+    if any(not isinstance(a, jex_core.Literal) and a in joined[APART] for a in me.invars):
+        joined[APART].update(me.outvars)
     read = [a for a in me.invars if not isinstance(a, jex_core.Literal) and a in joined]
     if not read:
         parts = joined_parts(we, me, ins)
@@ -78,6 +121,7 @@ def follow_joined(joined: dict, we, me, ins: list, outs: list, out_axes: list) -
             if w1 <= whole_rows[0] or w0 >= whole_rows[1]:
                 if (m1 <= micro_rows[0] or m0 >= micro_rows[1]) and w1 - w0 == m1 - m0:
                     outs[k] = (0, 0, False)  # the other rows alone: the same in every microbatch
+                    joined[APART].add(me.outvars[k])
                     continue
             joined[me.outvars[k]] = (axis, tuple(r - w0 for r in whole_rows), tuple(r - m0 for r in micro_rows))
         return outs, "separated"

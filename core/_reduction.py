@@ -31,7 +31,7 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._joined import after_joined, follow_joined, joined_parts
+from autopp.core._joined import after_joined, follow_joined, fractional, joined_parts, new_joined, sums_apart
 from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, JOINED,
                                  PAIRS, POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_bounds, loop_test,
                                  lost_reason, mixing_by_output, mixing_summary, whole_rows_joined)
@@ -105,6 +105,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
     names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
     kinds = tuple("sum" if st == (0, 1, False)  # (a constant summed over the examples: ones(B).sum() * c)
                   else None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
+    kinds = sums_apart(kinds, states, micro.jaxpr, lost)  # (replay rows taken apart from the examples', summed)
     if lost is not None:  # an output that ends a function of a sum or mean (sqrt(mse.mean()), mean ** 2)
         made = {v: (i, e) for i, e in enumerate(micro.jaxpr.eqns) for v in e.outvars}
         for v, st, kind in zip(micro.jaxpr.outvars, states, kinds):
@@ -134,7 +135,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     positions: dict = {}  # values computed from the examples' positions (jnp.arange along the batch axis) -> where
     segments: dict = {}  # values whose batch axis holds several segments of rows (autopp.core._batch_parts)
     firsts: dict = {}  # values read off a fixed number of examples (x[0]), not yet combined with the others'
-    joined: dict = {}  # values of the examples joined with rows the same in every microbatch (core._joined)
+    joined = new_joined(top)  # values of the examples joined with rows the same in every microbatch (core._joined)
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
     positions.update((v, p) for v, p in zip(m.invars, in_positions or ()) if p)  # (a call's operands')
     depends = {v for v, st in zip(m.invars, in_states) if st is None or st[2]}  # on the batch, whatever the state
@@ -181,8 +182,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                    or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
                                                        and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
-                   or (SIZE if any(o is not None and o[2] and not o[0] and _root(o[1]) for o in outs)  # (sqrt(B),
-                       and not any(st is not None and st[2] and _root(st[1]) for st, _ in ins) else None)  # met here)
+                   or (SIZE if any(o is not None and o[2] and not o[0] and fractional(o[1]) for o in outs)  # (sqrt(B)
+                       and not any(st is not None and st[2] and fractional(st[1]) for st, _ in ins) else None)  # met)
                    or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
                        and not after_joined(joined, me)
                        and not any(a in positions for a in me.invars if not isinstance(a, jex_core.Literal))
@@ -222,11 +223,6 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                             for v in m.outvars]
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
-
-
-def _root(b) -> bool:
-    """Whether a power of the batch size is a fractional one (its square root, by which no reduction divides)."""
-    return isinstance(b, Fraction) and b.denominator != 1
 
 
 def _uses_size(me, ins: list, depends: set) -> bool:

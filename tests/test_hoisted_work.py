@@ -295,3 +295,25 @@ def test_a_hypernetwork_runs_once_on_one_stage():
                           devices=jax.devices()[:4])
     peaks = piped.memory_report(params, optax.sgd(0.5).init(params), jnp.zeros(()), batch)
     assert sum(peak >= params["h2"].nbytes for peak in peaks.values()) == 1, peaks
+
+
+def test_a_penalty_on_a_stack_read_row_by_row_stays_in_the_loss():
+    """An orthogonality penalty on a stack of layers that the loss scans over (trial HOIST): moved out of the loss it
+    ran on every stage, each holding the whole stack (peaks {388, 386, 386, 387} KB against {233, 168, 157, 245} KB
+    with the penalty in the loss, the stack then whole on its stage). Work on a stack the loss reads row by row stays
+    in the loss; the step equals jit."""
+    d, layers = 16, 4
+    ks = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(ks[0], (layers, d, d)) / d ** 0.5, "inp": jax.random.normal(ks[1], (8, d)) / 3,
+              "out": jax.random.normal(ks[2], (d, 4)) / 6}
+    batch = {"x": jax.random.normal(ks[3], (16, 8)), "y": jnp.arange(16) % 4}
+
+    def loss(p, _, b):
+        h = jnp.tanh(b["x"] @ p["inp"])
+        h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), h, p["w"])
+        penalty = jnp.sum((jnp.einsum("lij,lik->ljk", p["w"], p["w"]) - jnp.eye(d)) ** 2)
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["y"]).mean() + 1e-2 * penalty
+
+    step = _step(loss, optax.sgd(0.1))
+    assert trace_step(step, (params, optax.sgd(0.1).init(params), jnp.zeros(()), batch), (3,)).spec.num_hoisted == 0
+    _equal_to_jit(step, params, jnp.zeros(()), batch, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])

@@ -106,26 +106,22 @@ def test_the_stacks_state_is_divided_between_the_stages(monkeypatch):
 
 def test_steps_that_cannot_be_held_by_rows_stay_whole():
     """Blocks of unequal length (6 layers over 4 stages: with a warning naming the stack and why) and a loss that reads
-    the stack whole with the batch (a penalty on all of it, weighted by the batch) keep the stack one array, as
-    before; a penalty of the weights alone is computed once per step outside the loss, and the stack is held by rows.
-    All equal plain jit."""
+    the stack whole (a penalty on all of it) keep the stack one array, as before; both equal plain jit."""
     uneven = GPTConfig(layers=6, hidden=32, heads=4, seq=16, vocab=64)
     with pytest.warns(UserWarning, match=r"args\[0\]\['blocks'\].*stay whole.*unequal numbers of the stack's 6 rows"):
         step, args, got, want = _run(ScannedGPT(uneven), optax.sgd(0.1), steps=1)
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     assert not [lab for lab in step.executable_for(*args).describe() if lab.startswith("rows of")]
 
-    for weighted in (True, False):
-        class Penalized(ScannedGPT):
-            def loss(self, params, batch, weighted=weighted):
-                scale = 1 + jnp.mean(batch["tokens"]) * 1e-3 if weighted else 1.0
-                return super().loss(params, batch) + 1e-3 * jnp.sum(scale * params["blocks"]["mlp"]["fc_w"] ** 2)
+    class Penalized(ScannedGPT):
+        def loss(self, params, batch):
+            return super().loss(params, batch) + 1e-3 * jnp.sum(params["blocks"]["mlp"]["fc_w"] ** 2)
 
-        step, args, got, want = _run(Penalized(CONFIG), optax.sgd(0.1), steps=1)
-        assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
-        labels = step.executable_for(*args).describe()
-        assert ("rows of args[0]['blocks']['mlp']['fc_w']" in labels) != weighted
-        assert "rows of args[0]['blocks']['mlp']['proj_w']" in labels
+    step, args, got, want = _run(Penalized(CONFIG), optax.sgd(0.1), steps=1)
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    labels = step.executable_for(*args).describe()
+    assert "rows of args[0]['blocks']['mlp']['fc_w']" not in labels
+    assert "rows of args[0]['blocks']['mlp']['proj_w']" in labels
 
 
 def test_an_update_that_reads_the_stack_whole_concatenates_the_rows():
