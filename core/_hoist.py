@@ -12,16 +12,20 @@ once: the step computes it before the gradient (``x, vjp = jax.vjp(encoder, para
 more differentiated input, and after the gradient the step adds ``vjp(dloss/dx)`` to the parameters' gradients. The
 gradient of ``x`` is summed over the microbatches as a parameter's is, so the result is the same sum jit computes;
 the encoder's residuals are held from the first microbatch to the last, as jit holds them from its forward to its
-backward. The runtime places the encoder and its backward as it places any work outside the gradient, and the
-profiler prices them once per step with the optimizer update.
+backward. The runtime runs the encoder once, on the stage of the weights it reads (else the first), and sends its
+results where they are read; the profiler prices it once per step with the optimizer update.
 
 Only heavy work is moved (:func:`hoisted_equations`): what contracts or solves (``dot_general``, convolutions,
-factorisations, loops holding them), with what it reads and what is computed from it, when that is at least
-:data:`HOISTED_SHARE` of the loss's work at the full batch. Casting weights to bf16 or transposing them stays in
+factorisations, loops holding them) or reduces many values into each result (a segment sum over a graph's edges, a
+weight penalty's sum), with what it reads and what is computed from it, when that is at least :data:`HOISTED_SHARE`
+of the loss's work at the full batch or returns at most an eighth of the bytes it reads (a summary of the weights:
+computed again for its backward, which then runs where the weights live). Work on a stack of layers the loss reads
+row by row stays in the loss (the stack may be held by rows). Casting weights to bf16 or transposing them stays in
 the loss, where each stage computes what it reads: moved, its result and its gradient would be held for the whole
 step at the size of the weights. So does work whose results are larger than what it reads, or whose differentiated
-results are larger than the weights they come from: a LoRA merge ``W + A @ B`` would hold a merged weight's
-gradient per step for two thin factors (and at a real model's batch it is a small share of the work anyway).
+results, held with their gradients, would be larger than what it reads and the weights' own gradients: a LoRA merge
+``W + A @ B`` would hold a merged weight and its gradient per step for two thin factors (and at a real model's batch
+it is a small share of the work anyway).
 """
 
 from __future__ import annotations
@@ -113,9 +117,10 @@ def is_heavy(eqn) -> bool:
 
 def hoisted_equations(forward: jex_core.ClosedJaxpr, same: Sequence[bool], *, decide: bool = True) -> list[int]:
     """Indices of ``forward``'s equations to compute once per step: those computed from inputs that are the same for
-    every microbatch alone (``same``, per input: parameters, frozen weights, the whole batch's statistics; not the
-    batch) and constants, with no effects, that are heavy, read by heavy ones or computed from heavy ones. Empty
-    when there are none, or (``decide``) when they are less than :data:`HOISTED_SHARE` of the forward's work."""
+    every microbatch alone (``same``, per input: parameters, frozen weights, a graph passed whole; not the batch nor
+    what the step computes from it) and constants, with no effects, that are heavy, read by heavy ones or computed
+    from heavy ones, but not what the loss returns. Empty when there are none, or (``decide``) when they are less
+    than :data:`HOISTED_SHARE` of the forward's work and no summary of what they read (:func:`_summary`)."""
     jaxpr = forward.jaxpr
     if not any(same):
         return []
