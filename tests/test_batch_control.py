@@ -1053,8 +1053,6 @@ def test_replay_rows_joined_with_the_examples_warn():
     read whole by every microbatch, then summed over and divided by a count from the step: each microbatch's sum
     counted the replay rows again (trial CONT: 3.135304 for jit's 1.633864 at 4 microbatches), silently. It warns,
     naming the concatenation; the advised form, the two parts' sums apart, is jit's, silently."""
-    buffer = jax.random.normal(jax.random.key(9), (32, D))
-
     def replay_step(joined):
         def loss(p, b, xr, n):
             x, y = b
@@ -1062,14 +1060,7 @@ def test_replay_rows_joined_with_the_examples_warn():
             if joined:
                 return jnp.sum((_head_out(p, jnp.concatenate([x, xr])) - jnp.concatenate([y, yr])) ** 2) / n
             return (jnp.sum((_head_out(p, x) - y) ** 2) + jnp.sum((_head_out(p, xr) - yr) ** 2)) / n
-
-        def step(params, opt_state, batch):
-            xr = buffer[jax.random.randint(jax.random.key(3), (4,), 0, 32)]
-            n = jnp.float32(batch[0].shape[0] + 4)
-            out, grads = autopp.value_and_grad(loss)(params, batch, xr, n)
-            updates, opt_state = TX.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, out
-        return step
+        return _replay_step(loss, count=True)
 
     want, got, texts = _both(replay_step(True), _batch())
     assert any("same in every microbatch" in t and "test_batch_control.py" in t for t in texts), texts
@@ -1081,6 +1072,20 @@ def test_replay_rows_joined_with_the_examples_warn():
 
 def _head_out(p, z):
     return jnp.tanh(jnp.tanh(z @ p["w0"]) @ p["w1"]) @ p["wo"]
+
+
+def _replay_step(loss, count=False):
+    """A step that draws 4 replay rows from a buffer and passes them to ``loss(params, batch, rows[, n])`` (``count``:
+    with ``n``, the batch's examples and the rows, from the step)."""
+    buffer = jax.random.normal(jax.random.key(9), (32, D))
+
+    def step(params, opt_state, batch):
+        rows = buffer[jax.random.randint(jax.random.key(3), (4,), 0, 32)]
+        n = (jnp.float32(batch[0].shape[0] + 4),) if count else ()
+        out, grads = autopp.value_and_grad(loss)(params, batch, rows, *n)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out
+    return step
 
 
 def test_a_covariance_aux_divided_by_a_size_warns_without_crashing():
@@ -1122,8 +1127,6 @@ def test_replay_rows_through_one_forward_then_apart_run_silent(apart):
     ``z[n:]``, or ``jnp.split``) before each part's mean: trial CONT got jit's values with a false warning (the slice
     read as taking some examples for all, the split as a custom kernel; then, this session, as joining the rows).
     The parts are followed through the forward: silent, jit's values."""
-    buffer = jax.random.normal(jax.random.key(9), (32, D))
-
     def loss(p, b, xr):
         x, y = b
         z = _head_out(p, jnp.concatenate([x, xr]))
@@ -1133,13 +1136,7 @@ def test_replay_rows_through_one_forward_then_apart_run_silent(apart):
             mine, theirs = jnp.split(z, [x.shape[0]])
         return jnp.mean((mine - y) ** 2) + 0.3 * jnp.mean(theirs ** 2)
 
-    def step(params, opt_state, batch):
-        xr = buffer[jax.random.randint(jax.random.key(3), (4,), 0, 32)]
-        out, grads = autopp.value_and_grad(loss)(params, batch, xr)
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, out
-
-    want, got, texts = _both(step, _batch())
+    want, got, texts = _both(_replay_step(loss), _batch())
     assert not texts, texts
     _assert_equal(got, want)
 
@@ -1148,18 +1145,10 @@ def test_replay_rows_taken_apart_and_summed_warn():
     """The same one forward over ``[examples; replay rows]`` taken apart, each part summed and the sum divided by a
     count from the step (trial NOISE13: 4.9819 for jit's 2.4384, silently, once the parts were followed): the
     microbatches would count the replay part's sum in each. It warns, naming the sum of the rows taken apart."""
-    buffer = jax.random.normal(jax.random.key(9), (32, D))
-
     def loss(p, b, xr, n):
         x, y = b
         z = _head_out(p, jnp.concatenate([x, xr]))
         return (jnp.sum((z[:x.shape[0]] - y) ** 2) + jnp.sum(z[x.shape[0]:] ** 2)) / n
 
-    def step(params, opt_state, batch):
-        xr = buffer[jax.random.randint(jax.random.key(3), (4,), 0, 32)]
-        out, grads = autopp.value_and_grad(loss)(params, batch, xr, jnp.float32(batch[0].shape[0] + 4))
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, out
-
-    _, _, texts = _both(step, _batch())
+    _, _, texts = _both(_replay_step(loss, count=True), _batch())
     assert any("adds up rows taken apart from the examples'" in t and "test_batch_control.py" in t for t in texts), texts
