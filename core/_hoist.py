@@ -12,8 +12,8 @@ once: the step computes it before the gradient (``x, vjp = jax.vjp(encoder, para
 more differentiated input, and after the gradient the step adds ``vjp(dloss/dx)`` to the parameters' gradients. The
 gradient of ``x`` is summed over the microbatches as a parameter's is, so the result is the same sum jit computes;
 the encoder's residuals are held from the first microbatch to the last, as jit holds them from its forward to its
-backward. The runtime runs the encoder once, on the stage of the weights it reads (else the first), and sends its
-results where they are read; the profiler prices it once per step with the optimizer update.
+backward. The runtime runs the encoder once, on the stage of the weights it reads (else on the one stage its
+results go to, else the first), and sends its results where they are read; the profiler prices it once per step with the optimizer update.
 
 Only heavy work is moved (:func:`hoisted_equations`): what contracts or solves (``dot_general``, convolutions,
 factorisations, loops holding them) or reduces many values into each result (a segment sum over a graph's edges, a

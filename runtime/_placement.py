@@ -84,9 +84,16 @@ def place_outer(
     # A reduction before the gradient of values computed from weights that live on one stage (a weight penalty's
     # terms, computed once per step: autopp.core._hoist) runs there: only its result travels, not every weight.
     # Heavy work of the weights alone (a whole-graph encoder, a hypernetwork: autopp.core._hoist) runs once, on the
-    # stage of the weights it reads (else the first), and its results are sent where they are read.
+    # stage of the weights it reads (else the one stage its results go to, else the first), its results sent there.
     from_grad = set(grad.outvars)  # (and after it, one not reading the gradients: the penalty's value returned)
     from_batch = {v for v, b in zip(jaxpr.invars, batch_mask) if b}
+    feeds: dict = collections.defaultdict(set)  # where the gradient needs what each value before it goes into
+    for v, locs in zip(grad.invars, grad_in_required):
+        if not isinstance(v, Literal):
+            feeds[v] |= set(locs)
+    for i in sorted(pre, reverse=True):
+        for v in _vars(eqns[i].invars):
+            feeds[v] |= set().union(*(feeds[o] for o in eqns[i].outvars))
     for i, e in enumerate(eqns):
         if i == grad_index or any(v in from_grad for v in _vars(e.invars)):
             from_grad.update(e.outvars)
@@ -97,8 +104,9 @@ def place_outer(
         where = {home.get(v) for v in _vars(e.invars)} - {None}
         summary = (e.primitive.name in _SUMMARIES and home.get(e.invars[0]) is not None
                    and aval_bytes(e.invars[0].aval) >= 8 * sum(aval_bytes(v.aval) for v in e.outvars))
-        if summary or i in pre and len(where) <= 1 and is_heavy(e):
-            eqn_locs[i] = frozenset(where or {default_loc})
+        if summary or i in pre and len(where) <= 1 and is_heavy(e):  # (else where its results go, if one stage)
+            needed = set().union(*(feeds[o] for o in e.outvars))
+            eqn_locs[i] = frozenset(where or (needed if len(needed) == 1 else {default_loc}))
             for v in e.outvars:
                 avail[v] = eqn_locs[i]
     pinned = set(eqn_locs)

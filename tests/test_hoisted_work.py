@@ -317,3 +317,31 @@ def test_a_penalty_on_a_stack_read_row_by_row_stays_in_the_loss():
     step = _step(loss, optax.sgd(0.1))
     assert trace_step(step, (params, optax.sgd(0.1).init(params), jnp.zeros(()), batch), (3,)).spec.num_hoisted == 0
     _equal_to_jit(step, params, jnp.zeros(()), batch, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])
+
+
+def test_per_layer_work_runs_on_the_stage_that_reads_it():
+    """Per-layer Cayley weights, each solved from the layer's own parameters alone (trial HOIST): all the solves ran
+    on the first stage, which then held every layer's work (8 layers on 4 stages: peaks {826, 178, 166, 148} KB
+    against {202, 178, 166, 148} KB with plain weights). Each layer's solve runs on the stage that reads its weight:
+    every stage's peak within 2x of the plain model's, and the step equals jit."""
+    d, layers = 32, 8
+    ks = jax.random.split(jax.random.key(0), layers + 3)
+    params = {"layers": [jax.random.normal(k, (d, d)) / d ** 0.5 for k in ks[:layers]],
+              "inp": jax.random.normal(ks[-3], (8, d)) / 3, "out": jax.random.normal(ks[-2], (d, 4)) / 6}
+    batch = {"x": jax.random.normal(ks[-1], (16, 8)), "y": jnp.arange(16) % 4}
+
+    def loss_with(cayley):
+        def loss(p, _, b):
+            h = jnp.tanh(b["x"] @ p["inp"])
+            for a in p["layers"]:
+                w = jnp.linalg.solve(jnp.eye(d) - (a - a.T), jnp.eye(d) + (a - a.T)) if cayley else a
+                h = h + jnp.tanh(h @ w)
+            return optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["y"]).mean()
+        return loss
+
+    args = (params, optax.sgd(0.1).init(params), jnp.zeros(()), batch)
+    peaks = {cayley: autopp.parallelize(_step(loss_with(cayley), optax.sgd(0.1)), num_stages=4, num_microbatches=4,
+                                        devices=jax.devices()[:4]).memory_report(*args) for cayley in (False, True)}
+    assert all(peaks[True][k] <= 2 * peaks[False][k] for k in peaks[True]), peaks
+    _equal_to_jit(_step(loss_with(True), optax.sgd(0.1)), params, jnp.zeros(()), batch, atol=5e-7, num_stages=4,
+                  num_microbatches=4, devices=jax.devices()[:4])
