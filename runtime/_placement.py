@@ -11,6 +11,12 @@ Locations are stage indices. The rules:
 * Every other equation (pre-processing that feeds the gradient, optimizer bookkeeping such as Adam's
   step count) is computed on every location that needs its result, and the step inputs it reads are
   kept on all of those locations, so that feeding the results back in moves nothing.
+* Except work of the weights alone, not read from the batch: a reduction of one stage's weights (a weight
+  penalty's terms) runs on that stage, and heavy work before the gradient (an encoder moved out of the loss,
+  :mod:`autopp.core._hoist`) once, on the stage of the weights it reads, else on the one stage its results go to,
+  else the first; their results travel. An equation that reads only a scalar of the anchored values (the
+  penalty's cotangent broadcast to a weight's shape) is made where it is needed, and anchored equations weigh the
+  weights' stages too, so a penalty's backward runs where its weights live.
 """
 
 from __future__ import annotations
