@@ -41,7 +41,7 @@ def sums_apart(kinds: tuple, states: list, jaxpr, lost: list | None) -> tuple:
     replay part summed) said as no combination: the microbatches' sums would count those rows in each, and the terms
     the step counts once are found by what reads the batch (``autopp.core.scale_batch_independent_terms``), which
     these rows do. A mean counts them as jit does (the microbatches' values averaged)."""
-    apart = getattr(_TOP, "joined", {}).get(APART, set())
+    apart = _TOP.__dict__.pop("joined", {}).get(APART, set())  # (the walk's, released with its program's variables)
     made = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     kinds = list(kinds)
     for k, (v, kind) in enumerate(zip(jaxpr.outvars, kinds)):
@@ -57,15 +57,30 @@ JOINED_SUM = ("adds up rows taken apart from the examples' (replay rows run thro
               "or take their mean")
 
 
+def _operands(me, ins: list) -> tuple[int, list, list]:
+    """(axis, the operands split with the batch along it, those that do not depend on the batch) of a
+    concatenation; ``ins``: each operand's (state, batch axes)."""
+    axis = me.params["dimension"]
+    return (axis, [k for k, (st, axes) in enumerate(ins) if st is not None and st[2] and axis in axes],
+            [k for k, (st, axes) in enumerate(ins) if st == (0, 0, False) and axis not in axes])
+
+
+def unfollowed_join(we, me, ins: list) -> bool:
+    """Whether ``me`` joins the examples with rows the same in every microbatch in a way :func:`follow_joined` does
+    not follow (two parts of the examples beside them): said at once as no combination."""
+    if me.primitive.name != "concatenate":
+        return False
+    _, examples, whole = _operands(me, ins)
+    return bool(examples and whole) and joined_parts(we, me, ins) is None
+
+
 def joined_parts(we, me, ins: list):
     """(axis, the examples' rows at the whole batch, at the microbatch) of a concatenation of the examples (one
     operand split with the batch) with rows the same in every microbatch (operands that do not depend on it), or
     None."""
     if me.primitive.name != "concatenate":
         return None
-    axis = me.params["dimension"]
-    examples = [k for k, (st, axes) in enumerate(ins) if st is not None and st[2] and axis in axes]
-    whole = [k for k, (st, axes) in enumerate(ins) if st == (0, 0, False) and axis not in axes]
+    axis, examples, whole = _operands(me, ins)
     if len(examples) != 1 or len(examples) + len(whole) != len(ins):
         return None
     k = examples[0]

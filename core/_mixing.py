@@ -328,17 +328,6 @@ def _batched(wv, mv) -> bool:
     return getattr(wv.aval, "shape", ()) != getattr(mv.aval, "shape", ())
 
 
-def whole_rows_joined(eqn, ins: list) -> bool:
-    """Whether ``eqn`` concatenates the examples (an operand split along its axis) with rows that are the same in
-    every microbatch (an operand that does not depend on the batch: a replay buffer's sample). ``ins``: each operand's
-    (state, batch axes)."""
-    if eqn.primitive.name != "concatenate":
-        return False
-    axis = eqn.params["dimension"]
-    return (any(st is not None and st[2] and axis in axes for st, axes in ins)
-            and any(st == (0, 0, False) and axis not in axes for st, axes in ins))
-
-
 def lost_reason(eqn, states: list) -> str:
     """What an equation of the loss's outermost program does where no combination of the examples describes its
     result any more, for a warning that says where the loss's reduction could not be read."""

@@ -31,10 +31,10 @@ from jax.extend import core as jex_core
 
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
-from autopp.core._joined import after_joined, follow_joined, fractional, joined_parts, new_joined, sums_apart
+from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
 from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, JOINED,
                                  PAIRS, POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_bounds, loop_test,
-                                 lost_reason, mixing_by_output, mixing_summary, whole_rows_joined)
+                                 lost_reason, mixing_by_output, mixing_summary)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
            "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
@@ -465,7 +465,7 @@ def _rule(we, me, ins: list, M: int) -> list:
     if name == "sign" and states[0][0] == 0:  # (a sign ignores a positive scale: FGSM's sign of a mean's gradient)
         return [(0, 0, dep)]
     if name in _SAME:
-        if whole_rows_joined(me, ins) and joined_parts(we, me, ins) is None:  # (else followed: core._joined)
+        if unfollowed_join(we, me, ins):  # (else followed: core._joined)
             return [None]  # (replay rows beside two parts of the examples: summed over, counted in each microbatch)
         data = states[1:] if name == "select_n" else states
         if name == "select_n" and states[0][:2] != (0, 0) or name in ("max", "min", "clamp") and (1, -1, True) in data:
