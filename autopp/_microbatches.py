@@ -99,7 +99,8 @@ def _warn_rows_not_examples(traced: TracedStep) -> None:
              if mb and getattr(a.aval, "shape", ())}
     if lost and len(sizes) > 1:  # (rows of one length throughout, examples drawn from the batch in the step: split
         # alike, each microbatch's rows read beside each other as jit reads them)
-        shapes = ", ".join(f"#{k} {traced.grad_eqn.invars[k].aval.str_short()}" for k in lost[:4])
+        shapes = ", ".join(f"{traced.spec.input_name(k)} {traced.grad_eqn.invars[k].aval.str_short()}"
+                           for k in lost[:4])
         warnings.warn(
             f"{_WHO}: loss input(s) {shapes} that the step computes from the batch are split into microbatches by "
             "rows, but autopp cannot follow the batch's examples to those rows (a concatenation or a reshape along "
@@ -265,7 +266,10 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "jax.jit's value over the whole batch. For jit's value, return what it is computed from as a mean or sum "
             "(or per example) and compute it in the step after the gradient (perplexity: jnp.exp(loss)).",
             stacklevel=user_stacklevel())
-    whole = traced.whole_batch_grad_inputs
+    read = {a for e in forward.jaxpr.eqns for a in e.invars if not isinstance(a, jex_core.Literal)}
+    read |= {a for a in forward.jaxpr.outvars if not isinstance(a, jex_core.Literal)}
+    whole = [k for k in traced.whole_batch_grad_inputs if forward.jaxpr.invars[k] in read]  # (one it never reads:
+    # nothing to say)
     if 0 in undetermined and 0 not in reached and given is None and not whole:  # (mixing: said above)
         first = (mixing_by_output(lost, forward).get(0) or [None])[0] if lost else None
         where = ("an operation autopp cannot see into combines them: a custom kernel, a callback; or a function of a "

@@ -35,6 +35,7 @@ from autopp.core import (
     TracedStep,
     batch_dependent_vars,
     get_schedule,
+    moved_work_inputs,
     row_slice,
     user_stacklevel,
 )
@@ -182,10 +183,18 @@ def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, 
                     else:
                         rows[(s, position[a])].add(row)
     stacked = {k for _, k in rows} - whole
+    # the weights only work moved out of the loss reads (their gradients come from its backward alone), where that
+    # work runs: the stage of the weights it reads, else the first its results go to (runtime/_placement.py)
+    moved = moved_work_inputs(traced.jaxpr.jaxpr, traced.grad_index)
+    trained = spec.returned_mask or spec.diff_mask
+    own = sum(aval_bytes(fwd.invars[k].aval) for k in moved if trained[k] and not spec.diff_mask[k])
+    results = range(len(fwd.invars) - spec.num_hoisted, len(fwd.invars))
+    home = min((s for k in moved for s in users.get(k, ())), default=None)
+    home = min((s for k in results for s in users.get(k, ())), default=0) if home is None else home
     stages = []
     for s, ids in enumerate(split.stage_eqns):
         owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items()
-                    if s in st and spec.diff_mask[k] and k not in stacked)
+                    if s in st and spec.diff_mask[k] and k not in stacked) + (own if s == home else 0)
         owned += sum(aval_bytes(fwd.invars[k].aval) * len(rows[(s, k)]) // fwd.invars[k].aval.shape[0]
                      for k in stacked if spec.diff_mask[k])
         end = split.stage_starts[s + 1] if s + 1 < len(split.stage_starts) else len(fwd.eqns)

@@ -95,7 +95,7 @@ from autopp.core._reduction import ORDER, PAIRS, SPREAD, STRUCTURE, mixing_by_ou
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import ScanRun, find_scan_runs, read_rows, reroll_scans, row_slice
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs
-from autopp.core._hoist import is_heavy
+from autopp.core._hoist import MOVED_WORK_SCOPE, is_heavy, moved_work_inputs
 from autopp.core._twins import DeviceMapped, twin_program
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -44,7 +44,8 @@ def refuse_reads_past_rows(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep,
         reach = int(np.max(np.asarray(values)[..., e.params["dimension_numbers"].start_index_map.index(0)]))
         if reach >= rows:
             a = traced.grad_eqn.invars[split[e.invars[0]]]
-            name = traced.leaf_paths[outer.index(a)] if a in outer else f"loss input #{split[e.invars[0]]}"
+            name = (traced.leaf_paths[outer.index(a)] if a in outer
+                    else f"loss input {traced.spec.input_name(split[e.invars[0]])}")
             raise ValueError(
                 f"{who}: the loss reads batch leaf {name} at fixed positions up to {reach} along its first axis, past "
                 f"the {rows} rows of a microbatch ({num_microbatches} microbatches split it like the batch): it is a "
@@ -69,7 +70,7 @@ def refuse_batch_positions(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep,
             made_at = {v: q for q in traced.jaxpr.jaxpr.eqns for v in q.outvars}.get(traced.grad_eqn.invars[k])
             raise ValueError(
                 f"{who}: the loss gathers the batch's examples by positions the step makes from the batch's size "
-                f"(loss input #{k - traced.spec.num_lifted}, {jaxpr.invars[k].aval.str_short()}"
+                f"(loss input {traced.spec.input_name(k)}, {jaxpr.invars[k].aval.str_short()}"
                 f"{', made at ' + _compat.user_line(made_at) if made_at is not None else ''}; a permutation for "
                 "mixup, say): split into microbatches like the batch, each microbatch's positions still count the "
                 "whole batch's examples, so it would read other rows, unlike jax.jit. Mix the examples in the step "

@@ -113,7 +113,7 @@ def refuse_overwritten_by_gradient(traced: TracedStep, num_microbatches: int, wh
     overwritten, transformed = backward_outputs(traced.spec.forward.jaxpr, traced.spec.diff_mask)
 
     def named(leaves):
-        names = [traced.leaf_paths[outer.index(a)] if a in outer else f"differentiated input {k}"
+        names = [traced.leaf_paths[outer.index(a)] if a in outer else traced.spec.input_name(k)
                  for k in leaves for a in [traced.grad_eqn.invars[k]]]
         return f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
 

@@ -87,6 +87,18 @@ class GradSpec:
     returned_mask: tuple[bool, ...] | None = None
     """The inputs whose gradients the call returns where they differ from :attr:`diff_mask` (a weight only the
     hoisted work reads gets its gradient from that work's backward, not from this equation)."""
+    arg_paths: tuple[str, ...] = ()
+    """Each array argument of the loss as the call passed it (``args[1]['x']``), in ``forward``'s order after the
+    lifted values."""
+
+    def input_name(self, k: int) -> str:
+        """``forward``'s input ``k`` as the user knows it: an argument's path, else what it is."""
+        j = k - self.num_lifted
+        if j < 0:
+            return f"a value the loss closes over (#{k})"
+        if j < len(self.arg_paths):
+            return self.arg_paths[j]
+        return f"a value computed once per step from the parameters (#{k})"
 
     @property
     def num_aux(self) -> int:
@@ -200,6 +212,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         fun = functools.partial(fun, **kwargs)
     nums = _as_tuple_argnums(argnums, len(args))
     flat_args, in_tree = jax.tree_util.tree_flatten(list(args))
+    paths = ["args" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(list(args))[0]]
     leaf_counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
     starts = np.cumsum([0] + leaf_counts)
     arg_mask = [False] * len(flat_args)
@@ -292,6 +305,7 @@ def _bind(fun: Callable, argnums, has_aux: bool, allow_int: bool, args, kwargs, 
         name=name,
         fn_name=getattr(fun, "__name__", ""),
         loss_fn=flat_fun if not lifted_vars else None,
+        arg_paths=tuple(paths[i] for i in dynamic) if len(paths) == num_leaves else (),
     )
     outs = value_and_grad_p.bind(*lifted_vals, *flat_args, spec=spec)
     loss, aux_leaves, diff_grads = outs[0], outs[1 : 1 + spec.num_aux], iter(outs[1 + spec.num_aux :])

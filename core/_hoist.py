@@ -42,6 +42,11 @@ from jax.extend.core import Literal
 from autopp.core import _compat
 from autopp.core._jaxpr import ROW_READS, eval_jaxpr_with, forward_with_vjp
 
+MOVED_WORK_SCOPE = "autopp_moved_work"
+"""The named scope of the step's equations that compute the moved work and its backward (what the profiler prices
+apart from the optimizer update: by its FLOPs, on the device group that runs it, with the results and residuals
+it holds through the step)."""
+
 HOISTED_SHARE = 0.05
 """The share of the loss's forward work (at the full batch) that batch-independent heavy work must reach to be
 computed once per step: below it, recomputing it per microbatch costs less than holding its result and gradient."""
@@ -269,18 +274,20 @@ def hoist_batch_independent_work(closed: jex_core.ClosedJaxpr, grad_index: int, 
         if i != grad_index:
             return None
         args = [invals[k] for k in cut.work_inputs]
-        if positions and not recompute:
-            values, backward = with_vjp(*args)
-        else:
-            values, backward = evaluate(cut.work.jaxpr, cut.work.consts, args), None
+        with jax.named_scope(MOVED_WORK_SCOPE):
+            if positions and not recompute:
+                values, backward = with_vjp(*args)
+            else:
+                values, backward = evaluate(cut.work.jaxpr, cut.work.consts, args), None
         outs = _compat.bind_eqn(e.replace(params={**e.params, "spec": new_spec},
                                           invars=[*e.invars, *cut.rest.jaxpr.invars[len(invars):]]),
                                 [*invals, *values])
         grads = dict(zip(new_spec.diff_indices, outs[head:]))
         extra = {}
         if positions:
-            backward = backward or with_vjp(*args)[1]  # (a summary: computed again for its backward)
-            extra = dict(zip(work_diff, backward([grads[len(invars) + j] for j in taken])))
+            with jax.named_scope(MOVED_WORK_SCOPE):
+                backward = backward or with_vjp(*args)[1]  # (a summary: computed again for its backward)
+                extra = dict(zip(work_diff, backward([grads[len(invars) + j] for j in taken])))
         result = list(outs[:head])
         for k in spec.diff_indices:
             g, x = grads.get(k), extra.get(k)
@@ -300,6 +307,15 @@ def hoist_batch_independent_work(closed: jex_core.ClosedJaxpr, grad_index: int, 
     new = new.replace(jaxpr=new.jaxpr.replace(outvars=new.jaxpr.outvars[:n]))
     index = next(i for i, e in enumerate(new.jaxpr.eqns) if e.primitive is eqn.primitive)
     return new, index, kept
+
+
+def moved_work_inputs(step: jex_core.Jaxpr, grad_index: int) -> set[int]:
+    """Positions of the inputs of the step's gradient equation (``step.eqns[grad_index]``) that the work moved out of
+    the loss reads (its weights, a graph passed whole), from the equations of :data:`MOVED_WORK_SCOPE`."""
+    moved = [e for e in step.eqns[:grad_index] if MOVED_WORK_SCOPE in _compat.name_stack(e)]
+    made = {v for e in moved for v in e.outvars}
+    read = {a for e in moved for a in e.invars if not isinstance(a, Literal) and a not in made}
+    return {k for k, a in enumerate(step.eqns[grad_index].invars) if not isinstance(a, Literal) and a in read}
 
 
 def hoisted_like(forward: jex_core.ClosedJaxpr, spec, same: Sequence[bool], who: str) -> jex_core.ClosedJaxpr:

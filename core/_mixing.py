@@ -12,21 +12,25 @@ from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
 __all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
-           "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary", "JOINED"]
+           "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary", "JOINED", "TIME"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
-CONTROL, SIZED, SIZE, JOINED = "control", "sized", "size", "joined"
+CONTROL, SIZED, SIZE, JOINED, TIME = "control", "sized", "size", "joined", "time"
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
 _MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
 _TEST = "test"  # the b of a flag from comparing a mean over the examples with a level (kl.mean() > free)
 _GUARD = "guard"  # the b of a sum over examples clamped to a level: a denominator's guard, max(mask.sum(), 1)
+_SHARE = "share"  # the b of an example's value over a sum over the examples (t5x: nll * w / w.sum(), then summed)
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
     ORDER: "orders its examples (a sort, a top-k, a scan or a cumulative sum along the batch, a shifted slice of it, "
            "a window, a convolution or an FFT over neighbouring examples)",
+    TIME: "scans along the batch's first axis, carrying a state from row to row (a recurrence over the examples; "
+          "where that axis is time, a time-major [T, B, ...] batch, note that autopp splits axis 0 of every batch "
+          "leaf into microbatches: put the examples first, jnp.swapaxes(x, 0, 1), and scan over axis 1 in the loss)",
     POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
                "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
                "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
@@ -60,7 +64,8 @@ _MIXING_KINDS = {
           "gradient scale 1 / sqrt(x.size * Qp), a Python `if` on it): each microbatch's program reads its own size "
           "(compute such a value in the step and pass it to the loss, or count per feature, x[0].size)",
     JOINED: "joins the examples with rows that are the same in every microbatch (a replay buffer's sample, a memory "
-            "bank) along the batch axis: a sum or mean over both counts those rows in every microbatch, beside the "
+            "bank, constant rows padding a shift: concatenate([zeros(1), x[:-1]])) along the batch axis: a sum, mean "
+            "or running total over both counts those rows in every microbatch, beside the "
             "microbatch's own examples. Combine the two parts apart, (nll(x).sum() + nll(replay).sum()) / n with n "
             "passed from the step, or a weighted mean of each part's mean: autopp adds the examples' part up over the "
             "microbatches and counts the other part once",
@@ -367,3 +372,31 @@ _READABLE = {"integer_pow": "a power", "pow": "a power", "sqrt": "a square root"
 def _has_while(eqn) -> bool:
     return any(e.primitive.name == "while" or _has_while(e)
                for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
+
+
+def uses_size(me, ins: list, depends: set) -> bool:
+    """Whether an equation combines values of the batch with its size used other than as a power of it: a literal
+    that differs between the two traces by no such power (``2.0 if x.shape[0] > 8 else 1.0``), or a function of the
+    size (``jnp.log(B)``: a value of no known state that does not depend on the batch's values). A function of the
+    size returned alone (an aux) is the whole batch's. A flag is not counted: ``jnp.var``'s guard that the count is
+    positive, ``where(n - ddof > 0, ...)``, holds at both sizes."""
+    reads_batch = any(not isinstance(a, jex_core.Literal) and a in depends for a in me.invars)
+    return reads_batch and any(st is None and (isinstance(a, jex_core.Literal) or a not in depends)
+                               and getattr(a.aval, "dtype", None) != np.bool_ for a, (st, _) in zip(me.invars, ins))
+
+
+def settle_shares(pending: dict, me, outs: list, why, users: dict, events: list, at: int) -> str | None:
+    """What to say of ``me`` (``why``: how it mixes the examples) where examples' shares of a sum over them are made
+    (``nll * w / w.sum()``, the sum broadcast to be divided by): held in ``pending`` (per value) while they are carried
+    and scaled, dropped once summed over the examples (a ratio of sums, said as one), said (appended to ``events``)
+    where they are used otherwise (``log(e / e.sum())``: a statistic spread over the examples). ``users``: a reader
+    of each value."""
+    held = {id(e): e for a in me.invars if not isinstance(a, jex_core.Literal) for e in pending.get(a, ())}
+    reader = users.get(me.outvars[0]) if me.primitive.name == "broadcast_in_dim" and me.outvars else None
+    if any(o is not None and o[1] == _SHARE for o in outs) or (
+            reader is not None and reader.primitive.name == "div" and reader.invars[1] is me.outvars[0]):
+        pending.update((v, [*held.values(), *([(why, me, at)] if why else [])]) for v in me.outvars)
+        return None
+    if not any(o is not None and o[:2] == (1, _RATIO) for o in outs):
+        events.extend(e for e in held.values() if e not in events)
+    return why

@@ -32,9 +32,9 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
-from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _TEST, CONTROL, DRAWS, INDEXED, JOINED,
-                                 PAIRS, POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_bounds, loop_test,
-                                 lost_reason, mixing_by_output, mixing_summary)
+from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _SHARE, _TEST, CONTROL, DRAWS, INDEXED,
+                                 JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD, TIME, decides_by_statistic, loop_bounds,
+                                 loop_test, lost_reason, mixing_by_output, mixing_summary, settle_shares, uses_size)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
            "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
@@ -139,6 +139,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
     positions.update((v, p) for v, p in zip(m.invars, in_positions or ()) if p)  # (a call's operands')
     depends = {v for v, st in zip(m.invars, in_states) if st is None or st[2]}  # on the batch, whatever the state
+    users, pending = {a: e for e in m.eqns for a in e.invars if not isinstance(a, jex_core.Literal)}, {}  # (a reader
+    # of each value; the mixing said of examples' shares of a sum, held until they are summed: core._mixing)
 
     def read(wa, ma):
         if isinstance(ma, jex_core.Literal):
@@ -184,7 +186,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
                    or (SIZE if any(o is not None and o[2] and not o[0] and fractional(o[1]) for o in outs)  # (sqrt(B)
                        and not any(st is not None and st[2] and fractional(st[1]) for st, _ in ins) else None)  # met)
-                   or (SIZE if any(o is None for o in outs) and _uses_size(me, ins, depends)
+                   or (SIZE if any(o is None for o in outs) and uses_size(me, ins, depends)
                        and not after_joined(joined, me)
                        and not any(a in positions for a in me.invars if not isinstance(a, jex_core.Literal))
                        else None))
@@ -199,6 +201,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                 else:
                     firsts.update((v, me) for v in me.outvars)
                     why = None if why == FIRST else why
+            why = settle_shares(pending, me, outs, why, users, events, _MIXING.top)  # (held while summed)
             if why:
                 events.append((why, me, _MIXING.top))
             for v, (g, _) in zip(me.outvars, returned or ()):
@@ -211,6 +214,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
 
     events = getattr(_MIXING, "events", None)
     if top and events is not None:  # positions that reach an output as values: weights, masks by position
+        events.extend(e for v in m.outvars if not isinstance(v, jex_core.Literal) for e in pending.get(v, ())
+                      if e not in events)
         for v in m.outvars:
             if not isinstance(v, jex_core.Literal) and v in positions:
                 events.append((POSITIONS, *positions[v]))
@@ -223,17 +228,6 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
                             for v in m.outvars]
     _MIXING.depth -= 1
     return [read(wa, ma)[0] for wa, ma in zip(w.outvars, m.outvars)]
-
-
-def _uses_size(me, ins: list, depends: set) -> bool:
-    """Whether an equation combines values of the batch with its size used other than as a power of it: a literal
-    that differs between the two traces by no such power (``2.0 if x.shape[0] > 8 else 1.0``), or a function of the
-    size (``jnp.log(B)``: a value of no known state that does not depend on the batch's values). A function of the
-    size returned alone (an aux) is the whole batch's. A flag is not counted: ``jnp.var``'s guard that the count is
-    positive, ``where(n - ddof > 0, ...)``, holds at both sizes."""
-    reads_batch = any(not isinstance(a, jex_core.Literal) and a in depends for a in me.invars)
-    return reads_batch and any(st is None and (isinstance(a, jex_core.Literal) or a not in depends)
-                               and getattr(a.aval, "dtype", None) != np.bool_ for a, (st, _) in zip(me.invars, ins))
 
 
 def _by_position(we, me, ins: list, out_axes: list, positions: dict, at_top: int) -> str | None:
@@ -330,7 +324,7 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         xs = ins[me.params["num_consts"] + me.params["num_carry"]:]  # giving a value per step (a sum carried over
         ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
         if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
-            return ORDER
+            return TIME
     return None
 
 
@@ -440,6 +434,12 @@ def _rule(we, me, ins: list, M: int) -> list:
         return [(0, _TEST, True)]
     if any(st[1] in (_MAX, _MIN) for st in states) and name not in ("while", "scan", "cond"):  # (a loop's bound)
         return _extreme(name, states, n_out)
+    if any(st[1] == _SHARE for st in states):  # examples' shares of a sum over them (t5x's nll * w / w.sum())
+        if name == "reduce_sum" and set(me.params["axes"]) & set(ins[0][1]):
+            return [(1, _RATIO, True)]  # (summed over the examples: a ratio of sums, sum(nll * w) / w.sum())
+        one = all(st[1] == _SHARE or st[:2] == (0, 0) for st in states) and sum(st[1] == _SHARE for st in states) == 1
+        keep = name in _CARRY or name in ("mul", "reduce_sum") or name == "div" and states[0][1] == _SHARE
+        return [(0, _SHARE, True)] + [(0, 0, dep)] * (n_out - 1) if one and keep else [None] * n_out
     # a ratio (a mixture) goes on only scaled by, or added to, a constant; a ratio also added to a mean, which
     # averages exactly (BERT's masked-token mean plus its next-sentence loss's mean): a ratio still
     for odd in (_RATIO, _MIXED):
@@ -480,8 +480,9 @@ def _rule(we, me, ins: list, M: int) -> list:
             return [(0, 0, False)]  # a term multiplied by zero (0.0 * extra.sum(), to keep an input read): none
         (s1, b1, _), (s2, b2, _) = states
         if name == "div":
-            if s2:  # a ratio of sums (a masked mean inside the loss) is neither
-                return [(1, _RATIO, True)] if s1 == 1 and s2 == 1 else [None]
+            if s2:  # a ratio of sums (a masked mean inside the loss) is neither; an example's value over a sum
+                return ([(1, _RATIO, True)] if s1 == 1 and s2 == 1 else [(0, _SHARE, True)]  # (its share of it)
+                        if (s1, b1, s2, b2) == (0, 0, 1, 0) else [None])
             return [(s1, b1 - b2, dep)]
         return [(s1 + s2, b1 + b2, dep)] if s1 + s2 <= 1 else [None]
     if name == "integer_pow":  # (a square root squared, ``jnp.linalg.norm(r) ** 2``, is the sum again)

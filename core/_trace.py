@@ -298,9 +298,9 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         raise TypeError(
             f"{who}: every leaf of the batch argument(s) "
             f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "
-            "array); these are not:\n" + "\n".join(bad) + "\nMove values that are not per example (a scalar, a "
-            "setting) to another argument, or set batch_argnums to the argument(s) holding only the batch; a list of "
-            "per-example values becomes an array with jnp.asarray(...)."
+            "array); these are not:\n" + "\n".join(bad) + "\nMove values that are not per example (a count over the "
+            "batch, a setting) to an argument of the step of their own, or set batch_argnums to the argument(s) "
+            "holding only the batch; a list of per-example values becomes an array with jnp.asarray(...)."
         )
     abstract = [abstract_leaf(x) for _, x in flat_with_paths]
 
@@ -478,7 +478,7 @@ def _misaligned(step_fn: Callable, args: Sequence[Any], traced: TracedStep) -> s
             continue
         axes = [d for d, (x, y) in enumerate(zip(small, big)) if x != y]
         if axes and axes[0] > 0:
-            found.append(f"loss input #{k} of shape {tuple(small)} (the batch along axis {axes[0]})")
+            found.append(f"loss input {traced.spec.input_name(k)} of shape {tuple(small)} (batch axis {axes[0]})")
     if not found:
         return ""
     return (f" Values the step computes with the batch along another axis than the first are passed to every "
@@ -515,12 +515,12 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
                              "they belong to the batch, add their argument to batch_argnums.")
             stacked = [n for v, n in zip(invars, traced.leaf_paths) if v in params and v.aval.shape
                        and v.aval.shape[0] in sizes]
-            if stacked and "inconsistent sizes" in str(e):  # (personalised heads [clients, ...] vmapped with the
-                # clients' data: jax.vmap's error; a weight whose first dimension only equals the batch's is not it)
+            if stacked and ("inconsistent sizes" in str(e) or "incompatible shapes" in str(e)):  # (vmap's error, or
+                # an elementwise op's: personalised heads, a PINN's weight per point; not any other error at all)
                 left_out += (f" Parameters with the batch's leading dimension, read whole by every microbatch: "
-                             f"{', '.join(stacked[:4])}{' ...' if len(stacked) > 4 else ''}; where each belongs to one "
-                             "example (a client's own head, vmapped with its data), pass each example's index with "
-                             "the batch and read its row, heads[ids], or use num_microbatches=1.")
+                             f"{', '.join(stacked[:4])}{' ...' if len(stacked) > 4 else ''}; where each row belongs to "
+                             "one example (a client's own head, a self-adaptive PINN's weight per point), pass each "
+                             "example's index with the batch and read its rows, heads[ids], or num_microbatches=1.")
         raise ValueError(
             f"{who}: the step traces at the full batch but fails at microbatch size (every batch leaf's leading "
             f"dimension divided by num_microbatches={num_microbatches}): {type(e).__name__}: {e}\nA batch leaf "
@@ -628,8 +628,8 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
     batch = int(np.gcd.reduce([v.aval.shape[0] for v, b in zip(outer, traced.batch_mask) if b and v.aval.shape] or [1]))
     for k, (f, m, is_mb) in enumerate(zip(full_in, mb_in, traced.microbatched_grad_inputs)):
         a = traced.grad_eqn.invars[k]
-        name = f"loss input #{k}" + (f" ({traced.leaf_paths[outer.index(a)]})" if a in outer else
-                                     " (computed in the step from the batch)" if is_mb else "")
+        name = "loss input " + traced.spec.input_name(k) + (f" ({traced.leaf_paths[outer.index(a)]})" if a in outer
+                                                            else " (computed in the step from the batch)" * is_mb)
         expect = (f.shape[0] // num_microbatches,) + f.shape[1:] if is_mb and f.shape else f.shape
         if is_mb and (not f.shape or f.shape[0] % num_microbatches):
             problems.append(f"  {name}: shape {f.shape} derives from the batch but has no leading "

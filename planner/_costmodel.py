@@ -419,18 +419,20 @@ class StepModel:
             finish.append(ends[g] + red + upd)
             dp_exposed = max(dp_exposed, ends[g] + red - makespan)
         shared = pr.shared_reduce(span, groups, self.cluster, rows=self._by_rows(L)) if P > 1 else 0.0
-        step = max(finish) + shared
+        # work moved out of the loss: computed before the first microbatch that reads it, its backward after the last
+        step = max(finish) + shared + self._moved_s
         pp_comm += shared
 
         mem, details = self._memory(L, span, members, arr, in_flight, group_state)
 
-        model_flops = (prof.forward_flops + prof.backward_flops) * global_batch / prof.batch_size
+        model_flops = (prof.forward_flops + prof.backward_flops) * global_batch / prof.batch_size + (
+            prof.moved.flops if prof.moved else 0.0)
         extra = sum(x.sum("extra", *ab) for x, ab in zip(arr, span)) * M * d
         n = layout.devices
         worst = max(range(P), key=lambda g: mem[g])
         # the breakdown is the busiest device group's (its parts then add up to no more than the step)
         busiest = max(members, key=lambda mine: sum(compute[c] + tp[c] + fsdp_exposed[c] for c in mine))
-        comp = M * sum(compute[c] for c in busiest) + shift  # (the parameter-only work once per step is compute)
+        comp = M * sum(compute[c] for c in busiest) + shift + self._moved_s  # (work once per step is compute)
         tp_s = M * sum(tp[c] for c in busiest)
         fsdp_s = M * sum(fsdp_exposed[c] for c in busiest)
         dev = cluster.device
@@ -497,6 +499,11 @@ class StepModel:
             working = 0.0
             if f_sh > 1:  # two gathered layers (the one computing, the one prefetched) and one layer's gradients
                 working = 3 * max(pr.layer_bytes(i) for c in mine for i in range(*span[c]))
+            moved = self.profile.moved
+            if moved is not None and any(a <= moved.home_layer < b for a, b in (span[c] for c in mine)):
+                static_w += moved.state_bytes  # (its own weights' state, with the rest: the table's "weights")
+                act += moved.held_bytes  # results and residuals, held through the step
+                transient = max(transient, moved.transient_bytes)
             mem.append(static_w + static_o + act + transient + working)
             details.append((static_w, static_o, act + transient))
         return mem, details
@@ -520,7 +527,7 @@ class StepModel:
         if P > 1 and L.schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
             fill = (P - 1) * busiest / (L.num_chunks // P)
         per_step = max(sum(arr.sum("per_step", *spans[c]) for c in mine) for mine in members)
-        return M * busiest + fill + per_step
+        return M * busiest + fill + per_step + self._moved_s
 
     # -- pieces ------------------------------------------------------------------------------------------------
     def _in_flight(self, L: Layout, M: int, exact: bool) -> list[float]:
@@ -550,6 +557,13 @@ class StepModel:
                 hit[g].append(c)
             self._terms[key] = hit
         return hit
+
+    @functools.cached_property
+    def _moved_s(self) -> float:
+        """Seconds of the work moved out of the loss (forward and backward), once per step on one device, unsharded:
+        each data-parallel replica computes it whole."""
+        moved = self.profile.moved
+        return 0.0 if moved is None else self.tm.scaled_time(moved.kernels) + self.tm.per_step_time(moved.kernels)
 
     @functools.cached_property
     def _update_ratio(self) -> float:

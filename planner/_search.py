@@ -508,11 +508,13 @@ def _layer_reports(sm: StepModel, layout: Layout, scale: float) -> tuple[LayerSh
 
 
 def _read_param_bytes(prof, layers) -> int:
-    """Bytes of the parameters ``layers`` read: of a stacked parameter read by rows (a scan's), those rows."""
+    """Bytes of the parameters ``layers`` read: of a stacked parameter read by rows (a scan's), those rows; with the
+    weights only work moved out of the loss reads where that work runs."""
     rows: dict[int, float] = {}
     for lay in layers:
         for k, frac in lay.row_fractions:
             rows[k] = rows.get(k, 0.0) + frac
     read = {k for lay in layers for k in lay.param_inputs if k is not None}
     whole = {k for lay in layers for k in lay.param_inputs if k is not None and k not in dict(lay.row_fractions)}
-    return int(sum(prof.state_bytes[k][0] * (1.0 if k in whole else min(1.0, rows.get(k, 1.0))) for k in read))
+    own = prof.moved.param_bytes if prof.moved and any(lay.index == prof.moved.home_layer for lay in layers) else 0
+    return own + int(sum(prof.state_bytes[k][0] * (1.0 if k in whole else min(1.0, rows.get(k, 1.0))) for k in read))

@@ -9,7 +9,7 @@ from autopp.profiler._kernels import ATTENTION, ScaledKernel, matmul_dtype, prog
 from autopp.profiler._layers import Layer, group_layers, repeated_fingerprints
 from autopp.profiler._optstate import optimizer_state_owners
 from autopp.profiler._partition import StageSplit, split_at, split_stages
-from autopp.profiler._profile import LayerProfile, Profile, profile
+from autopp.profiler._profile import LayerProfile, MovedWork, Profile, profile
 from autopp.profiler._strategies import PARTIAL, REPLICATED, LayerProgram, batch_dims, layer_program, spec_name
 from autopp.profiler._strategy_graph import OpNode, StrategyGraph, boundary_options, build_graph, output_spec
 from autopp.profiler._timemodel import (

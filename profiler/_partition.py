@@ -315,7 +315,8 @@ def _uncuttable(calls, mapped: bool = False) -> str:
     if "scan" in calls:  # (a scan over data: over stacked parameters it is unrolled, one layer per iteration)
         fixes.append("a scan over time steps or inner iterations runs whole on one stage, so keep the layers outside "
                      "it (a recurrent layer per scan, each its own call), "
-                     + ("map a function of one example over the batch with jax.vmap rather than lax.map, " if mapped
+                     + ("map a function of one example over the batch with jax.vmap rather than a scan without a carry "
+                        "(lax.map, or lax.scan(f, None, xs)), " if mapped
                         else "") + "and write a fixed number of steps that read per-step inputs (a sampler's noise, "
                      "batch first) as lax.fori_loop(0, n, lambda i, x: step(x, noise[:, i]), x), whose steps are split "
                      "across stages")

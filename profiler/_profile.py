@@ -13,10 +13,13 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from autopp.core import (
+    MOVED_WORK_SCOPE,
     TracedStep,
     differentiable_vars,
     eqn_signature,
     forward_with_vjp,
+    moved_work_inputs,
+    name_stack,
     normalize_batch_argnums,
     trace_step,
     unit,
@@ -88,6 +91,29 @@ class LayerProfile:
         return d
 
 
+@dataclasses.dataclass(frozen=True)
+class MovedWork:
+    """Work the trace took out of the loss as the same for every microbatch (``autopp.core._hoist``: a whole-graph
+    encoder, a hypernetwork, an orthogonal parametrisation's solve): the step computes it once, before the
+    microbatches, and its backward after them, on one device group."""
+
+    kernels: tuple[ScaledKernel, ...]
+    """Kernels of its forward and backward, at the traced size, unsharded (nothing in them scales with the batch)."""
+    flops: float
+    """FLOPs of its forward and backward."""
+    held_bytes: int
+    """Bytes of its results and of its residuals, held from before the first microbatch to after the last."""
+    transient_bytes: int
+    """Bytes of the largest value it computes and does not hold (a temporary of its forward or its backward)."""
+    param_bytes: int
+    """Bytes of the trained weights only it reads (a hypernetwork's generator): no layer holds them."""
+    state_bytes: int
+    """Bytes of those weights, their gradients and optimizer state."""
+    home_layer: int
+    """The layer whose device group runs it: the first that reads a weight it reads, else the first that reads its
+    results (the runtime's placement, ``runtime/_placement.py``)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Profile:
     """The profile of one training step."""
@@ -132,7 +158,9 @@ class Profile:
     """Per differentiated forward input: the pytree path of the step argument it is (``args[0]['blocks'][3]...``)."""
     update_kernels: tuple[ScaledKernel, ...] = dataclasses.field(default=(), repr=False, compare=False)
     """Kernels of everything the step computes outside the loss's gradient (the optimizer update), at the traced
-    size, unsharded."""
+    size, unsharded, but the moved work's."""
+    moved: MovedWork | None = dataclasses.field(default=None, repr=False, compare=False)
+    """Work moved out of the loss, computed once per step (None: none)."""
 
     def table(self) -> str:
         """Each layer's costs, one row per layer ("trained MB": the layer's differentiated parameters; frozen weights
@@ -262,12 +290,52 @@ def _traced_batch_size(traced: TracedStep) -> int | None:
     return dims.pop() if len(dims) == 1 else None
 
 
+def _moved_ids(traced: TracedStep) -> set[int]:
+    """The step's equations of the work moved out of the loss and of its backward (:data:`MOVED_WORK_SCOPE`)."""
+    return {i for i, e in enumerate(traced.jaxpr.jaxpr.eqns)
+            if i != traced.grad_index and MOVED_WORK_SCOPE in name_stack(e)}
+
+
 def update_kernels(traced: TracedStep) -> tuple[ScaledKernel, ...]:
-    """The kernels of the step outside its gradient equation (optimizer update, metrics): nothing in them scales
-    with the batch once the gradient is taken."""
+    """The kernels of the step outside its gradient equation (optimizer update, metrics) but the moved work's:
+    nothing in them scales with the batch once the gradient is taken."""
     outer = traced.jaxpr.jaxpr
-    ids = [i for i, e in enumerate(outer.eqns) if i != traced.grad_index]
+    moved = _moved_ids(traced)
+    ids = [i for i in range(len(outer.eqns)) if i != traced.grad_index and i not in moved]
     return tuple(program_kernels(outer, ids, is_batch=lambda v: False))
+
+
+def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_per_param_byte: float) -> MovedWork | None:
+    """The moved work of ``traced`` (None: none). ``layer_reads``: per layer, the loss inputs it reads;
+    ``opt_per_param_byte``: optimizer state bytes per byte of a trained parameter (what a weight only the moved work
+    reads is given, since no gradient output of the loss names its state)."""
+    ids = sorted(_moved_ids(traced))
+    if not ids:
+        return None
+    outer, g = traced.jaxpr.jaxpr, traced.grad_index
+    kernels = tuple(program_kernels(outer, ids, is_batch=lambda v: True))  # (scale 1: the traced size, once)
+    made_before = [v for i in ids if i < g for v in outer.eqns[i].outvars]
+    read_later = {a for e in outer.eqns[g:] for a in e.invars if not isinstance(a, Literal)}
+    read_later |= {a for a in outer.outvars if not isinstance(a, Literal)}
+    first_inputs = len(traced.grad_eqn.invars) - traced.spec.num_hoisted
+    results = {a for a in traced.grad_eqn.invars[first_inputs:] if not isinstance(a, Literal)}  # (inputs of the
+    # loss, held where it reads them)
+    held_vars = {v for v in made_before if v in read_later and v not in results}
+    held = sum(aval_bytes(v.aval) for v in held_vars)
+    transient = max((aval_bytes(v.aval) for i in ids for v in outer.eqns[i].outvars if v not in held_vars), default=0)
+    grad_eqn, spec = traced.grad_eqn, traced.spec
+    weights = moved_work_inputs(outer, g)
+    trained = spec.returned_mask or spec.diff_mask
+    in_layers = set().union(*layer_reads.values()) if layer_reads else set()
+    only_here = [k for k in weights if k < len(trained) and trained[k] and k not in in_layers]
+    own = sum(aval_bytes(grad_eqn.invars[k].aval) for k in only_here)
+    home = min((l for l, r in layer_reads.items() if r & weights), default=None)
+    if home is None:
+        home = min((l for l, r in layer_reads.items() if r & set(range(first_inputs, len(grad_eqn.invars)))),
+                   default=0)
+    return MovedWork(kernels=kernels, flops=sum(_flops(k.at(1.0)) for k in kernels), held_bytes=int(held),
+                     transient_bytes=int(transient), param_bytes=int(own),
+                     state_bytes=int(own * (2 + opt_per_param_byte)), home_layer=home)
 
 
 def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
@@ -353,12 +421,14 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     fwd_index = {v: k for k, v in enumerate(fwd.invars)}
     frozen = {k for k, f in enumerate(traced.frozen_grad_inputs) if f}  # held like parameters, nothing else
     out_layers = []
+    layer_reads: dict[int, set[int]] = {}
     for lay in layers:
         src, bwd_flops, m = by_fp[lay.fingerprint]
         fractions = lay.param_fractions or (1.0,) * len(lay.param_indices)  # a scan iteration: its rows' part
         opt = int(round(sum(opt_bytes_of_param.get(k, 0) * f for k, f in zip(lay.param_indices, fractions))))
         f_t, b_t = times[lay.fingerprint]
         inputs = _layer_inputs(forward, lay, layers, sources)
+        layer_reads[lay.index] = {fwd_index[v] for v in inputs if v in fwd_index}
         out_layers.append(LayerProfile(
             index=lay.index, name=lay.name, fingerprint=lay.fingerprint, flops=lay.flops + lay.transcendentals,
             backward_flops=bwd_flops, param_bytes=lay.param_bytes, grad_bytes=lay.param_bytes, optimizer_bytes=opt,
@@ -374,7 +444,11 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     for lp in out_layers:
         graph.nodes[lp.index].update(lp.to_dict())
     update_work = update_kernels(traced)
-    update = sum(_flops(k.at(1.0)) for k in update_work)  # every equation outside the gradient's, once
+    with_state = [k for k in diff_idx if opt_bytes_of_param.get(k)]
+    moved = moved_work(traced, layer_reads, sum(opt_bytes_of_param[k] for k in with_state) / max(
+        1, sum(aval_bytes(fwd.invars[k].aval) for k in with_state)))
+    update = sum(_flops(k.at(1.0)) for k in update_work) + (moved.flops if moved else 0.0)  # every equation
+    # outside the gradient's, once
     forward_flops = sum(l.flops for l in out_layers)
     backward_flops = sum(l.backward_flops for l in out_layers)
     state = {k: (aval_bytes(fwd.invars[k].aval), aval_bytes(fwd.invars[k].aval), opt_bytes_of_param.get(k, 0))
@@ -386,7 +460,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         backward_flops=backward_flops, update_flops=update,
         param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx), fingerprint=traced.fingerprint,
         batch_size=_traced_batch_size(traced), programs={fp: src.program for fp, (src, _, _) in by_fp.items()},
-        state_bytes=state, update_kernels=update_work, param_names=_param_names(traced),
+        state_bytes=state, update_kernels=update_work, moved=moved, param_names=_param_names(traced),
         structure_fingerprint=_structure_fingerprint(out_layers, fwd, diff_idx),
     )
 

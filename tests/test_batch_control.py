@@ -1048,6 +1048,21 @@ def test_negatives_computed_in_the_step_are_said_to_be_split_with_the_batch():
     _assert_equal(want, (autopp.gather(one[0]), *one[1:]))
 
 
+def test_constant_rows_padding_a_shift_are_named_as_such():
+    """A causal PINN weighs each time slice by the losses before it, ``cumsum(concatenate([zeros(1), lt[:-1]]))``
+    (trial ODE): a running total over the batch, warned about, whose warning also said the loss joins the examples
+    with "a replay buffer's sample, a memory bank". It names constant rows padding a shift."""
+    def loss(p, b):
+        x, y = b
+        lt = ((jnp.tanh(x @ p["w0"]) @ p["wo"] - y) ** 2)[:, 0]
+        w = jax.lax.stop_gradient(jnp.exp(-jnp.cumsum(jnp.concatenate([jnp.zeros(1), lt[:-1]]))))
+        return jnp.mean(w * lt)
+
+    want, got, texts = _both(_step(loss), _batch())
+    assert any("constant rows padding a shift" in t for t in texts), texts
+    assert not np.isclose(float(want[-1]), float(got[-1]), rtol=1e-6)
+
+
 def test_replay_rows_joined_with_the_examples_warn():
     """Experience replay written as one pass over ``[examples; replay rows]``, the replay rows drawn in the step and
     read whole by every microbatch, then summed over and divided by a count from the step: each microbatch's sum

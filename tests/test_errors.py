@@ -134,15 +134,16 @@ def test_grad_of_integer_input_is_type_error(mlp_setup):
 
 
 def test_a_loss_input_that_does_not_split_by_example_is_rejected(mlp_setup):
-    """One more row than the batch (it grows with the batch, so it is no whole-batch value, but not by examples)."""
+    """One more row than the batch (it grows with the batch, so it is no whole-batch value, but not by examples); the
+    message names it as the loss's second argument."""
     model, _, state, batch = mlp_setup
 
     def step(params, batch):
         padded = jnp.concatenate([batch["x"], batch["x"][:1]])
         return autopp.grad(lambda p, x, b: model.loss(p, b) + jnp.sum(x) * 0)(params, padded, batch)
 
-    with pytest.raises(ValueError, match=r"(?s)do not scale with the batch.*loss input #\d+ \(computed in the step "
-                                         r"from the batch\).*no leading dimension divisible by 2"):
+    with pytest.raises(ValueError, match=r"(?s)do not scale with the batch.*loss input args\[1\] \(computed in the "
+                                         r"step from the batch\).*no leading dimension divisible by 2"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
 
 
@@ -444,7 +445,8 @@ def test_a_batch_no_interleaved_microbatch_count_divides(mlp_setup):
 
 def test_a_value_made_in_the_step_with_the_batch_on_another_axis_is_named(mlp_setup):
     """Noise drawn in the step as (layers, batch, features) reaches every microbatch whole; the message says which
-    loss input it is and how to lay it out (it blamed a batch leaf without a batch axis, a user trial)."""
+    loss input it is, as the loss's third argument, and how to lay it out (it blamed a batch leaf without a batch axis,
+    a user trial)."""
     model, _, state, batch = mlp_setup
     tx = make_optimizer()
 
@@ -458,7 +460,7 @@ def test_a_value_made_in_the_step_with_the_batch_on_another_axis_is_named(mlp_se
         return optax.apply_updates(params, updates), opt_state, value
 
     with pytest.raises(ValueError, match=r"(?s)fails at microbatch size.*passed to every microbatch whole: loss input "
-                                         r"#\d+ of shape \(3, 16, 1\) \(the batch along axis 1\).*jnp.moveaxis"):
+                                         r"args\[2\] of shape \(3, 16, 1\) \(batch axis 1\).*jnp.moveaxis"):
         autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(*state, batch)
 
 
@@ -647,6 +649,42 @@ def test_parameters_stacked_per_example_are_named_with_the_fix():
         piped(params, tx.init(params), batch)
 
 
+def test_a_count_in_the_batch_dict_is_refused_with_where_it_goes():
+    """A count of positives put in the batch's dict (``batch["npos"] = y.sum()``, trial REC) cannot be split; the
+    refusal names the leaf and says to pass such a count as an argument of the step of its own."""
+    params = {"w": jnp.ones((4, 1))}
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.arange(8.0) % 2}
+    batch["npos"] = batch["y"].sum()
+
+    def loss(p, b):
+        return jnp.sum(jax.nn.softplus(-(b["x"] @ p["w"])[:, 0]) * b["y"]) / b["npos"]
+
+    tx = optax.sgd(0.1)
+    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match=r"(?s)args\[2\]\['npos'\]: a scalar has no batch dimension.*a count over the "
+                                        r"batch, a setting\) to an argument of the step of their own"):
+        piped(params, tx.init(params), batch)
+
+
+def test_a_trained_weight_per_example_is_named_with_the_fix():
+    """A self-adaptive PINN trains one weight per collocation point, ``lam[B]``, multiplied with the points' residuals
+    (trial ODE): the refusal said only "mul got incompatible shapes (32,), (8,)". It names the parameter and the fix."""
+    b = 32
+    params = {"w": jax.random.normal(jax.random.key(0), (2, 16)) / 2, "v": jax.random.normal(jax.random.key(1), (16,)),
+              "lam": jnp.ones(b)}
+    points = jax.random.uniform(jax.random.key(2), (b, 2))
+
+    def loss(p, x):
+        r = jnp.tanh(x @ p["w"]) @ p["v"] - jnp.sin(x[:, 0])
+        return jnp.mean(p["lam"] * r ** 2)
+
+    tx = optax.sgd(0.1)
+    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"(?s)incompatible shapes.*Parameters with the batch's leading dimension.*"
+                                         r"args\[0\]\['lam'\].*self-adaptive PINN.*heads\[ids\]"):
+        piped(params, tx.init(params), points)
+
+
 def test_weights_the_size_of_the_batch_are_not_named_as_per_example():
     """A loss that fails at microbatch size for another reason (a reshape to the full batch) with weights whose first
     dimension equals the batch size (trial CTC: width 32, batch 32) is not told they are per-example parameters."""
@@ -689,7 +727,8 @@ def test_replay_rows_concatenated_in_the_step_are_named_with_the_fix():
 def test_a_scan_holding_the_work_gets_advice_that_fits(mapped):
     """One recurrent layer applied per example with ``jax.vmap`` (trial NOISE12) holds the loss's work in one scan,
     and 2 stages are refused: the advice said to map over the batch with jax.vmap rather than lax.map, which the code
-    already did. That advice is given where the scan is a ``lax.map`` over the examples."""
+    already did. That advice is given where the scan is a ``lax.map`` over the examples, and says what one is (a scan
+    without a carry: trial ODE's teacher-forced ``lax.scan(f, None, xs)`` was told "rather than lax.map")."""
     b, t, d, h = 16, 10, 6, 16
     params = {"wx": 0.3 * jax.random.normal(jax.random.key(0), (d, h)),
               "wh": 0.2 * jax.random.normal(jax.random.key(2), (h, h)),
@@ -706,4 +745,4 @@ def test_a_scan_holding_the_work_gets_advice_that_fits(mapped):
     piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="holds") as info:
         piped(params, tx.init(params), batch)
-    assert ("jax.vmap rather than lax.map" in str(info.value)) == mapped, str(info.value)
+    assert ("jax.vmap rather than a scan without a carry (lax.map" in str(info.value)) == mapped, str(info.value)

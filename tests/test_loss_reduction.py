@@ -79,6 +79,10 @@ def _losses():
         "a masked mean plus a mean": (lambda x, w: (x.sum(-1) * (x[:, 0] > 0)).sum() / (x[:, 0] > 0).sum()
                                       + (x ** 2).mean(), (), "ratio"),
         "a sum over a maximum": (lambda x, w: (x ** 2).sum() / (jnp.abs(x).max() * x.shape[0]), (), None),
+        # (a user trial: t5x's tokens each over the count, then summed, read as a statistic spread over the examples)
+        "shares of a count, summed": (lambda x, w: jnp.sum(x.sum(-1) * (x[:, 0] > 0) / (x[:, 0] > 0).sum()), (),
+                                      "ratio"),
+        "shares of a sum, squared": (lambda x, w: jnp.sum((x[:, 0] ** 2 / (x[:, 0] ** 2).sum()) ** 2), (), None),
     }
 
 
@@ -228,12 +232,57 @@ def test_one_microbatch_reads_a_whole_batch_count_without_loss_reduction():
         _run(odd)  # 4 microbatches of a loss that is neither a mean nor a sum: which one is meant cannot be told
 
 
-def test_loss_reduction_sum_of_a_ratio_inside_the_loss_is_refused():
+_RATIO_FORMS = {
+    "ratio": lambda p, b: (_nll(p, b) * b["mask"]).sum() / b["mask"].sum(),
+    # t5x's compute_weighted_cross_entropy with loss_normalizing_factor=NUM_REAL_TARGET_TOKENS: each token divided
+    # by the count, then summed; and the weights normalised first
+    "t5x": lambda p, b: jnp.sum(_nll(p, b) * b["mask"] / jnp.sum(b["mask"])),
+    "weights normalised": lambda p, b: jnp.sum(_nll(p, b) * (b["mask"] / b["mask"].sum())),
+}
+
+
+@pytest.mark.parametrize("form", list(_RATIO_FORMS))
+def test_loss_reduction_sum_of_a_ratio_inside_the_loss_is_refused(form):
     """A masked mean inside the loss with loss_reduction="sum" added up the microbatches' ratios: 4x jit's loss and
-    gradients, silently (a trial: 9.17 for jit's 2.30)."""
-    step = _step(lambda p, b: (_nll(p, b) * b["mask"]).sum() / b["mask"].sum())
+    gradients, silently (a trial: 9.17 for jit's 2.30). Written as t5x writes it (each token over the count, then
+    summed) it ran at 4.0x jit's loss (13.656 for 3.414) with a warning that called it gradient accumulation's."""
+    step = _step(_RATIO_FORMS[form])
     with pytest.raises(ValueError, match=r"loss_reduction='sum', but the loss divides a sum .* about 4x"):
         _run(step, loss_reduction="sum")
+
+
+@pytest.mark.parametrize("form", ["t5x", "weights normalised"])
+def test_a_ratio_written_as_shares_of_the_count_is_a_ratio(form):
+    """The t5x forms under the default: the masked-token-mean warning and its advice (it warned that the loss spreads
+    a statistic over its examples, whose advice, num_microbatches=1, gives up the pipeline). A loss input that the loss
+    never reads (a count computed in the step and not used) changes nothing: it made the step refuse with advice to
+    pass "sum"."""
+    step = _step(_RATIO_FORMS[form])
+    with pytest.warns(UserWarning, match=r"(?s)divides a sum over its examples by another sum.*mask.sum\(\)") as rec:
+        (p_jit, l_jit), (p_pp, l_pp) = _run(step)
+    assert not any("spreads a statistic" in str(w.message) for w in rec)
+    assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)  # the microbatches' ratios averaged, as said
+    unused = _step(lambda p, b, n: _RATIO_FORMS[form](p, b), lambda b: (b["mask"].sum(),))
+    with pytest.warns(UserWarning, match=r"divides a sum over its examples by another sum"):
+        _run(unused)
+    # the advice: the count from the step, each token over it, summed: jit's values
+    passed = _step(lambda p, b, n: jnp.sum(_nll(p, b) * b["mask"] / n), lambda b: (b["mask"].sum(),))
+    (p_jit, l_jit), (p_pp, l_pp) = _run(passed, loss_reduction="sum")
+    _assert_equal(l_jit, l_pp)
+    _assert_equal(p_jit, p_pp)
+
+
+def test_a_share_of_a_sum_used_otherwise_than_summed_still_warns():
+    """Examples' shares of a sum over the batch fed to a logarithm or a square (a softmax over the batch) are a
+    statistic spread over the examples, said as before, whether or not the loss is passed a count it does not read."""
+    for loss in (lambda p, b: -jnp.mean(jnp.log(jnp.exp(-_nll(p, b)[:, 0]) / jnp.exp(-_nll(p, b)[:, 0]).sum())),
+                 lambda p, b: jnp.sum((_nll(p, b)[:, 0] / _nll(p, b)[:, 0].sum()) ** 2)):
+        with pytest.warns(UserWarning, match=r"spreads a statistic over its examples"):
+            _run(_step(loss))
+        # with a count from the step that the loss never reads: the same (it was refused, as if the count could
+        # normalise the loss, with advice to pass loss_reduction="sum")
+        with pytest.warns(UserWarning, match=r"spreads a statistic over its examples"):
+            _run(_step(lambda p, b, n: loss(p, b), lambda b: (b["mask"].sum(),)))
 
 
 def test_an_aux_ratio_is_averaged_with_a_warning_under_a_summed_loss():
@@ -419,8 +468,11 @@ def test_a_recurrence_along_the_batch_axis_is_named():
         x = p["embed"][b["x"]].mean(1) @ p["w"]
         return ((jax.lax.associative_scan(jnp.add, jnp.tanh(x)) @ p["head"]) ** 2).mean()
 
-    for loss in (recurrence, prefix):
-        with pytest.warns(UserWarning, match=r"(?s)loops over the batch axis.*time-major|orders its examples"):
+    # the scan carried along axis 0 says what a time-major batch needs (it said "orders its examples", with advice
+    # that did not fit: a trial's GRU over [T, B] windows)
+    for loss, said in ((recurrence, r"(?s)scans along the batch's first axis.*time-major.*jnp.swapaxes"),
+                       (prefix, r"(?s)loops over the batch axis.*time-major|orders its examples")):
+        with pytest.warns(UserWarning, match=said):
             (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss))
         assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)
 

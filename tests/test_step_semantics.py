@@ -688,8 +688,8 @@ def test_a_whole_batch_value_as_long_as_the_batch_is_refused_with_the_keepdims_f
 def test_loss_inputs_whose_rows_are_not_the_examples_are_warned_about(prepare, misaligned):
     """A loss input the step computes from the batch is split by rows; where autopp cannot follow the examples to
     those rows, each microbatch reads rows that are not its own examples' (a user trial: ``concatenate([y, -y])``
-    read by its first rows gave loss 1.23 against jit's 0.71, silently). Said in a warning; per-example values are
-    not."""
+    read by its first rows gave loss 1.23 against jit's 0.71, silently). Said in a warning, which names the input as
+    the loss's argument; per-example values are not."""
     def loss(params, x, y, extra):
         return _nll(params, x, y).mean() + 0.0 * extra.sum()
 
@@ -705,6 +705,8 @@ def test_loss_inputs_whose_rows_are_not_the_examples_are_warned_about(prepare, m
         pipelined.plan_for(params, TX.init(params), _batch(jax.random.key(1)))
     said = [w for w in record if "cannot follow the batch's examples" in str(w.message)]
     assert bool(said) == misaligned, [str(w.message)[:200] for w in record]
+    # named as the loss reads it: its fourth argument (it was "loss input(s) #3", a position among flattened inputs)
+    assert all("loss input(s) args[3] float32[" in str(w.message) for w in said), [str(w.message) for w in said]
 
 
 def test_examples_drawn_from_the_batch_in_the_step_are_split_alike():
