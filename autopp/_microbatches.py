@@ -177,8 +177,19 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "(z ** 2 * mask).sum() / count; terms over different inputs, labelled and unlabelled examples, each by "
             "its own: ce(lab).sum() / n_lab + (ce(unl) * m).sum() / n_unl, both counts passed to the loss), or the "
             "sum as a mean.")
-    undetermined = undetermined + [k for k in range(1, n_out) if kinds[k] == "mixed"]  # (an aux: said below)
-    kinds = tuple(None if k == "mixed" else k for k in kinds)
+    if kind == "ratio+sum" and given != "mean":
+        raise ValueError(
+            f"{_WHO}: the loss adds a ratio of sums over its examples (a masked mean inside the loss, sum(nll * w) / "
+            "w.sum(), or t5x's tokens each over the count) to a sum over them divided by a count the step computes "
+            f"(box losses over num_boxes): averaging the {num_microbatches} microbatches' losses divides that sum by "
+            f"{num_microbatches}, adding them counts the ratio {num_microbatches} times, so neither loss_reduction "
+            "gives plain jax.jit's loss and gradients, even when every microbatch holds as many counted tokens. For "
+            "jit's values compute the ratio's count in the step too and pass it to the loss (sum(nll * w) / n_w with "
+            "n_w = w.sum() over the whole batch), then pass loss_reduction='sum'; loss_reduction='mean' averages the "
+            "microbatches' losses (gradient accumulation's meaning).")
+    undetermined = undetermined + [k for k in range(1, n_out) if kinds[k] in ("mixed", "ratio+sum")]  # (an aux:
+    kinds = tuple(None if k in ("mixed", "ratio+sum") else k for k in kinds)  # said below; a loss averaged as asked:
+    kind = "ratio" if kind == "ratio+sum" else kind  # gradient accumulation's)
     ratio = False
     if kind == "ratio":
         if given == "sum":

@@ -22,6 +22,7 @@ _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the mic
 _TEST = "test"  # the b of a flag from comparing a mean over the examples with a level (kl.mean() > free)
 _GUARD = "guard"  # the b of a sum over examples clamped to a level: a denominator's guard, max(mask.sum(), 1)
 _SHARE = "share"  # the b of an example's value over a sum over the examples (t5x: nll * w / w.sum(), then summed)
+_RATIO_SUM = "ratio+sum"  # the b of a ratio of sums plus a sum over a count from the step (DETR's class and box terms)
 _MIXING_KINDS = {
     PAIRS: "pairs its examples (in-batch negatives, pairwise distances)",
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
@@ -391,12 +392,48 @@ def settle_shares(pending: dict, me, outs: list, why, users: dict, events: list,
     and scaled, dropped once summed over the examples (a ratio of sums, said as one), said (appended to ``events``)
     where they are used otherwise (``log(e / e.sum())``: a statistic spread over the examples). ``users``: a reader
     of each value."""
+    made = any(o is not None and o[1] == _SHARE for o in outs)
+    if not pending and not made and me.primitive.name != "broadcast_in_dim":
+        return why  # (most equations: no share anywhere yet)
     held = {id(e): e for a in me.invars if not isinstance(a, jex_core.Literal) for e in pending.get(a, ())}
     reader = users.get(me.outvars[0]) if me.primitive.name == "broadcast_in_dim" and me.outvars else None
-    if any(o is not None and o[1] == _SHARE for o in outs) or (
-            reader is not None and reader.primitive.name == "div" and reader.invars[1] is me.outvars[0]):
+    if made or reader is not None and reader.primitive.name == "div" and reader.invars[1] is me.outvars[0]:
         pending.update((v, [*held.values(), *([(why, me, at)] if why else [])]) for v in me.outvars)
         return None
     if not any(o is not None and o[:2] == (1, _RATIO) for o in outs):
         events.extend(e for e in held.values() if e not in events)
     return why
+
+
+def scaled_apart(ins: list) -> bool:
+    """Whether values of each example are added that scale with different powers of the batch size, one that
+    depends on the batch scaled (an input gradient of the batch's mean, 1/B of each example's own, added to the
+    inputs or to a small constant): each microbatch's is ``num_microbatches`` times jit's."""
+    states = [st for st, _ in ins]
+    return (all(st is not None and st[0] == 0 and not isinstance(st[1], str) for st in states)
+            and len({st[1] for st in states}) > 1 and any(st[2] and st[1] != 0 for st in states))
+
+
+def share_rule(me, ins: list, n_out: int, carry: frozenset, dot) -> list:
+    """The rule of an equation reading examples' shares of a sum over them (``nll * w / w.sum()``, one over a sum,
+    ``jnp.reciprocal(m.sum())``): summed over the examples (a ``reduce_sum``, a contraction, ``einsum('bt,bt->', nll,
+    w / w.sum())``, a sum times one over another) it is a ratio of sums; scaled by per-example values, masked
+    (``where(m > 0, share, 0)``), carried or summed within each example it stays shares; anything else is none.
+    ``carry``: the operations that carry a value's state; ``dot``: a contraction's rule."""
+    name, states = me.primitive.name, [st for st, _ in ins]
+    shares = [k for k, st in enumerate(states) if st[1] == _SHARE]
+    if len(shares) != 1:
+        return [None] * n_out
+    share_axes, others = ins[shares[0]][1], [st[:2] for k, st in enumerate(states) if k != shares[0]]
+    if name == "reduce_sum" and set(me.params["axes"]) & set(share_axes):
+        return [(1, _RATIO, True)]
+    if name == "mul" and others == [(1, 0)] and not share_axes:
+        return [(1, _RATIO, True)]  # (a sum times one over another)
+    if name == "dot_general" and others == [(0, 0)]:
+        return [(1, _RATIO, True) if dot(me, [((0, 0, True), ax) for _, ax in ins], True) == (1, 0, True)
+                else (0, _SHARE, True)]
+    keep = (name in carry or name in ("mul", "reduce_sum") or name == "div" and shares[0] == 0
+            or name == "select_n" and shares[0] > 0)  # (a share as the numerator, or one of what a mask picks)
+    if keep and all(k == (0, 0) for k in others):
+        return [(0, _SHARE, True)] + [(0, 0, True)] * (n_out - 1)
+    return [None] * n_out

@@ -382,7 +382,7 @@ class Plan:
             lines.append(
                 f"  time: compute {e.compute_s:.4g} s, bubble {e.bubble_s:.4g}, tensor-parallel {e.tp_comm_s:.4g}, "
                 f"FSDP {e.fsdp_comm_s:.4g}, pipeline sends {e.pp_comm_s:.4g}, data-parallel {e.dp_comm_s:.4g}, "
-                f"optimizer {e.optimizer_s:.4g}")
+                f"optimizer {e.optimizer_s:.4g}" + (f", host dispatch {e.dispatch_s:.4g}" if e.dispatch_s else ""))
         if self.planner is not None:
             st = self.planner
             lines.append(

@@ -32,9 +32,10 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
-from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _READABLE, _SHARE, _TEST, CONTROL, DRAWS, INDEXED,
-                                 JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD, TIME, decides_by_statistic, loop_bounds,
-                                 loop_test, lost_reason, mixing_by_output, mixing_summary, settle_shares, uses_size)
+from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE, _SHARE, _TEST, CONTROL,
+                                 DRAWS, INDEXED, JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD, TIME,
+                                 decides_by_statistic, loop_bounds, loop_test, lost_reason, mixing_by_output,
+                                 mixing_summary, scaled_apart, settle_shares, share_rule, uses_size)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
            "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
@@ -102,7 +103,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
         return (None,) * len(micro.jaxpr.outvars)
     finally:
         _MIXING.events = _MIXING.lost = _MIXING.microbatches = _MIXING.blocks = _MIXING.parts = None
-    names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed"}
+    names = {-1: "mean", 0: "sum", _RATIO: "ratio", _MAX: "max", _MIN: "min", _MIXED: "mixed", _RATIO_SUM: "ratio+sum"}
     kinds = tuple("sum" if st == (0, 1, False)  # (a constant summed over the examples: ones(B).sum() * c)
                   else None if st is None or not st[2] or st[0] != 1 else names.get(st[1]) for st in states)
     kinds = sums_apart(kinds, states, micro.jaxpr, lost)  # (replay rows taken apart from the examples', summed)
@@ -306,7 +307,7 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         keyed = dependent if me.primitive.name != "random_gamma" else [(st, ax) for st, ax in ins[:1]
                                                                         if st is None or st[2]]
         return DRAWS if any(out_axes) and not keyed else None
-    if me.primitive.name in _ADD and any(out_axes) and _scaled_apart(ins):
+    if me.primitive.name in _ADD and any(out_axes) and scaled_apart(ins):
         return SIZED
     if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
         return PAIRS
@@ -326,15 +327,6 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
             return TIME
     return None
-
-
-def _scaled_apart(ins: list) -> bool:
-    """Whether values of each example are added that scale with different powers of the batch size, one that
-    depends on the batch scaled (an input gradient of the batch's mean, 1/B of each example's own, added to the
-    inputs or to a small constant): each microbatch's is ``num_microbatches`` times jit's."""
-    states = [st for st, _ in ins]
-    return (all(st is not None and st[0] == 0 for st in states) and len({st[1] for st in states}) > 1
-            and any(st[2] and st[1] != 0 for st in states))
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:
@@ -425,8 +417,9 @@ def _rule(we, me, ins: list, M: int) -> list:
             if (1, _RATIO) in keys and keys <= {(1, _RATIO), (1, 0), (1, -1)}:  # a ratio guarded against an empty
                 return [(1, _RATIO, True)]  # count: where(n == 0, neg_sum, (pos + neg) / max(n, 1)), CenterNet's
             return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
-    if name == "div" and states[1] is not None and states[1][1] == _GUARD and states[0] is not None and states[0][0]:
-        return [(1, _RATIO, True)]  # (a sum over a count guarded against zero: sum(nll * m) / max(m.sum(), 1))
+    if name == "div" and states[1] is not None and states[1][1] == _GUARD and states[0] is not None and (
+            states[0][0] or states[0][:2] == (0, 0)):  # (a sum over a count guarded against zero: sum(nll * m) /
+        return [(1, _RATIO, True) if states[0][0] else (0, _SHARE, True)]  # max(m.sum(), 1); each token over it)
     if any(st is None or st[1] in (_TEST, _GUARD) for st in states):  # (a test of a mean, or a clamped sum, used
         return [None] * n_out  # otherwise: no combination)
     dep = any(st[2] for st in states)
@@ -435,20 +428,17 @@ def _rule(we, me, ins: list, M: int) -> list:
     if any(st[1] in (_MAX, _MIN) for st in states) and name not in ("while", "scan", "cond"):  # (a loop's bound)
         return _extreme(name, states, n_out)
     if any(st[1] == _SHARE for st in states):  # examples' shares of a sum over them (t5x's nll * w / w.sum())
-        if name == "reduce_sum" and set(me.params["axes"]) & set(ins[0][1]):
-            return [(1, _RATIO, True)]  # (summed over the examples: a ratio of sums, sum(nll * w) / w.sum())
-        one = all(st[1] == _SHARE or st[:2] == (0, 0) for st in states) and sum(st[1] == _SHARE for st in states) == 1
-        keep = name in _CARRY or name in ("mul", "reduce_sum") or name == "div" and states[0][1] == _SHARE
-        return [(0, _SHARE, True)] + [(0, 0, dep)] * (n_out - 1) if one and keep else [None] * n_out
+        return share_rule(me, ins, n_out, _CARRY, _dot)
     # a ratio (a mixture) goes on only scaled by, or added to, a constant; a ratio also added to a mean, which
     # averages exactly (BERT's masked-token mean plus its next-sentence loss's mean): a ratio still
-    for odd in (_RATIO, _MIXED):
+    for odd in (_RATIO, _MIXED, _RATIO_SUM):
         if any(st[1] == odd for st in states):
             constant = all(st[1] == odd or st[:3] == (0, 0, False)  # (or a sum over a count from the step: DETR's
                            or name in _ADD and st[:2] in ((1, -1), (1, 0)) for st in states)  # boxes; mean + sum + sum)
             if constant and (name in _ADD or name == "mul" or name == "div" and states[0][1] == odd or name in _CARRY
                              or name in ("reduce_sum", "concatenate", "stack")):  # (weighted, stacked, summed)
-                return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)
+                odd = _RATIO_SUM if odd == _RATIO and name in _ADD and (1, 0, True) in states else odd  # (beside a
+                return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)  # sum: neither combination is jit's)
             return [None] * n_out
     if name in _ADD:
         live = [st for st in states if st[2] or st[:2] != (0, 0)]
@@ -488,6 +478,8 @@ def _rule(we, me, ins: list, M: int) -> list:
     if name == "integer_pow":  # (a square root squared, ``jnp.linalg.norm(r) ** 2``, is the sum again)
         s, b, _ = states[0]
         y = me.params["y"]
+        if (s, b, y) == (1, 0, -1):  # one over a sum (jnp.reciprocal(m.sum()), m.sum() ** -1): a share of it
+            return [(0, _SHARE, True)]
         return [(_whole(s * y), _whole(b * y), dep)] if s == 0 or y == 1 or s * y == 1 else [None]
     if name == "rsqrt" and states[0][0] == 0 and isinstance(states[0][1], int):  # (g * rsqrt(sum(g * g)))
         return [(0, _whole(Fraction(-states[0][1], 2)), dep)]

@@ -503,20 +503,20 @@ def _at_microbatch_size(who: str, num_microbatches: int, traced: TracedStep | No
         if traced is not None:
             invars = traced.jaxpr.jaxpr.invars
             sizes = {v.aval.shape[0] for v, b in zip(invars, traced.batch_mask) if b and v.aval.shape}
-            # not the parameters, nor state shaped like them (an optimizer's moments): those are no batch
+            # not the parameters, nor state shaped like them that the loss does not read (an optimizer's moments)
             params = {a for a, d in zip(traced.grad_eqn.invars, traced.spec.diff_mask) if d}
             like_params = {(a.aval.shape, a.aval.dtype) for a in params}
-            names = [n for v, b, n in zip(invars, traced.batch_mask, traced.leaf_paths)
-                     if not b and v.aval.shape and v.aval.shape[0] in sizes and v not in params
-                     and (v.aval.shape, v.aval.dtype) not in like_params]
+            names = [n for v, b, n in zip(invars, traced.batch_mask, traced.leaf_paths) if not b and v.aval.shape
+                     and v.aval.shape[0] in sizes and v not in params  # (a PINN's weight per point, read by the loss)
+                     and ((v.aval.shape, v.aval.dtype) not in like_params or v in traced.grad_eqn.invars)]
             if names:
                 left_out += (f" Leaves outside batch_argnums={traced.batch_argnums} with the batch's leading "
                              f"dimension, kept whole: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; if "
                              "they belong to the batch, add their argument to batch_argnums.")
             stacked = [n for v, n in zip(invars, traced.leaf_paths) if v in params and v.aval.shape
                        and v.aval.shape[0] in sizes]
-            if stacked and ("inconsistent sizes" in str(e) or "incompatible shapes" in str(e)):  # (vmap's error, or
-                # an elementwise op's: personalised heads, a PINN's weight per point; not any other error at all)
+            if stacked and not names and ("inconsistent sizes" in str(e) or "incompatible shapes" in str(e)):  # (a
+                # vmap's or an elementwise op's error, no other leaf to blame: per-client heads, per-point weights)
                 left_out += (f" Parameters with the batch's leading dimension, read whole by every microbatch: "
                              f"{', '.join(stacked[:4])}{' ...' if len(stacked) > 4 else ''}; where each row belongs to "
                              "one example (a client's own head, a self-adaptive PINN's weight per point), pass each "

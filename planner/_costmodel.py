@@ -435,6 +435,7 @@ class StepModel:
         comp = M * sum(compute[c] for c in busiest) + shift + self._moved_s  # (work once per step is compute)
         tp_s = M * sum(tp[c] for c in busiest)
         fsdp_s = M * sum(fsdp_exposed[c] for c in busiest)
+        issued = dispatch if C == 1 else 2 * M * dispatch * len(busiest)  # (the host's part of the makespan)
         dev = cluster.device
         est = Estimate(
             step_time_s=step,
@@ -443,7 +444,7 @@ class StepModel:
             peak_memory_bytes_per_gpu=int(math.ceil(mem[worst])),
             fits=bool(mem[worst] <= dev.memory_capacity),
             compute_s=comp,
-            bubble_s=max(0.0, makespan - comp - tp_s - fsdp_s - (pp_comm - shared)),
+            bubble_s=max(0.0, makespan - (comp - self._moved_s) - tp_s - fsdp_s - (pp_comm - shared) - issued),
             tp_comm_s=tp_s, fsdp_comm_s=fsdp_s, pp_comm_s=pp_comm, dp_comm_s=max(0.0, dp_exposed),
             optimizer_s=max(update_s), num_microbatches=M,
             param_bytes=int(details[worst][0]), optimizer_bytes=int(details[worst][1]),

@@ -526,21 +526,44 @@ def _guarded_ratio(p, b, n):  # CenterNet: the negatives' sum alone where no exa
     return jnp.where(count == 0, jnp.sum(per * (1 - pos)), jnp.sum(per) / jnp.maximum(count, 1.0)) + 0 * n
 
 
-@pytest.mark.parametrize("loss", [_detr_like, _guarded_ratio], ids=lambda f: f.__name__.strip("_"))
-def test_a_ratio_beside_a_sum_or_guarded_is_a_ratio(loss):
-    """DETR's loss (a class-weighted mean inside the loss plus box losses over a count from the step) was refused as
-    unreadable, with advice whose both choices then ran silently wrong (10.73 / 2.68 for jit's 6.28); CenterNet's
-    ratio guarded against an empty count got the generic warning, whose advice, ``"sum"``, ran at 4x (trial DETECT).
-    Both are ratios: the ratio warning by default, and ``"sum"`` refused."""
+def _ratio_step(loss, counts=lambda b: (jnp.float32(B),)):
     def step(params, opt_state, batch):
-        value, grads = autopp.value_and_grad(loss)(params, batch, jnp.float32(B))
+        value, grads = autopp.value_and_grad(loss)(params, batch, *counts(batch))
         updates, opt_state = TX.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
+    return step
 
-    _, _, texts = _both(step, _batch())
+
+def test_a_guarded_ratio_is_a_ratio():
+    """CenterNet's ratio guarded against an empty count got the generic warning, whose advice, ``"sum"``, ran at 4x
+    (trial DETECT). It is a ratio: the ratio warning by default, and ``"sum"`` refused."""
+    _, _, texts = _both(_ratio_step(_guarded_ratio), _batch())
     assert any("divides a sum over its examples by another sum over them" in t for t in texts), texts
     with pytest.raises(ValueError, match=r"loss_reduction='sum', but the loss divides a sum"):
-        _both(step, _batch(), loss_reduction="sum")
+        _both(_ratio_step(_guarded_ratio), _batch(), loss_reduction="sum")
+
+
+def test_a_ratio_beside_a_sum_over_a_count_from_the_step_is_refused_with_the_fix():
+    """DETR's loss: a class-weighted mean inside the loss (a ratio of sums) plus box losses over a count from the
+    step (a sum). It was refused as unreadable (trial DETECT), then warned about as a ratio whose microbatches are
+    averaged, which divides the box term by the number of microbatches (trial SHARE: 1.0474 for jit's 3.7932 with
+    as many tokens in every microbatch, silently with loss_reduction='mean', the warning's own advice). No reduction
+    gives jit's values: refused, with the fix (the ratio's count from the step too, then "sum"), which is jit's."""
+    with pytest.raises(ValueError, match=r"(?s)adds a ratio of sums .* to a sum over them divided by a count the "
+                                         r"step computes.*neither loss_reduction.*n_w = w.sum\(\).*'sum'"):
+        _both(_ratio_step(_detr_like), _batch())
+    with pytest.raises(ValueError, match=r"adds a ratio of sums"):
+        _both(_ratio_step(_detr_like), _batch(), loss_reduction="sum")
+
+    def fixed(p, b, n, n_w):  # the class term's weights counted in the step as well
+        x, y = b
+        w = 1.0 + (y[:, 0] > 0)
+        return jnp.sum(_ce(p, x, y) * w) / n_w + jnp.sum(jnp.abs(x @ p["w0"]).mean(1)) / n
+
+    want, got, texts = _both(_ratio_step(fixed, lambda b: (jnp.float32(B), jnp.sum(1.0 + (b[1][:, 0] > 0)))),
+                             _batch(), loss_reduction="sum")
+    assert not texts, texts
+    _assert_equal(want, (autopp.gather(got[0]), *got[1:]))
 
 
 def _load_balanced(p, b, scale):  # a mean (or a sum) plus a mixture of experts' load-balancing term

@@ -685,6 +685,32 @@ def test_a_trained_weight_per_example_is_named_with_the_fix():
         piped(params, tx.init(params), points)
 
 
+def test_a_weight_per_example_passed_apart_is_named_when_a_bias_is_as_long():
+    """Residual-based attention keeps a weight per collocation point, ``lam[B]``, passed as its own step argument; the
+    refusal's hint "add their argument to batch_argnums" was left out where a bias is as long as the batch (width 32,
+    batch 32: taken for optimizer state shaped like a parameter, trial ODE). The loss reads it, so it is named, and
+    the parameters as long as it are not."""
+    b, h = 32, 32
+    params = {"w": jax.random.normal(jax.random.key(0), (1, h)), "b": jnp.zeros(h), "v": jnp.ones((h, 1)) / h}
+    batch = {"x": jax.random.uniform(jax.random.key(1), (b, 1)), "f": jnp.ones(b)}
+    tx = optax.sgd(0.1)
+
+    def loss(p, bt, lam):
+        r = (jnp.tanh(bt["x"] @ p["w"] + p["b"]) @ p["v"])[:, 0] - bt["f"]
+        return jnp.mean((lam * r) ** 2)
+
+    def step(p, o, lam, bt):
+        value, g = autopp.value_and_grad(loss)(p, bt, lam)
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, lam, value
+
+    piped = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"(?s)Leaves outside batch_argnums=\(3,\) with the batch's leading "
+                                         r"dimension, kept whole: args\[2\]") as info:
+        piped(params, tx.init(params), jnp.ones(b), batch)
+    assert "Parameters with the batch's leading dimension" not in str(info.value)
+
+
 def test_weights_the_size_of_the_batch_are_not_named_as_per_example():
     """A loss that fails at microbatch size for another reason (a reshape to the full batch) with weights whose first
     dimension equals the batch size (trial CTC: width 32, batch 32) is not told they are per-example parameters."""

@@ -252,3 +252,16 @@ def test_a_block_shared_across_depth_counts_on_every_stage_that_holds_it():
     plan = autopp.parallelize(step, num_stages=4, num_microbatches=2, devices=jax.devices()[:4]).plan_for({"shared": w},
                                                                                                           x)
     assert [st.param_bytes for st in plan.stages] == [w.nbytes] * 4
+
+
+def test_a_one_program_plan_has_no_bubble_and_says_its_host_dispatch(mlp_case):
+    """A plan of one stage and one program (planned on one local device) reported the host's dispatch time as
+    "bubble" (trial AUDIO: 16% of a predicted step). A one-stage pipeline has none: the breakdown names it as the
+    host's, and the parts add up to the step."""
+    step, state, batch = mlp_case
+    plan = autopp.parallelize(step, devices=jax.devices()[:1]).plan_for(*state, batch)
+    e = plan.predicted
+    assert plan.num_stages == 1 and e.dispatch_s > 0
+    assert e.bubble_s == 0.0
+    assert f"host dispatch {e.dispatch_s:.4g}" in str(plan)
+    assert e.compute_s + e.dispatch_s + e.optimizer_s == pytest.approx(e.step_time_s, rel=0.05)
