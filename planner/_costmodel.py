@@ -502,7 +502,7 @@ class StepModel:
                 working = 3 * max(pr.layer_bytes(i) for c in mine for i in range(*span[c]))
             moved = self.profile.moved
             if moved is not None and any(a <= moved.home_layer < b for a, b in (span[c] for c in mine)):
-                static_w += moved.state_bytes  # (its own weights' state, with the rest: the table's "weights")
+                static_w += moved.state_bytes + moved.input_bytes  # (its own weights and inputs: "weights")
                 act += moved.held_bytes  # results and residuals, held through the step
                 transient = max(transient, moved.transient_bytes)
             mem.append(static_w + static_o + act + transient + working)

@@ -109,6 +109,8 @@ class MovedWork:
     """Bytes of the trained weights only it reads (a hypernetwork's generator): no layer holds them."""
     state_bytes: int
     """Bytes of those weights, their gradients and optimizer state."""
+    input_bytes: int
+    """Bytes of the other inputs only it reads (a graph's adjacency passed whole), held where it runs."""
     home_layer: int
     """The layer whose device group runs it: the first that reads a weight it reads, else the first that reads its
     results (the runtime's placement, ``runtime/_placement.py``)."""
@@ -290,6 +292,9 @@ def _traced_batch_size(traced: TracedStep) -> int | None:
     return dims.pop() if len(dims) == 1 else None
 
 
+_RELAYOUTS = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy"})
+
+
 def _moved_ids(traced: TracedStep) -> set[int]:
     """The step's equations of the work moved out of the loss and of its backward (:data:`MOVED_WORK_SCOPE`)."""
     return {i for i, e in enumerate(traced.jaxpr.jaxpr.eqns)
@@ -322,20 +327,30 @@ def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_per_
     # loss, held where it reads them)
     held_vars = {v for v in made_before if v in read_later and v not in results}
     held = sum(aval_bytes(v.aval) for v in held_vars)
-    transient = max((aval_bytes(v.aval) for i in ids for v in outer.eqns[i].outvars if v not in held_vars), default=0)
+    moved = set(ids)  # (what its backward hands on, the weights' gradients, is counted with them)
+    handed = {a for i, e in enumerate(outer.eqns) if i > g and i not in moved for a in e.invars
+              if not isinstance(a, Literal)} | {a for a in outer.outvars if not isinstance(a, Literal)}
+    for i in reversed(ids):  # (and what becomes them by a relayout XLA folds into its producer: dW.T)
+        e = outer.eqns[i]
+        if i > g and e.primitive.name in _RELAYOUTS and any(v in handed for v in e.outvars):
+            handed.update(a for a in e.invars if not isinstance(a, Literal))
+    transient = max((aval_bytes(v.aval) for i in ids for v in outer.eqns[i].outvars
+                     if v not in held_vars and not (i > g and v in handed)), default=0)
     grad_eqn, spec = traced.grad_eqn, traced.spec
     weights = moved_work_inputs(outer, g)
-    trained = spec.returned_mask or spec.diff_mask
-    in_layers = set().union(*layer_reads.values()) if layer_reads else set()
-    only_here = [k for k in weights if k < len(trained) and trained[k] and k not in in_layers]
+    trained = spec.returned_mask or spec.diff_mask  # (trained, but not differentiated by the loss: read by it alone)
+    only_here = [k for k in weights if k < len(trained) and trained[k] and not spec.diff_mask[k]]
     own = sum(aval_bytes(grad_eqn.invars[k].aval) for k in only_here)
+    in_layers = set().union(*layer_reads.values()) if layer_reads else set()  # (other inputs only it reads: a graph's
+    fixed = sum(aval_bytes(grad_eqn.invars[k].aval) for k in weights  # adjacency passed whole)
+                if not (k < len(trained) and trained[k]) and k not in in_layers)
     home = min((l for l, r in layer_reads.items() if r & weights), default=None)
     if home is None:
         home = min((l for l, r in layer_reads.items() if r & set(range(first_inputs, len(grad_eqn.invars)))),
                    default=0)
     return MovedWork(kernels=kernels, flops=sum(_flops(k.at(1.0)) for k in kernels), held_bytes=int(held),
                      transient_bytes=int(transient), param_bytes=int(own),
-                     state_bytes=int(own * (2 + opt_per_param_byte)), home_layer=home)
+                     state_bytes=int(own * (2 + opt_per_param_byte)), input_bytes=int(fixed), home_layer=home)
 
 
 def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
@@ -458,7 +473,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
         total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,
         backward_flops=backward_flops, update_flops=update,
-        param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx), fingerprint=traced.fingerprint,
+        param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx) + (moved.param_bytes if moved else 0),
+        fingerprint=traced.fingerprint,
         batch_size=_traced_batch_size(traced), programs={fp: src.program for fp, (src, _, _) in by_fp.items()},
         state_bytes=state, update_kernels=update_work, moved=moved, param_names=_param_names(traced),
         structure_fingerprint=_structure_fingerprint(out_layers, fwd, diff_idx),

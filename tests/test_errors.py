@@ -649,6 +649,12 @@ def test_parameters_stacked_per_example_are_named_with_the_fix():
         piped(params, tx.init(params), batch)
 
 
+def _two_stage(loss, tx, num_microbatches=4):
+    """``make_train_step(loss, tx)`` on 2 stages x ``num_microbatches``."""
+    return autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=num_microbatches,
+                              devices=jax.devices()[:2])
+
+
 def test_a_count_in_the_batch_dict_is_refused_with_where_it_goes():
     """A count of positives put in the batch's dict (``batch["npos"] = y.sum()``, trial REC) cannot be split; the
     refusal names the leaf and says to pass such a count as an argument of the step of its own."""
@@ -660,7 +666,7 @@ def test_a_count_in_the_batch_dict_is_refused_with_where_it_goes():
         return jnp.sum(jax.nn.softplus(-(b["x"] @ p["w"])[:, 0]) * b["y"]) / b["npos"]
 
     tx = optax.sgd(0.1)
-    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
+    piped = _two_stage(loss, tx, 2)
     with pytest.raises(TypeError, match=r"(?s)args\[2\]\['npos'\]: a scalar has no batch dimension.*a count over the "
                                         r"batch, a setting\) to an argument of the step of their own"):
         piped(params, tx.init(params), batch)
@@ -679,7 +685,7 @@ def test_a_trained_weight_per_example_is_named_with_the_fix():
         return jnp.mean(p["lam"] * r ** 2)
 
     tx = optax.sgd(0.1)
-    piped = autopp.parallelize(make_train_step(loss, tx), num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
+    piped = _two_stage(loss, tx)
     with pytest.raises(ValueError, match=r"(?s)incompatible shapes.*Parameters with the batch's leading dimension.*"
                                          r"args\[0\]\['lam'\].*self-adaptive PINN.*heads\[ids\]"):
         piped(params, tx.init(params), points)

@@ -139,6 +139,61 @@ def test_the_plan_prices_moved_work_by_its_flops_and_residuals():
         plan.predicted.peak_memory_bytes_per_gpu, peak)
 
 
+def _dense_gcn():
+    """A 2-layer GCN over a dense normalised adjacency passed whole as a step argument (trial PLANUSER): only the
+    moved encoder reads it."""
+    n, d, b = 512, 32, 16
+    ks = jax.random.split(jax.random.key(6), 8)
+    adj = (jax.random.uniform(ks[0], (n, n)) < 0.02).astype(jnp.float32) + jnp.eye(n)
+    adj = adj / adj.sum(1, keepdims=True)
+    feats = 0.1 * jax.random.normal(ks[1], (n, d))
+    params = {"w1": 0.1 * jax.random.normal(ks[2], (d, d)), "w2": 0.1 * jax.random.normal(ks[3], (d, d)),
+              "out": 0.1 * jax.random.normal(ks[4], (2 * d, 1))}
+    batch = (jax.random.randint(ks[5], (b, 2), 0, n), (jax.random.uniform(ks[6], (b,)) < 0.5).astype(jnp.float32))
+
+    def loss(p, adj, feats, bt):
+        h = adj @ (jax.nn.relu(adj @ (feats @ p["w1"])) @ p["w2"])
+        s = (jnp.concatenate([h[bt[0][:, 0]], h[bt[0][:, 1]]], -1) @ p["out"])[:, 0]
+        return jnp.mean(optax.sigmoid_binary_cross_entropy(s, bt[1]))
+
+    def step(p, o, adj, feats, bt):
+        value, g = autopp.value_and_grad(loss)(p, adj, feats, bt)
+        updates, o = optax.sgd(0.1).update(g, o, p)
+        return optax.apply_updates(p, updates), o, value
+    return step, (params, optax.sgd(0.1).init(params), adj, feats, batch)
+
+
+def _generator():
+    """A hypernetwork whose generator's big weight (4 MiB) only the moved work reads (trial PLANUSER)."""
+    layers, width = 4, 64
+    ks = jax.random.split(jax.random.key(7), 6)
+    params = {"z": 0.1 * jax.random.normal(ks[0], (layers, 16)), "g1": 0.1 * jax.random.normal(ks[1], (16, 256)),
+              "g2": 0.01 * jax.random.normal(ks[2], (256, width * width)),
+              "wi": 0.1 * jax.random.normal(ks[3], (8, width)), "wo": 0.1 * jax.random.normal(ks[4], (width, 4))}
+    batch = {"x": jax.random.normal(ks[5], (16, 8)), "y": jnp.arange(16) % 4}
+
+    def loss(p, _, b):
+        ws = (jax.nn.relu(p["z"] @ p["g1"]) @ p["g2"]).reshape(layers, width, width)
+        h = jnp.tanh(b["x"] @ p["wi"])
+        for w in ws:
+            h = jnp.tanh(h @ w) + h
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["wo"], b["y"]).mean()
+
+    params_state = (params, optax.sgd(0.1).init(params), jnp.zeros(()), batch)
+    return _step(loss, optax.sgd(0.1)), params_state
+
+
+@pytest.mark.parametrize("case", [_dense_gcn, _generator], ids=["adjacency read by the moved work", "generator"])
+def test_the_plan_holds_what_the_moved_work_reads_once(case):
+    """The planner's peak against XLA's (``memory_report``), one device: a dense adjacency only the moved encoder reads
+    was left out (predicted 1.13 MiB, XLA 5.84 MiB: trial PLANUSER), and a generator's weight gradient was counted again
+    as a temporary (12.32 against 8.20 MiB). Within 15% of XLA's."""
+    step, args = case()
+    piped = autopp.parallelize(step, devices=jax.devices()[:1])
+    predicted = piped.plan_for(*args).predicted.peak_memory_bytes_per_gpu
+    assert predicted == pytest.approx(max(piped.memory_report(*args).values()), rel=0.15)
+
+
 def test_loss_closing_over_step_values_and_aux():
     """The loss closes over a value the step computes (so the microbatch trace is the step's) and returns a statistic
     of the encoder's output as aux: the same as jit."""
