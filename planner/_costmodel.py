@@ -444,7 +444,8 @@ class StepModel:
             peak_memory_bytes_per_gpu=int(math.ceil(mem[worst])),
             fits=bool(mem[worst] <= dev.memory_capacity),
             compute_s=comp,
-            bubble_s=max(0.0, makespan - (comp - self._moved_s) - tp_s - fsdp_s - (pp_comm - shared) - issued),
+            bubble_s=_above_rounding(makespan - (comp - self._moved_s) - tp_s - fsdp_s - (pp_comm - shared) - issued,
+                                     makespan),
             tp_comm_s=tp_s, fsdp_comm_s=fsdp_s, pp_comm_s=pp_comm, dp_comm_s=max(0.0, dp_exposed),
             optimizer_s=max(update_s), num_microbatches=M,
             param_bytes=int(details[worst][0]), optimizer_bytes=int(details[worst][1]),
@@ -604,6 +605,11 @@ class StepModel:
         if zero1:
             return allreduce_like(grad_bytes, "reduce-scatter"), allreduce_like(param_bytes, "all-gather")
         return allreduce_like(grad_bytes, "all-reduce"), 0.0
+
+
+def _above_rounding(x: float, scale: float) -> float:
+    """``x`` (a difference of sums of seconds), or 0 where it is negative or rounding error next to ``scale``."""
+    return x if x > 1e-9 * scale else 0.0
 
 
 __all__ = ["Evaluation", "LayerTerms", "Layout", "RECOMPUTE_MODES", "SCHEDULES", "StepModel", "chunk_split",
