@@ -193,8 +193,9 @@ def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, 
     home = min((s for k in results for s in users.get(k, ())), default=0) if home is None else home
     stages = []
     for s, ids in enumerate(split.stage_eqns):
-        owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items()
-                    if s in st and spec.diff_mask[k] and k not in stacked) + (own if s == home else 0)
+        owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items()  # (not the moved work's results)
+                    if s in st and spec.diff_mask[k] and k not in stacked and k not in results)
+        owned += own if s == home else 0
         owned += sum(aval_bytes(fwd.invars[k].aval) * len(rows[(s, k)]) // fwd.invars[k].aval.shape[0]
                      for k in stacked if spec.diff_mask[k])
         end = split.stage_starts[s + 1] if s + 1 < len(split.stage_starts) else len(fwd.eqns)

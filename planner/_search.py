@@ -514,7 +514,8 @@ def _read_param_bytes(prof, layers) -> int:
     for lay in layers:
         for k, frac in lay.row_fractions:
             rows[k] = rows.get(k, 0.0) + frac
-    read = {k for lay in layers for k in lay.param_inputs if k is not None}
+    results = set(prof.moved.result_inputs) if prof.moved else set()  # (values sent to it: no parameters)
+    read = {k for lay in layers for k in lay.param_inputs if k is not None and k not in results}
     whole = {k for lay in layers for k in lay.param_inputs if k is not None and k not in dict(lay.row_fractions)}
     own = prof.moved.param_bytes if prof.moved and any(lay.index == prof.moved.home_layer for lay in layers) else 0
     return own + int(sum(prof.state_bytes[k][0] * (1.0 if k in whole else min(1.0, rows.get(k, 1.0))) for k in read))

@@ -114,6 +114,8 @@ class MovedWork:
     home_layer: int
     """The layer whose device group runs it: the first that reads a weight it reads, else the first that reads its
     results (the runtime's placement, ``runtime/_placement.py``)."""
+    result_inputs: tuple[int, ...] = ()
+    """The loss's inputs that are its results (sent to the layers that read them; no parameters)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -350,7 +352,8 @@ def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_per_
                    default=0)
     return MovedWork(kernels=kernels, flops=sum(_flops(k.at(1.0)) for k in kernels), held_bytes=int(held),
                      transient_bytes=int(transient), param_bytes=int(own),
-                     state_bytes=int(own * (2 + opt_per_param_byte)), input_bytes=int(fixed), home_layer=home)
+                     state_bytes=int(own * (2 + opt_per_param_byte)), input_bytes=int(fixed), home_layer=home,
+                     result_inputs=tuple(range(first_inputs, len(grad_eqn.invars))))
 
 
 def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
