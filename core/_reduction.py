@@ -501,6 +501,8 @@ def _rule(we, me, ins: list, M: int) -> list:
                 else [(0, 0, dep)] if states[0][:2] == (0, 0) else [None])
     if name in _CARRY and not (name == "abs" and states[0][0]):  # (|sum| of the examples is no sum of theirs)
         return [(*states[0][:2], dep)] + [(0, 0, dep)] * (n_out - 1)
+    if name == "split":  # each piece what the operand is (a concatenation's transpose: [s, a]'s cotangent, trial RL)
+        return [(*states[0][:2], dep)] * n_out
     if name in _MIX_ALONG:
         along = me.params.get(_MIX_ALONG[name])
         if any(along in ax for _, ax in ins):

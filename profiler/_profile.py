@@ -312,10 +312,11 @@ def update_kernels(traced: TracedStep) -> tuple[ScaledKernel, ...]:
     return tuple(program_kernels(outer, ids, is_batch=lambda v: False))
 
 
-def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_per_param_byte: float) -> MovedWork | None:
+def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_state: float,
+               per_byte: bool = False) -> MovedWork | None:
     """The moved work of ``traced`` (None: none). ``layer_reads``: per layer, the loss inputs it reads;
-    ``opt_per_param_byte``: optimizer state bytes per byte of a trained parameter (what a weight only the moved work
-    reads is given, since no gradient output of the loss names its state)."""
+    ``opt_state``: the optimizer state bytes of the weights only the moved work reads, or (``per_byte``) the bytes per
+    byte of a trained parameter to give them, where no state was found for them."""
     ids = sorted(_moved_ids(traced))
     if not ids:
         return None
@@ -352,7 +353,8 @@ def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_per_
                    default=0)
     return MovedWork(kernels=kernels, flops=sum(_flops(k.at(1.0)) for k in kernels), held_bytes=int(held),
                      transient_bytes=int(transient), param_bytes=int(own),
-                     state_bytes=int(own * (2 + opt_per_param_byte)), input_bytes=int(fixed), home_layer=home,
+                     state_bytes=int(own * (2 + opt_state) if per_byte else 2 * own + opt_state),
+                     input_bytes=int(fixed), home_layer=home,
                      result_inputs=tuple(range(first_inputs, len(grad_eqn.invars))))
 
 
@@ -429,6 +431,10 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     for i, k in owners.items():
         if i not in param_step_inputs:
             opt_bytes_of_param[k] = opt_bytes_of_param.get(k, 0) + aval_bytes(step_invars[i].aval)
+    # state found for the moved work's results (sent values, no parameters) is the state of the weights only that work
+    # reads, whose gradients its backward hands on: it goes with them (a hypernetwork's generator under Adam)
+    moved_opt = sum(opt_bytes_of_param.pop(k, 0) for k in range(len(grad_eqn.invars) - spec.num_hoisted,
+                                                                 len(grad_eqn.invars)))
 
     times: dict[str, tuple[float, float]] = {}
     for fp, (src, _, m) in by_fp.items():
@@ -463,8 +469,9 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         graph.nodes[lp.index].update(lp.to_dict())
     update_work = update_kernels(traced)
     with_state = [k for k in diff_idx if opt_bytes_of_param.get(k)]
-    moved = moved_work(traced, layer_reads, sum(opt_bytes_of_param[k] for k in with_state) / max(
-        1, sum(aval_bytes(fwd.invars[k].aval) for k in with_state)))
+    moved = moved_work(traced, layer_reads, moved_opt if moved_opt else sum(
+        opt_bytes_of_param[k] for k in with_state) / max(1, sum(aval_bytes(fwd.invars[k].aval) for k in with_state)),
+        per_byte=not moved_opt)
     update = sum(_flops(k.at(1.0)) for k in update_work) + (moved.flops if moved else 0.0)  # every equation
     # outside the gradient's, once
     forward_flops = sum(l.flops for l in out_layers)

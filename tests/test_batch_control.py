@@ -404,6 +404,12 @@ def _pgd_by_the_gradient(p, b):  # a step along the input gradient of the batch'
     return _ce(p, jax.lax.stop_gradient(x + 20.0 * g), y).mean()
 
 
+def _pgd_through_a_concatenation(p, b):  # the same step where the inputs are joined with another part of each
+    x, y = b  # example first (a critic's Q(concat(s, a)), trial RL): the gradient's part comes out of a split
+    g = jax.grad(lambda x: _ce(p, jnp.concatenate([x[:, :2], x[:, 2:]], -1), y).mean())(x)
+    return _ce(p, jax.lax.stop_gradient(x + 20.0 * g), y).mean()
+
+
 def _mixup_by_beta(p, b):  # a mixing weight per example drawn from a key every microbatch reads whole
     x, y = b
     lam = jax.random.beta(jax.random.key(3), 0.4, 0.4, (x.shape[0], 1))
@@ -430,14 +436,18 @@ def test_the_sign_of_a_mean_s_input_gradient_runs_as_jit_without_a_word():
 
 
 @pytest.mark.parametrize("loss, why", [(_pgd_by_the_gradient, "scales each example's value by the batch's size"),
+                                       (_pgd_through_a_concatenation, "scales each example's value by the batch's size"),
                                        (_mixup_by_beta, "draws random numbers for its examples"),
-                                       (_coteaching, "orders its examples")], ids=["pgd", "beta", "coteaching"])
+                                       (_coteaching, "orders its examples")],
+                         ids=["pgd", "pgd through a concatenation", "beta", "coteaching"])
 def test_adversarial_steps_draws_and_selections_warn_what_they_do(loss, why):
     """A PGD step along the gradient of the batch's mean (1.4657 for jit's 1.3861; the warning blamed "add, which
     autopp cannot see into", and ``loss_reduction='mean'`` silenced it), and a mixup weight per example drawn with
     ``jax.random.beta`` from a key every microbatch reads whole (1.4304 for 1.3342, silent: gamma draws were not
     followed), warn what they do, with any ``loss_reduction`` (trial ROBUST). Co-teaching's selection warns that it
-    orders the examples, and no longer that its indices come with the batch (trial SEMISUP): argsort's are local."""
+    orders the examples, and no longer that its indices come with the batch (trial SEMISUP): argsort's are local.
+    The PGD step through a concatenation of the inputs said it "combines the examples through split, which autopp
+    cannot see into (a custom kernel, a callback)" (trial RL)."""
     for kw in ({}, {"loss_reduction": "mean"}):
         want, got, texts = _both(_step(loss), _batch(), stages=1, **kw)
         assert any(why in t for t in texts), texts
