@@ -366,10 +366,10 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
         fixed = [traced.grad_eqn.invars[k].aval.str_short() for k in traced.whole_batch_arrays]
         if fixed:  # read from the batch, but not growing with it
             raise ValueError(
-                f"{who}: the loss reads values the step computes from the batch that keep their size when the batch "
-                f"grows ({', '.join(fixed[:4])}: a fixed number of examples, x[:8] or top_k(..., 8)), so there is no "
-                "batch axis to split into microbatches. Slice a fraction of the batch (x[: x.shape[0] // 2]), or give "
-                "the step only the examples the loss trains on.")
+                f"{who}: the loss reads values the step computes from the batch (batch_argnums={batch_argnums}) that "
+                f"keep their size when the batch grows ({', '.join(fixed[:4])}: x[:8], top_k(..., 8), a replay "
+                "buffer's rows picked by indices), so no batch axis splits. If another argument holds the examples "
+                "(the indices), name it in batch_argnums; else slice a fraction of the batch (x[: x.shape[0] // 2]).")
         if not batch_argnums:
             raise ValueError(
                 f"{who}: batch_argnums=() names no batch argument, but autopp splits the loss's batch (its examples, "

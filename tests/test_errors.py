@@ -10,7 +10,7 @@ import pytest
 
 import autopp
 from autopp.models import make_train_step
-from tests._helpers import make_optimizer, make_step, tiny_mlp
+from tests._helpers import assert_trees_close, make_optimizer, make_step, tiny_mlp
 
 
 @pytest.fixture(scope="module")
@@ -553,8 +553,27 @@ def test_a_fixed_number_of_the_batch_s_examples_is_refused_for_what_it_is(mlp_se
     def step(params, batch):
         return autopp.grad(model.loss)(params, jax.tree.map(lambda a: a[:2], batch))
 
-    with pytest.raises(ValueError, match=r"keep their size when the batch grows .*Slice a fraction of the batch"):
+    with pytest.raises(ValueError, match=r"keep their size when the batch grows .*slice a fraction of the batch"):
         autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], batch)
+
+
+def test_a_replay_buffer_taken_as_the_batch_is_said_to_be(mlp_setup):
+    """A DQN step ``step(params, idx, buffer)`` keeps its replay buffer on the device as the last argument, which
+    autopp takes as the batch (trial RL); the loss reads the rows the indices pick, a fixed number. The refusal said to
+    slice a fraction of the batch; it says which arguments it took as the batch and to name the indices' instead,
+    which then runs as jit."""
+    model, _, state, batch = mlp_setup
+    idx = jnp.arange(8)
+
+    def step(params, idx, buffer):
+        return autopp.grad(model.loss)(params, jax.tree.map(lambda a: a[idx], buffer))
+
+    with pytest.raises(ValueError, match=r"(?s)from the batch \(batch_argnums=\(2,\)\).*a replay buffer's rows picked "
+                                         r"by indices.*name it in batch_argnums"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(state[0], idx, batch)
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2], batch_argnums=1)(
+        state[0], idx, batch)
+    assert_trees_close(got, jax.jit(step)(state[0], idx, batch), rtol=1e-6, atol=1e-7)
 
 
 def test_a_python_branch_on_an_argument_names_the_step_and_the_argument(mlp_setup):
