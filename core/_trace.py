@@ -327,8 +327,8 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
             raise ValueError(
                 f"{who}: autopp.grad / autopp.value_and_grad is called inside a control-flow "
                 "construct (lax.scan, lax.cond, vmap, ...) of the step; call it once, at the top level of the step. "
-                "A loop that accumulates gradients over microbatches is what autopp does itself (drop it and pass "
-                "the whole batch, with num_microbatches= if you want a count).")
+                "A loop summing gradients over microbatches is what autopp does (drop it, pass the whole batch); a "
+                "loop of optimizer steps (PPO's minibatches) is several steps: call the parallel one per minibatch.")
         raise ValueError(
             f"{who}: the step takes no gradient with autopp.grad or autopp.value_and_grad, so "
             "there is nothing to pipeline. Replace jax.grad / jax.value_and_grad in the step with "

@@ -110,7 +110,8 @@ def test_a_gradient_under_vmap_is_refused_with_the_fix(mlp_setup):
 
 def test_gradient_accumulation_written_as_a_scan_is_pointed_at_num_microbatches(mlp_setup):
     """A user who accumulates gradients over microbatches with ``lax.scan`` takes one gradient per iteration; the
-    refusal now says that autopp accumulates itself (a user trial found it said only to call it once)."""
+    refusal now says that autopp accumulates itself (a user trial found it said only to call it once), and that a
+    loop of optimizer steps (PPO's epochs of minibatch updates, trial RL, told to drop the loop) is several steps."""
     model, _, state, batch = mlp_setup
 
     def step(params, batch):
@@ -121,7 +122,8 @@ def test_gradient_accumulation_written_as_a_scan_is_pointed_at_num_microbatches(
 
         return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), chunks)[0]
 
-    with pytest.raises(ValueError, match=r"(?s)accumulates gradients over microbatches is what autopp does itself"):
+    with pytest.raises(ValueError, match=r"(?s)summing gradients over microbatches is what autopp does.*a loop of "
+                                         r"optimizer steps \(PPO's minibatches\) is several steps"):
         autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
 
 
