@@ -211,6 +211,20 @@ class ParallelizeConfig:
             raise ValueError(f"{_WHO}: compilation_cache='' names no directory; give a directory, or False to leave "
                              "JAX's compilation cache as configured.")
 
+    def donated_leaves(self, args: tuple) -> frozenset[int]:
+        """Indices of the flat leaves of ``args`` that belong to the arguments ``donate_argnums`` names."""
+        bad = [i for i in self.donate_argnums if i >= len(args)]
+        if bad:
+            raise ValueError(f"{_WHO}: donate_argnums={self.donate_argnums} names argument(s) {bad}, but the step "
+                             f"was called with {len(args)} positional argument(s); donate only arguments it takes.")
+        out, start = set(), 0
+        for i, a in enumerate(args):
+            n = len(jax.tree_util.tree_leaves(a))
+            if i in self.donate_argnums:
+                out.update(range(start, start + n))
+            start += n
+        return frozenset(out)
+
     @property
     def source(self) -> str:
         """Which plan source runs: ``replay`` (a plan given), ``planner`` (no stage count, schedule, groups or plan

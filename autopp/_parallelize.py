@@ -137,7 +137,7 @@ class Parallelized(Generic[_P, _R]):
             ph.done("traced the step")
         plan, forward, reductions = source_plan(self.config, self._step_fn, args, traced)
         with phase(f"compiling the {plan.num_stages}-stage pipeline") as ph:
-            donated = _usable_donations(_donated_leaves(args, self.config.donate_argnums), traced)
+            donated = _usable_donations(self.config.donated_leaves(args), traced)
             exe = build_executable(traced, plan, forward, self.config.devices, donated=donated,
                                    output_reductions=reductions)
             ph.done(f"built {exe.num_programs} program(s) for {plan.num_stages} stage(s); they compile in the "
@@ -320,21 +320,6 @@ def _check_arity(step_fn, args) -> None:
         raise TypeError(f"autopp.parallelize: the step {getattr(step_fn, '__name__', step_fn)}{signature} was given "
                         f"{len(args)} positional argument(s): {e}. Pass the step's arguments, as it takes them, to "
                         "the call (and to plan_for, memory_report, trace).") from None
-
-
-def _donated_leaves(args: tuple, donate_argnums: tuple[int, ...]) -> frozenset[int]:
-    """Indices of the flat leaves of ``args`` that belong to the donated positional arguments."""
-    bad = [i for i in donate_argnums if i >= len(args)]
-    if bad:
-        raise ValueError(f"autopp.parallelize: donate_argnums={donate_argnums} names argument(s) {bad}, but the step "
-                         f"was called with {len(args)} positional argument(s); donate only arguments it takes.")
-    out, start = set(), 0
-    for i, a in enumerate(args):
-        n = len(jax.tree_util.tree_leaves(a))
-        if i in donate_argnums:
-            out.update(range(start, start + n))
-        start += n
-    return frozenset(out)
 
 
 def _usable_donations(donated: frozenset[int], traced) -> frozenset[int]:

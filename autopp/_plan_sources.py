@@ -65,7 +65,7 @@ def _profile(step_fn: Callable, args: tuple, traced: TracedStep, config: Paralle
     size (a global batch asked of it would be ambiguous); the runtime splits every leaf alike, so its plans count
     the batch in units of the dimensions' greatest common divisor (2 interior and 1 boundary point)."""
     prof = profile(step_fn, *args, cluster=Cluster.local(config.devices), batch_argnums=config.batch_argnums,
-                   traced=traced, **kwargs)
+                   traced=traced, donated=config.donated_leaves(args), **kwargs)
     return prof if prof.batch_size is not None else dataclasses.replace(prof, batch_size=batch_size(traced))
 
 

@@ -95,6 +95,10 @@ class Estimate:
     """Bytes of activations kept for the backward on the most loaded GPU, at peak."""
     dispatch_s: float = 0.0
     """Seconds the host spends issuing the step's programs beyond what the devices hide (local devices only)."""
+    update_copy_bytes: int = 0
+    """Bytes of new parameters and optimizer state the update writes beside the old ones, which the step's caller
+    still holds (arguments not in ``donate_argnums``), less the gradients it frees, on the most loaded GPU: nonzero
+    when they, not the activations (freed by then), set the peak."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict of every field."""

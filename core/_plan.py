@@ -365,11 +365,17 @@ class Plan:
             )
         if self.predicted is not None:
             e = self.predicted
-            rest = e.peak_memory_bytes_per_gpu - e.param_bytes - e.optimizer_bytes - e.activation_bytes
+            copies = e.update_copy_bytes  # (the update's new values set the peak, not the activations)
+            rest = (e.peak_memory_bytes_per_gpu - e.param_bytes - e.optimizer_bytes
+                    - (copies if copies else e.activation_bytes))
             fsdp = any(s.mesh_shape.get("fsdp", 1) > 1 for s in self.stages)
             div, name = unit(e.peak_memory_bytes_per_gpu, "bytes")
             rest_text = (f", {'gathered FSDP layers' if fsdp else 'other buffers'} {rest / div:.2f}"
                          if rest > 0.005 * div else "")
+            if copies:
+                rest_text = (f", the update's new parameters and state beside the caller's (not in donate_argnums) "
+                             f"{copies / div:.2f}{rest_text}; activations {e.activation_bytes / div:.2f} are freed "
+                             "before it")
             fdiv, fname = unit(e.tflops_per_gpu * 1e12, "flop")
             lines.append(
                 f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu * 1e12 / fdiv:.4g} {fname}/s per device "
@@ -377,8 +383,8 @@ class Plan:
                 f"{'-' if e.mfu is None else f'{100 * e.mfu:.1f}% (model FLOPs)'}, "
                 f"peak memory {e.peak_memory_bytes_per_gpu / div:.2f} {name} per device "
                 f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / div:.2f}, "
-                f"optimizer state {e.optimizer_bytes / div:.2f}, activations {e.activation_bytes / div:.2f}"
-                f"{rest_text} {name})")
+                f"optimizer state {e.optimizer_bytes / div:.2f}"
+                f"{'' if copies else f', activations {e.activation_bytes / div:.2f}'}{rest_text} {name})")
             lines.append(
                 f"  time: compute {e.compute_s:.4g} s, bubble {e.bubble_s:.4g}, tensor-parallel {e.tp_comm_s:.4g}, "
                 f"FSDP {e.fsdp_comm_s:.4g}, pipeline sends {e.pp_comm_s:.4g}, data-parallel {e.dp_comm_s:.4g}, "

@@ -449,7 +449,7 @@ class StepModel:
             tp_comm_s=tp_s, fsdp_comm_s=fsdp_s, pp_comm_s=pp_comm, dp_comm_s=max(0.0, dp_exposed),
             optimizer_s=max(update_s), num_microbatches=M,
             param_bytes=int(details[worst][0]), optimizer_bytes=int(details[worst][1]),
-            activation_bytes=int(details[worst][2]),
+            activation_bytes=int(details[worst][2]), update_copy_bytes=int(details[worst][3]),
             dispatch_s=max(0.0, makespan - M * max(f[c] + bw[c] for c in range(C))) if dispatch else 0.0,
         )
         return Evaluation(estimate=est, stage_forward_s=tuple(f), stage_backward_s=tuple(bw),
@@ -485,7 +485,8 @@ class StepModel:
                 and not L.sequence_parallel)
 
     def _memory(self, L: Layout, span, members, arr, in_flight, group_state) -> tuple[list[float], list[tuple]]:
-        """Bytes per device of each group, and (parameters and gradients, optimizer state, activations) of each."""
+        """Bytes per device of each group, and (parameters and gradients, optimizer state, activations, the update's
+        new copies where they set the peak, else 0) of each."""
         pr = self.params(L.tensor, L.sequence_parallel)
         f_sh = L.fsdp
         replicas = L.data // f_sh
@@ -501,13 +502,20 @@ class StepModel:
             working = 0.0
             if f_sh > 1:  # two gathered layers (the one computing, the one prefetched) and one layer's gradients
                 working = 3 * max(pr.layer_bytes(i) for c in mine for i in range(*span[c]))
+            # the update, after the microbatches: new values of what the caller keeps (not donated) beside the old,
+            # less the gradients it frees
+            new_p, new_o = self.profile.update_copies
+            copies = ((new_p * pb - gb) / f_sh + new_o * static_o) if new_p or new_o else 0.0
             moved = self.profile.moved
             if moved is not None and any(a <= moved.home_layer < b for a, b in (span[c] for c in mine)):
                 static_w += moved.state_bytes + moved.input_bytes  # (its own weights and inputs: "weights")
                 act += moved.held_bytes  # results and residuals, held through the step
                 transient = max(transient, moved.transient_bytes)
-            mem.append(static_w + static_o + act + transient + working)
-            details.append((static_w, static_o, act + transient))
+                if new_p or new_o:
+                    copies += (new_p - 1) * moved.param_bytes + new_o * (moved.state_bytes - 2 * moved.param_bytes)
+            copies = copies if copies > act + transient + working else 0.0
+            mem.append(static_w + static_o + max(act + transient + working, copies))
+            details.append((static_w, static_o, act + transient, copies))
         return mem, details
 
     def lower_bound(self, layout: Layout, global_batch: int, chunk_layers: Sequence[tuple[int, int]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -165,6 +165,11 @@ class Profile:
     size, unsharded, but the moved work's."""
     moved: MovedWork | None = dataclasses.field(default=None, repr=False, compare=False)
     """Work moved out of the loss, computed once per step (None: none)."""
+    update_copies: tuple[float, float] = dataclasses.field(default=(0.0, 0.0), compare=False)
+    """Shares of the parameters' bytes (of all :attr:`state_bytes`' first parts) and of the optimizer state's bytes
+    whose step inputs are not donated: the update writes their new values beside the old ones, which the caller
+    still holds. ``(0, 0)``: the update runs in place (every parameter and its state donated, as Megatron-LM
+    updates them)."""
 
     def table(self) -> str:
         """Each layer's costs, one row per layer ("trained MB": the layer's differentiated parameters; frozen weights
@@ -360,7 +365,7 @@ def moved_work(traced: TracedStep, layer_reads: Mapping[int, set[int]], opt_stat
 
 def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = None, measure: bool = False,
             batch_argnums=None, dtype=None, cache: ProfileCache | None = None, progress=None,
-            traced: TracedStep | None = None) -> Profile:
+            traced: TracedStep | None = None, donated: Collection[int] | None = None) -> Profile:
     """Profile ``step_fn`` (a step written for :func:`autopp.parallelize`, with ``autopp.grad`` inside).
 
     ``example_args`` may be arrays or ``jax.ShapeDtypeStruct``s: nothing is allocated unless ``measure``.
@@ -368,7 +373,10 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     local devices) by the roofline model; with ``measure=True`` each distinct layer is compiled and
     timed on the first local device (cached in a JSON file), the local device model is calibrated to
     the measurements, and measured times are reported. ``traced``: the step already traced at ``example_args``
-    (by :func:`autopp.core.trace_step`), which the profile then reuses instead of tracing it again.
+    (by :func:`autopp.core.trace_step`), which the profile then reuses instead of tracing it again. ``donated``: the
+    indices of the step's flat inputs whose buffers it may reuse (the leaves of ``donate_argnums``); the update of a
+    parameter or state not among them writes a new copy beside the old (:attr:`Profile.update_copies`). None (the
+    default): the update runs in place.
     """
     forget_warnings()  # each profile says what it cannot price
     if isinstance(cluster, str):
@@ -479,6 +487,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
     state = {k: (aval_bytes(fwd.invars[k].aval), aval_bytes(fwd.invars[k].aval), opt_bytes_of_param.get(k, 0))
              for k in diff_idx}
     state.update({k: (aval_bytes(fwd.invars[k].aval), 0, opt_bytes_of_param.get(k, 0)) for k in sorted(frozen)})
+    copies = (0.0, 0.0) if donated is None else _update_copies(traced, owners, param_step_inputs, state,
+                                                               frozenset(donated))
     return Profile(
         layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
         total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,
@@ -487,8 +497,26 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         fingerprint=traced.fingerprint,
         batch_size=_traced_batch_size(traced), programs={fp: src.program for fp, (src, _, _) in by_fp.items()},
         state_bytes=state, update_kernels=update_work, moved=moved, param_names=_param_names(traced),
-        structure_fingerprint=_structure_fingerprint(out_layers, fwd, diff_idx),
+        structure_fingerprint=_structure_fingerprint(out_layers, fwd, diff_idx), update_copies=copies,
     )
+
+
+def _update_copies(traced: TracedStep, owners: Mapping[int, int], param_step_inputs: set[int],
+                   state: Mapping[int, tuple[int, int, int]], donated: frozenset[int]) -> tuple[float, float]:
+    """:attr:`Profile.update_copies`: the shares of the parameters' and of the optimizer state's bytes whose step
+    inputs are not in ``donated`` (step input ``i`` is state of parameter ``owners[i]``)."""
+    step_invars = traced.jaxpr.jaxpr.invars
+    diff = set(traced.spec.diff_indices)
+    params = new_params = 0
+    for k, (b, _, _) in state.items():
+        a = traced.grad_eqn.invars[k]
+        if not isinstance(a, Literal) and a in step_invars:  # (not a value the step computes: moved work's results)
+            params += b
+            new_params += b if k in diff and step_invars.index(a) not in donated else 0
+    new_state = sum(aval_bytes(step_invars[i].aval) for i, k in owners.items()
+                    if i not in param_step_inputs and i not in donated and k in state)
+    opt = sum(b[2] for b in state.values())
+    return (new_params / params if params else 0.0, min(1.0, new_state / opt) if opt else 0.0)
 
 
 def _structure_fingerprint(layers, fwd, diff_idx) -> str:

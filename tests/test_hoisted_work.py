@@ -198,8 +198,9 @@ def test_the_plan_holds_what_the_moved_work_reads_once(case):
 def test_the_state_of_weights_only_moved_work_reads_is_counted_once():
     """A hypernetwork's generator under Adam: its moments were found for the generated weights (values the stage
     receives) and counted again at the generator's size times Adam's ratio, 417.01 MiB predicted for XLA's 12.16 MiB
-    (trial MOVE2). The plan now counts them once, with the generator: at least 0.9x the weights, their gradients and
-    moments, and no more than XLA's figure (which also holds the update's new moments)."""
+    (trial MOVE2). The plan now counts them once, with the generator, and the update's new weights and moments beside
+    the caller's (the step donates nothing): within 5% of XLA's (it counted only the first until 2026-12-07: 20.34
+    against 24.15 MiB)."""
     step, (params, _, dummy, batch) = _generator()
     tx = optax.adam(1e-3)
 
@@ -212,8 +213,7 @@ def test_the_state_of_weights_only_moved_work_reads_is_counted_once():
     piped = autopp.parallelize(adam_step, devices=jax.devices()[:1])
     predicted = piped.plan_for(*args).predicted.peak_memory_bytes_per_gpu
     measured = max(piped.memory_report(*args).values())
-    state = sum(x.nbytes for x in jax.tree.leaves((params, params, tx.init(params))))  # weights, gradients, moments
-    assert 0.9 * state <= predicted <= measured, (predicted, measured, state)
+    assert predicted == pytest.approx(measured, rel=0.05)
 
 
 def test_loss_closing_over_step_values_and_aux():

@@ -168,3 +168,38 @@ def test_residuals_of_parameters_alone_are_made_again_not_kept_per_microbatch():
             got, _ = run_steps(pipelined, state, batch)
             assert_trees_close(autopp.gather(got), run_steps(jax.jit(step), state, batch)[0], atol=1e-6)
     assert peaks[8] <= peaks[2], peaks
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("donate", [None, (0, 1)], ids=["kept", "donated"])
+def test_the_plan_holds_the_new_parameters_and_state_beside_the_caller_s(optimizer, donate):
+    """A step without ``donate_argnums`` leaves the caller its parameters and optimizer state: the update writes the
+    new ones beside them. The plan counted the update as in place: Adam on a 4 MiB weight predicted 16.25 MiB
+    against XLA's 24.16 MiB (``memory_report``), momentum 12.23 against 16.13. It now counts the new copies (less
+    the gradients the update frees) where they exceed the activations; donated, the peak stays the weights' and the
+    state's."""
+    import optax
+
+    tx = {"sgd": optax.sgd(0.1), "momentum": optax.sgd(0.1, momentum=0.9), "adam": optax.adam(1e-3)}[optimizer]
+    ks = jax.random.split(jax.random.key(0), 3)
+    params = {"w": 0.01 * jax.random.normal(ks[0], (1024, 1024)), "o": 0.1 * jax.random.normal(ks[1], (1024, 4))}
+    batch = {"x": jax.random.normal(ks[2], (16, 1024)), "y": jnp.arange(16) % 4}
+
+    def loss(p, b):
+        logits = jnp.tanh(b["x"] @ p["w"]) @ p["o"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1))
+
+    def step(p, o, b):
+        value, g = autopp.value_and_grad(loss)(p, b)
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    args = (params, tx.init(params), batch)
+    pipelined = autopp.parallelize(step, devices=jax.devices()[:1], donate_argnums=donate)
+    plan = pipelined.plan_for(*args)
+    (measured,) = pipelined.memory_report(*args).values()
+    assert plan.predicted.peak_memory_bytes_per_gpu == pytest.approx(measured, rel=0.05)
+    copies = plan.predicted.update_copy_bytes
+    assert (copies > 0) == (donate is None and optimizer != "sgd"), copies
+    if copies:
+        assert "the update's new parameters and state beside the caller's" in str(plan)
