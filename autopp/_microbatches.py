@@ -261,6 +261,17 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "accumulation does), or compute the statistics in the step and pass them to the loss."
             + (f" The plan says loss_reduction {given!r}: make it again with plan_model(..., "
                f"loss_reduction={against[0][0]!r})." if config.source == "replay" else ""))
+    summed = [e for e in mixing_by_output(parts, forward).get(0, []) if e[0] == "sum"] if parts else []
+    if given == "sum" and summed and not against and num_microbatches > 1:
+        warnings.warn(
+            f"{_WHO}: at {user_line(summed[0][1]) or 'an equation of the loss'} the loss adds a sum over its examples "
+            "to a term whose combination of the examples cannot be read (a function of statistics of the batch, such "
+            "as a mixture of experts' load-balancing term). With loss_reduction='sum' the "
+            f"{num_microbatches} microbatches' values of that term are added up: {num_microbatches} times its weight "
+            "in plain jax.jit's loss and gradients, each computed over a microbatch. Divide the term by "
+            "num_microbatches in the loss to average the microbatches' terms (gradient accumulation's usual weight; "
+            "still not the whole batch's), or compute its statistics in the step and pass them to the loss.",
+            stacklevel=user_stacklevel())
     reduction = given or kind or "mean"
     combined = "sum" if reduction == "sum" else "average"
     reads_batch = batch_dependent_vars(forward.jaxpr, traced.microbatched_grad_inputs) if undetermined else set()
@@ -302,8 +313,8 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                           if v in made else traced.grad_eqn.invars[k].aval.str_short()
                           for k in whole for v in [traced.grad_eqn.invars[k]])
         raise ValueError(
-            f"{_WHO}: the loss reads {len(whole)} scalar(s) the step computes from the whole batch ({where}; e.g. a "
-            "token count that normalises the loss), and its program does not "
+            f"{_WHO}: the loss reads {len(whole)} value(s) the step computes from the whole batch ({where}; e.g. a "
+            "token count that normalises the loss, a count per task), and its program does not "
             "show whether it is a mean or a sum over its examples. Every microbatch's loss reads the step's value: "
             "when that value normalises the loss (sum(nll * mask) / mask.sum() over the whole batch), the step's loss "
             "is the sum of the microbatch losses, so pass loss_reduction=\"sum\"; when the loss averages its "

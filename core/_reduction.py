@@ -51,6 +51,7 @@ _CARRY = frozenset({
     "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min", "stop_gradient",
 })
 _ADD = frozenset({"add", "sub", "add_any"})
+_CASTS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
 _SAME = frozenset({"max", "min", "select_n", "concatenate", "stack", "clamp", "pad", "dynamic_update_slice"})
 # operations that mix examples along an axis without adding them up into one value
 _MIX_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
@@ -420,6 +421,8 @@ def _rule(we, me, ins: list, M: int) -> list:
     if name == "div" and states[1] is not None and states[1][1] == _GUARD and states[0] is not None and (
             states[0][0] or states[0][:2] == (0, 0)):  # (a sum over a count guarded against zero: sum(nll * m) /
         return [(1, _RATIO, True) if states[0][0] else (0, _SHARE, True)]  # max(m.sum(), 1); each token over it)
+    if name in _CASTS and len(states) == 1 and states[0] is not None and states[0][1] == _GUARD:
+        return states  # (an integer count guarded, then made a float: max(valid.sum(), 1).astype(f32))
     if any(st is None or st[1] in (_TEST, _GUARD) for st in states):  # (a test of a mean, or a clamped sum, used
         return [None] * n_out  # otherwise: no combination)
     dep = any(st[2] for st in states)

@@ -98,11 +98,11 @@ class TracedStep:
 
     @functools.cached_property
     def whole_batch_grad_inputs(self) -> tuple[int, ...]:
-        """Positions of the gradient equation's inputs that the step derives from the whole batch as scalars
-        (``n = mask.sum()`` passed to the loss): each microbatch's loss reads the step's value, so microbatch losses
-        add up to the step's loss only with ``loss_reduction="sum"``."""
+        """Positions of the gradient equation's inputs that the step derives from the whole batch, not split with it
+        (``n = mask.sum()`` passed to the loss, a count per task): each microbatch's loss reads the step's value, so
+        microbatch losses add up to the step's loss only with ``loss_reduction="sum"``."""
         return tuple(k for k, (a, d) in enumerate(zip(self.grad_eqn.invars, self._batch_derived_grad_inputs))
-                     if d and not getattr(a.aval, "shape", ()))
+                     if d and (not getattr(a.aval, "shape", ()) or k in self.whole_batch_arrays))
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -493,9 +493,12 @@ class StepModel:
         mem, details = [], []
         for g, mine in enumerate(members):
             act = transient = 0.0
+            built = [self.layers[i].built_bytes for c in mine for i in range(*span[c])]
             for c in mine:
                 act += in_flight[c] * arr[c].sum("act", *span[c])
                 transient = max(transient, arr[c].max("transient", *span[c]))
+            if built and max(built):  # weights built in the loss: made by a stage's programs, held while they run
+                transient += sum(built) + max(built)  # (the largest one's gradient beside them)
             pb, gb, ob = group_state[g]
             static_w = (pb + gb) / f_sh
             static_o = ob / f_sh / (replicas if L.zero1 else 1)

@@ -95,6 +95,11 @@ class Layer:
     """Bytes of batch-dependent values this layer produces that a later layer (or the forward's
     outputs, e.g. the loss) reads: what crosses the layer's end."""
 
+    built_bytes: int = 0
+    """Bytes of the values built from parameters alone (not a cast, transpose, shape or rows of one parameter: a weight
+    made by ``jnp.kron`` or ``U @ V`` of factors, a weight-normalised ``g * v / |v|``) that the layer's backward reads.
+    Not in :attr:`activation_bytes`: they do not scale with the microbatch."""
+
     input_bytes: int
     """Bytes of batch-dependent values this layer reads that it does not produce (outputs of earlier
     layers and the batch inputs)."""
@@ -443,7 +448,8 @@ def _build_layers(an: LayerAnalysis, units: list[Unit]) -> list[Layer]:
             param_indices=tuple(own_i),
             shared_param_indices=tuple(shared_i),
             param_fractions=tuple(own_f),
-            activation_bytes=int(act),
+            activation_bytes=int(act[0]),
+            built_bytes=int(act[1]),
             output_bytes=int(round(out_b)),
             input_bytes=int(round(in_b)),
             reads_from=tuple((src, int(round(b))) for src, b in sorted(edges.items())),

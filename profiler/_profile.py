@@ -79,6 +79,10 @@ class LayerProfile:
     crossing_bytes: int = 0
     """Bytes a stage boundary after this layer sends per traced batch: the values of this layer and earlier ones
     that later layers read (skip connections included; :attr:`output_bytes` counts only this layer's)."""
+    built_bytes: int = 0
+    """Bytes of the weights the layer builds from parameters alone and its backward reads (``jnp.kron`` or ``U @ V``
+    of factors; :attr:`autopp.profiler.Layer.built_bytes`): held whole while its stage computes, whatever the
+    microbatch."""
 
     @property
     def time_s(self) -> float:
@@ -470,7 +474,7 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
                 kind == "param" and spec.diff_mask[fwd_index[v]] or fwd_index[v] in frozen) else None
                 for v, kind in zip(inputs, src.kinds)),
             row_fractions=tuple((k, f) for k, f in zip(lay.param_indices, fractions) if f < 1.0),
-            crossing_bytes=lay.crossing_bytes,
+            crossing_bytes=lay.crossing_bytes, built_bytes=lay.built_bytes,
         ))
     graph = cost_graph(layers)
     for lp in out_layers:

@@ -20,9 +20,17 @@ _MAX_RESIDUAL_CACHE = 512
 _residual_cache: dict[str, int] = {}
 
 
-def residual_bytes(layer: jex_core.ClosedJaxpr, in_kinds: Sequence[str]) -> int:
+_VIEWS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
+                    "slice", "dynamic_slice", "copy", "copy_p"})
+"""Equations whose result is a parameter seen another way (its cast, transpose, shape, rows): what a layer reads as
+such is held with the parameter (a cast weight is made again from it), not as a value of its own."""
+
+
+def residual_bytes(layer: jex_core.ClosedJaxpr, in_kinds: Sequence[str], built: Sequence[bool] = ()) -> tuple[int, int]:
     """Bytes of the residuals of the layer's VJP (every input differentiated) other than parameters and values
-    computed from parameters only (``in_kinds``: 'b' batch, 'p' parameter, 'c' constant, per input)."""
+    computed from parameters only (``in_kinds``: 'b' batch, 'p' parameter, 'c' constant, per input); and the bytes of
+    the inputs marked ``built`` (values the loss builds from parameters: :func:`activation_bytes`) that are
+    residuals."""
     invars = layer.jaxpr.invars
     sds = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
     forward = forward_with_vjp(layer, range(len(invars)))
@@ -30,6 +38,7 @@ def residual_bytes(layer: jex_core.ClosedJaxpr, in_kinds: Sequence[str]) -> int:
     j = closed.jaxpr
     dep = {v for v, kd in zip(j.invars, in_kinds) if kd == "b"}
     par = {v for v, kd in zip(j.invars, in_kinds) if kd == "p"}
+    built_in = {v for v, b in zip(j.invars, built) if b}
     for e in j.eqns:
         ins = [a for a in e.invars if not isinstance(a, jex_core.Literal)]
         if any(a in dep for a in ins):
@@ -37,32 +46,59 @@ def residual_bytes(layer: jex_core.ClosedJaxpr, in_kinds: Sequence[str]) -> int:
         elif any(a in par for a in ins):
             par.update(e.outvars)
     seen = set()
-    total = 0
+    total = built_total = 0
     for a in j.outvars:
-        if isinstance(a, jex_core.Literal) or a in seen or (a in par and a not in dep):
+        if isinstance(a, jex_core.Literal) or a in seen:
             continue
         seen.add(a)
+        if a in built_in:
+            built_total += aval_bytes(a.aval)
+        if a in par and a not in dep:
+            continue
         total += aval_bytes(a.aval)
-    return total
+    return total, built_total
+
+
+def _built(closed: jex_core.ClosedJaxpr, values) -> list[bool]:
+    """Per value of ``closed``: whether it is built from parameters by equations other than views of one
+    (:data:`_VIEWS`): a weight made by ``jnp.kron`` or ``U @ V`` of factors, a weight-normalised ``g * v / |v|``."""
+    producer = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+
+    def built(v):
+        while v in producer:
+            e = producer[v]
+            if e.primitive.name not in _VIEWS:
+                return True
+            operand = e.invars[0] if e.invars else None  # (a dynamic slice's indices: a view of its operand)
+            if operand is None or isinstance(operand, jex_core.Literal):
+                return False
+            v = operand
+        return False
+
+    return [built(v) for v in values]
 
 
 def activation_bytes(fp: str, closed: jex_core.ClosedJaxpr, eqn_ids: Sequence[int], kind: Callable[[object], str],
-                     fallback: int) -> int:
+                     fallback: int) -> tuple[int, int]:
     """Residual bytes of the layer made of equations ``eqn_ids`` (its batch-dependent ones) of ``closed`` (the loss's
     forward, or a scan's body), cached by the layer's fingerprint ``fp``; ``kind(var)`` is 'b' / 'p' / 'c' for the
-    values it reads. ``fallback`` when the VJP cannot be traced (e.g. a primitive without a VJP rule)."""
+    values it reads. ``fallback`` when the VJP cannot be traced (e.g. a primitive without a VJP rule). And the bytes of
+    the values built from parameters (:func:`_built`) the layer's backward reads: held whole whatever the
+    microbatch, not with the parameters."""
     hit = _residual_cache.get(fp)
     if hit is not None:
         return hit
     if not len(eqn_ids):
-        return 0
+        return 0, 0
     try:
         graph = layer_graph(closed, eqn_ids, [False] * len(closed.jaxpr.invars))
-        val = residual_bytes(jex_core.ClosedJaxpr(graph.jaxpr, graph.consts), [kind(v) for v in graph.inputs])
+        kinds = [kind(v) for v in graph.inputs]
+        built = [k == "p" and b for k, b in zip(kinds, _built(closed, graph.inputs))]
+        val = residual_bytes(jex_core.ClosedJaxpr(graph.jaxpr, graph.consts), kinds, built)
     except Exception as err:  # noqa: BLE001 - e.g. a primitive without a VJP rule
         warnings.warn(f"autopp: could not trace the VJP of a layer ({type(err).__name__}: {err}); "
                       "counting the batch-dependent values it defines as its activations.", stacklevel=4)
-        val = fallback
+        val = fallback, 0
     if len(_residual_cache) >= _MAX_RESIDUAL_CACHE:
         _residual_cache.clear()
     _residual_cache[fp] = val
