@@ -17,6 +17,7 @@ from autopp.core import (
     STRUCTURE,
     TracedStep,
     batch_dependent_vars,
+    block_copies_met,
     check_batch_divisible,
     mixing_by_output,
     mixing_summary,
@@ -46,6 +47,16 @@ def microbatch_forward(step_fn: Callable, args: tuple, traced: TracedStep,
     forward = trace_microbatch_forward(step_fn, args, traced, num_microbatches)
     if num_microbatches > 1:
         _warn_rows_not_examples(traced)
+        met = block_copies_met(traced.spec.forward.jaxpr, traced.microbatched_grad_inputs)
+        if met is not None:
+            warnings.warn(
+                f"{_WHO}: at {user_line(met) or 'an equation of the loss'} the loss lines up copies of its examples "
+                "laid out in blocks (jnp.concatenate([x, x]) or jnp.tile: copy k of example i at row k * B + i) with "
+                "a loss input of as many rows. autopp splits that input into microbatches by rows, as if the rows of "
+                "each example were next to each other, so each microbatch pairs its examples with other examples' "
+                "rows, unlike jax.jit. Lay the copies out per example: jnp.repeat(x, K, axis=0) in the loss, and each "
+                "example's K values next to each other in the step (jnp.stack([t, 1 - t], axis=1).reshape(-1), not "
+                "jnp.concatenate([t, 1 - t])).", stacklevel=user_stacklevel())
     return forward
 
 

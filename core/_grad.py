@@ -183,9 +183,13 @@ _CHECKIFY = (
 _compat.refuse_checkify(value_and_grad_p, _CHECKIFY)
 _compat.refuse_batching(value_and_grad_p, (
     "autopp.parallelize: autopp.grad / autopp.value_and_grad is called under jax.vmap in the step; the pipelined "
-    "gradient is one call at the top level of the step. Per-task or per-example gradients (MAML, a gradient "
-    "penalty) are jax.grad's, inside the loss; a vmap over microbatches to accumulate gradients is what autopp does "
-    "itself (pass the whole batch, with num_microbatches=)."))
+    "gradient is one call at the top level of the step. Per-example gradients (MAML's inner step, a gradient "
+    "penalty) are jax.grad's, inside the loss. Per-task gradients over the whole batch that decide one update "
+    "(PCGrad, MGDA, GradNorm) are not: computed inside the loss they would be each microbatch's. Take them with "
+    "jax.grad in the step on the whole batch and pass what they decide (the tasks' weights) to one autopp.grad of "
+    "the weighted loss; or give each task its own copy of the shared weights, stacked, each task's loss reading its "
+    "copy, so that one autopp.grad returns every task's gradient. A vmap over microbatches to accumulate gradients "
+    "is what autopp does itself (pass the whole batch, with num_microbatches=)."))
 
 
 def _as_tuple_argnums(argnums, num_args: int) -> tuple[int, ...]:

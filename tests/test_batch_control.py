@@ -1200,3 +1200,44 @@ def test_replay_rows_taken_apart_and_summed_warn():
 
     _, _, texts = _both(_replay_step(loss, count=True), _batch())
     assert any("adds up rows taken apart from the examples'" in t and "test_batch_control.py" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("layout", ["concatenate", "tile", "repeat"])
+def test_copies_of_the_examples_in_blocks_beside_an_input_per_example_warn(layout):
+    """Antithetic noise (trial DIFF): the step passes each example's two draws as one input of 2B rows, and the loss
+    makes two copies of the examples to meet them. autopp splits the 2B rows as two per example, so copies laid out
+    in blocks (``concatenate([x, x])``, ``jnp.tile``) met other examples' draws: 8.197337 for jit's 8.344485, silently.
+    It warns with the per-example layout as the fix; with that layout (``jnp.repeat`` in the loss, each example's
+    draws next to each other in the step) it is jit's, without a word."""
+    def step(params, opt_state, key, batch):
+        x, y = batch
+        eps = jax.random.normal(key, x.shape)
+        if layout == "repeat":
+            eps2 = jnp.stack([eps, -eps], axis=1).reshape(-1, x.shape[1])  # example i's draws at rows 2i, 2i + 1
+        else:
+            eps2 = jnp.concatenate([eps, -eps])  # copy k of example i at row k * B + i
+
+        def loss(p, x, y, e):
+            xx = {"concatenate": lambda: jnp.concatenate([x, x]), "tile": lambda: jnp.tile(x, (2, 1)),
+                  "repeat": lambda: jnp.repeat(x, 2, axis=0)}[layout]()
+            yy = jnp.repeat(y, 2, axis=0) if layout == "repeat" else jnp.concatenate([y, y])
+            return _head(p, xx + 0.3 * e, yy)
+
+        value, grads = autopp.value_and_grad(loss)(params, x, y, eps2)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params, batch, key = _params(), _batch(), jax.random.key(3)
+    want = jax.jit(step)(params, TX.init(params), key, batch)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = autopp.parallelize(step, num_stages=2, num_microbatches=M, devices=jax.devices()[:2],
+                                 batch_argnums=(3,))(params, TX.init(params), key, batch)
+    texts = [str(w.message) for w in seen if "autopp.parallelize" in str(w.message)]
+    if layout == "repeat":
+        assert not texts, texts
+        _assert_equal(want[0], autopp.gather(got[0]))
+    else:
+        assert any("copies of its examples laid out in blocks" in t and "jnp.repeat(x, K, axis=0)" in t
+                   for t in texts), texts
+        assert not np.isclose(float(want[2]), float(got[2]), rtol=1e-5)  # (the pairing the warning describes)

@@ -108,6 +108,23 @@ def test_a_gradient_under_vmap_is_refused_with_the_fix(mlp_setup):
         autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
 
 
+def test_per_task_gradients_under_vmap_are_pointed_to_the_whole_batch(mlp_setup):
+    """``jax.vmap(autopp.grad)`` over two tasks' losses (MGDA's per-task gradients, trial MTL) was told that per-task
+    gradients are jax.grad's inside the loss, where they are each microbatch's (MGDA weights [0.0575, 0.9425] for
+    jit's [0.0009, 0.9991]). The refusal names the two ways that give jit's: jax.grad on the whole batch in the step,
+    or a copy of the shared weights per task."""
+    model, _, state, batch = mlp_setup
+
+    def step(params, batch):
+        scales = jnp.array([1.0, 2.0])  # two tasks: the same loss at two scales
+        return jax.vmap(lambda c: autopp.grad(lambda p, b: c * model.loss(p, b))(params, batch))(scales)
+
+    jax.jit(step)(state[0], batch)
+    with pytest.raises(ValueError, match=r"(?s)\(PCGrad, MGDA, GradNorm\).*jax.grad in the step on the whole batch"
+                                         r".*its own copy of the shared weights"):
+        autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])(state[0], batch)
+
+
 def test_gradient_accumulation_written_as_a_scan_is_pointed_at_num_microbatches(mlp_setup):
     """A user who accumulates gradients over microbatches with ``lax.scan`` takes one gradient per iteration; the
     refusal now says that autopp accumulates itself (a user trial found it said only to call it once), and that a
