@@ -145,6 +145,16 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
              else (None,) * n_out)
     read = kinds[0]  # (as the program shows it, before what is said below)
     names = traced.spec.aux_names
+    chosen = [e for e in mixing_by_output(parts, forward).get(0, []) if e[0] == "choice"] if parts else []
+    if chosen and read is None:
+        raise ValueError(
+            f"{_WHO}: at {user_line(chosen[0][1]) or 'an equation of the loss'} the loss is a mean over its examples "
+            "or a sum over them by a value it reads at run time (a lax.cond, lax.switch or jnp.where on a flag, a "
+            f"task id): no loss_reduction is right for both, 'sum' adding the {num_microbatches} microbatches' means "
+            f"({num_microbatches}x plain jax.jit's) and 'mean' averaging their sums (1/{num_microbatches} of it). "
+            "Write the mean as a sum over a number of examples the step passes to the loss (e.sum() / n, with n = "
+            "x.shape[0] or a count computed in the step), then pass loss_reduction='sum'.")
+    parts = [e for e in parts if e[0] != "choice"]
     if STRUCTURE in undetermined:
         warnings.warn(
             f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it"
@@ -303,20 +313,30 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     read |= {a for a in forward.jaxpr.outvars if not isinstance(a, jex_core.Literal)}
     whole = [k for k in traced.whole_batch_grad_inputs if forward.jaxpr.invars[k] in read]  # (one it never reads:
     # nothing to say)
+    first = (mixing_by_output(lost, forward).get(0) or [None])[0] if lost and 0 in undetermined else None
+    where = ("an operation autopp cannot see into combines them: a custom kernel, a callback; or a function of a "
+             "mean, such as its square root" if first is None else
+             f"at {user_line(first[1]) or 'an equation of the loss'} it {first[0]}")
+    function_of = first is not None and (first[0].startswith("applies ") and "a sum or mean over the" in first[0]
+                                         or first[0].startswith("divides by a sum over the examples"))
+    fix = ("compute that sum or mean in the step and pass it to the loss (a count that normalises it: mask.sum() in "
+           "the step), or use num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch)")
     if 0 in undetermined and 0 not in reached and given is None and not whole:  # (mixing: said above)
-        first = (mixing_by_output(lost, forward).get(0) or [None])[0] if lost else None
-        where = ("an operation autopp cannot see into combines them: a custom kernel, a callback; or a function of a "
-                 "mean, such as its square root" if first is None else
-                 f"at {user_line(first[1]) or 'an equation of the loss'} it {first[0]}")
         warnings.warn(
             f"{_WHO}: the loss's program does not show whether it is a mean or a sum over its examples ({where}), "
             f"so the {num_microbatches} microbatches' losses are averaged (loss_reduction='mean'), "
-            "which is plain jax.jit's loss and gradients only if it is a mean. Pass loss_reduction='sum' if it adds "
-            "its examples up (a kernel's sum); loss_reduction='mean' to keep the average, which a mean plus a "
-            "function of means (an MoE load-balancing term, gradient accumulation's meaning) wants; "
-            "num_microbatches=1 for jit's values whatever the loss is (a stage's data-parallel devices then compute "
-            "over the whole batch).",
+            "which is plain jax.jit's loss and gradients only if it is a mean. "
+            + (f"No reduction of the microbatches' losses is jit's there: for jit's values {fix}; "
+               "loss_reduction='mean' keeps the average (gradient accumulation's meaning)." if function_of else
+               "Pass loss_reduction='sum' if it adds its examples up (a kernel's sum); loss_reduction='mean' to keep "
+               "the average, which a mean plus a function of means (an MoE load-balancing term, gradient "
+               "accumulation's meaning) wants; num_microbatches=1 for jit's values whatever the loss is (a stage's "
+               "data-parallel devices then compute over the whole batch)."),
             stacklevel=user_stacklevel())
+    elif given == "sum" and function_of and not summed and 0 not in reached and num_microbatches > 1:
+        warnings.warn(
+            f"{_WHO}: loss_reduction='sum' is given, but {where}: adding the {num_microbatches} microbatches' losses "
+            f"is not plain jax.jit's loss and gradients. For jit's values {fix}.", stacklevel=user_stacklevel())
     asked = given is None or config.source == "replay" and given == "mean"  # (a plan's default: not the user's word)
     if whole and asked and kind is None and num_microbatches > 1 and not ratio:  # (one microbatch: both are jit's)
         made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}

@@ -437,3 +437,12 @@ def share_rule(me, ins: list, n_out: int, carry: frozenset, dot) -> list:
     if keep and all(k == (0, 0) for k in others):
         return [(0, _SHARE, True)] + [(0, 0, True)] * (n_out - 1)
     return [None] * n_out
+
+
+def note_choice(parts: list | None, eqn, states, top) -> None:
+    """A mean over the examples or a sum over them, chosen at run time (a ``lax.cond`` or ``jnp.where`` on a flag):
+    appended to ``parts`` (:func:`autopp.core.output_reductions`'s) as a ``"choice"``, for which no reduction of the
+    microbatches' losses is right."""
+    kinds = {st[:2] for st in states if st is not None and st[2]}
+    if parts is not None and {(1, 0), (1, -1)} <= kinds:
+        parts.append(("choice", eqn, top))

@@ -33,7 +33,7 @@ from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examp
                                       indexes_the_batch)
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
 from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE, _SHARE, _TEST, CONTROL,
-                                 DRAWS, INDEXED, JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD, TIME,
+                                 DRAWS, note_choice, INDEXED, JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD, TIME,
                                  decides_by_statistic, loop_bounds, loop_test, lost_reason, mixing_by_output,
                                  mixing_summary, scaled_apart, settle_shares, share_rule, uses_size)
 
@@ -410,6 +410,7 @@ def _rule(we, me, ins: list, M: int) -> list:
         # one flag for the whole value (a NaN guard: optax's where(isnan(mean) & ~any(isnan(x)), 0, mean)): what it
         # picks between decides, whatever the flag is made of
         data = states[1:]
+        note_choice(getattr(_MIXING, "parts", None), me, data, getattr(_MIXING, "top", None))
         if states[0] is not None and states[0][1] == _TEST and any(st is None or st[0] for st in data):
             return [None]  # a mean chosen by a test of it (free bits: where(kl.mean() > c, kl.mean(), c))
         if all(st is not None and st[1] not in (_MAX, _MIN) for st in data):
@@ -466,6 +467,8 @@ def _rule(we, me, ins: list, M: int) -> list:
         if name in ("max", "min", "clamp") and (1, 0, True) in data and (0, 0, False) in data:
             return [(1, _GUARD, True)]  # (a sum clamped to a level: a ratio's guard, else no combination)
         keys = {st[:2] for st in data if st[2] or st[:2] != (0, 0)}
+        if name == "select_n":
+            note_choice(getattr(_MIXING, "parts", None), me, data, getattr(_MIXING, "top", None))
         return [(*keys.pop(), dep) if len(keys) == 1 else ((0, 0, dep) if not keys else None)]
     if name in ("mul", "div"):
         if name == "mul" and any(isinstance(a, jex_core.Literal) and not np.any(np.asarray(a.val))
@@ -670,6 +673,7 @@ def _cond(we, me, ins, M):
                for wb, mb in zip(we.params["branches"], me.params["branches"])]
     joined = []  # what either branch makes (a branch of constants, zeros for a skipped self-conditioning: the other's)
     for r in zip(*results):
+        note_choice(getattr(_MIXING, "parts", None), me, r, getattr(_MIXING, "top", None))
         r = sorted(r, key=lambda st: st is not None and st[:3] != (0, 0, False))
         joined.append(functools.reduce(_join, r))
     return joined

@@ -597,7 +597,6 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
                  if is_mb)
     if spec.loss_fn is not None and direct:  # the batch goes to the loss as it is: shrink it there
         mb_forward = _loss_at_microbatch_size(step_fn, args, traced, num_microbatches, who)
-        mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     else:
         flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
         small = []
@@ -612,7 +611,6 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
                                 probe_shapes=False)
             mb_forward = hoisted_like(mb.spec.forward, spec, _same_in_every_microbatch(traced)[
                 :len(mb.grad_eqn.invars)], who)
-            mb_in = [v.aval for v in mb_forward.jaxpr.invars]
         except ValueError:
             # Step code that only runs at the full batch (rewards normalised in groups larger than a microbatch):
             # the runtime runs it on the whole batch anyway and splits the loss inputs by rows, so the loss alone
@@ -621,7 +619,7 @@ def _trace_microbatch_forward(step_fn: Callable, args: Sequence[Any], traced: Tr
             if spec.loss_fn is None or not _rows_grow_along_axis_0(step_fn, args, traced):
                 raise
             mb_forward = _loss_at_microbatch_size(step_fn, args, traced, num_microbatches, who)
-            mb_in = [v.aval for v in mb_forward.jaxpr.invars]
+    mb_in = [v.aval for v in mb_forward.jaxpr.invars]
     full_in = [a.aval for a in traced.grad_eqn.invars]
     outer = traced.jaxpr.jaxpr.invars
     problems, same_shape, added = [], 0, 0
@@ -670,11 +668,12 @@ def _loss_at_microbatch_size(step_fn: Callable, args: Sequence[Any], traced: Tra
     ``num_microbatches``, the rest as the step passes them."""
     small, spec = [], traced.spec
     loss_inputs = len(traced.grad_eqn.invars) - spec.num_hoisted
-    for a, is_mb in zip(traced.grad_eqn.invars[:loss_inputs], traced.microbatched_grad_inputs):
+    for a, f, is_mb in zip(traced.grad_eqn.invars[:loss_inputs], spec.forward.jaxpr.invars,
+                           traced.microbatched_grad_inputs):  # (weak as the loss saw it: a jnp.array(0.0) weight)
         shape = tuple(a.aval.shape)
         if is_mb and shape and shape[0] % num_microbatches == 0:
             shape = (shape[0] // num_microbatches,) + shape[1:]
-        small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(a.aval, "weak_type", False)))
+        small.append(jax.ShapeDtypeStruct(shape, a.aval.dtype, weak_type=getattr(f.aval, "weak_type", False)))
     with _tracing(), _at_microbatch_size(who, num_microbatches, traced, lambda: _misaligned(step_fn, args, traced)):
         loss = drop_sharding_constraints(jax.make_jaxpr(spec.loss_fn)(*small), who)
         loss = sink_parameter_work(loss, spec.sunk_mask or spec.diff_mask)

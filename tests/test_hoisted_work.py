@@ -464,3 +464,28 @@ def test_per_layer_work_runs_on_the_stage_that_reads_it():
     assert all(peaks[True][k] <= 2 * peaks[False][k] for k in peaks[True]), peaks
     _equal_to_jit(_step(loss_with(True), optax.sgd(0.1)), params, jnp.zeros(()), batch, atol=5e-7, num_stages=4,
                   num_microbatches=4, devices=jax.devices()[:4])
+
+
+@pytest.mark.parametrize("num_microbatches", [4, 1])
+def test_weakly_typed_weights_read_by_parameter_work_run_as_jit(num_microbatches):
+    """A Bayesian layer with the local reparameterisation trick, its ``rho`` made by ``jnp.full(shape, -4.0)``
+    (weakly typed): the loss retraced at microbatch size took ``rho`` strongly typed, so the parameter work
+    (``softplus(rho) ** 2``) looked different there and the step was refused ("at microbatch size that work differs
+    from the full batch's"), at the advised ``num_microbatches=1`` too (trial STATS). Now the same as jit."""
+    d, h = 8, 32
+    ks = jax.random.split(jax.random.key(0), 4)
+    params = [{"mu": jax.random.normal(ks[i], (a, b)) / a ** 0.5, "rho": jnp.full((a, b), -4.0)}
+              for i, (a, b) in enumerate([(d, h), (h, h), (h, 2)])]
+    assert params[0]["rho"].weak_type
+    x = jax.random.normal(ks[3], (B, d))
+    batch = {"x": x, "y": (x[:, 0] > 0).astype(jnp.int32)}
+
+    def loss(p, _, b):
+        z = b["x"]
+        for i, layer in enumerate(p):
+            z = z @ layer["mu"] + jnp.sqrt((z ** 2) @ jax.nn.softplus(layer["rho"]) ** 2 + 1e-8)
+            z = jax.nn.relu(z) if i < len(p) - 1 else z
+        return optax.softmax_cross_entropy_with_integer_labels(z, b["y"]).mean()
+
+    _equal_to_jit(_step(loss, optax.sgd(0.5)), params, jnp.zeros(()), batch, num_stages=2,
+                  num_microbatches=num_microbatches, devices=jax.devices()[:2])
