@@ -12,8 +12,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
-import heapq
-import itertools
 import os
 import threading
 from collections.abc import Sequence
@@ -131,46 +129,6 @@ class MappedLowered:
         return self._real().as_text()
 
 
-class _LargestFirst:
-    """A pool of ``workers`` threads that compiles the largest program waiting first (by its StableHLO's length): the
-    first step waits for the last compilation, and a large program that started last would compile alone at the end
-    (a stage's update, lowered after its backward). A worker ends once nothing has waited for it a moment, so an idle
-    pool holds no thread and never delays the interpreter's exit."""
-
-    _IDLE_S = 0.5
-
-    def __init__(self, workers: int):
-        self._workers, self._alive = workers, 0
-        self._waiting: list = []
-        self._order = itertools.count()
-        self._ready = threading.Condition()
-
-    def submit(self, size: int, fn, *args) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._ready:
-            heapq.heappush(self._waiting, (-size, next(self._order), future, fn, args))
-            if self._alive < min(self._workers, len(self._waiting)):
-                self._alive += 1
-                threading.Thread(target=self._work, name="autopp-compile", daemon=False).start()
-            self._ready.notify()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            with self._ready:
-                if not self._waiting:
-                    self._ready.wait(self._IDLE_S)
-                if not self._waiting:
-                    self._alive -= 1
-                    return
-                _, _, future, fn, args = heapq.heappop(self._waiting)
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the program
-                    future.set_exception(err)
-
-
 _in_flight: dict[Any, concurrent.futures.Future] = {}
 """Device-free key -> its compilation while it runs, whichever :class:`Compiler` started it: a step built again
 (another signature, a replayed plan) while the first build still compiles waits for those compilations instead of
@@ -196,7 +154,7 @@ class Compiler:
         self._keep_alive: list = []  # keeps program ids unique while building
         self._keys: dict[int, Any] = {}  # id(lowered) -> its device-free key (None: no key)
         self._compiling: dict[Any, concurrent.futures.Future] = {}  # device-free key (or id) -> compilation
-        self._pool: _LargestFirst | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def lower(self, fn, in_avals):
         key = (id(fn), tuple(in_avals))
@@ -236,7 +194,9 @@ class Compiler:
         return len(self._compiling)
 
     def close(self) -> None:
-        self._pool = None  # (queued compilations still run; the pool's threads end after them)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # queued compilations still run; the threads end after them
+            self._pool = None
 
     def _key(self, lowered):
         if isinstance(lowered, MappedLowered):
@@ -254,9 +214,8 @@ class Compiler:
             if running is not None:
                 return running
             if self._pool is None:
-                self._pool = _LargestFirst(os.cpu_count() or 1)
-            source = lowered.source if isinstance(lowered, MappedLowered) else lowered  # (its own: not lowered)
-            future = self._pool.submit(len(source.as_text()), compile_reusable, lowered, key)
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+            future = self._pool.submit(compile_reusable, lowered, key)
             if shared:
                 _in_flight[key] = future
         if shared:

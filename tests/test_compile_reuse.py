@@ -247,27 +247,3 @@ def test_first_step_runs_programs_as_they_finish_compiling():
     assert all(isinstance(t.fn, jax.stages.Compiled) for t in exe.tasks if t.label in ("0F0", "1F0+1B0", "0B0"))
     assert_trees_close(got, jax.jit(step)(*state, batch))
 
-
-def test_the_compile_pool_takes_the_largest_waiting_program_first():
-    """The first step waits for the last compilation; a stage's update lowered after its backward used to compile last
-    (first in, first out) and alone. The pool takes the largest waiting program first, runs a failure's error to its
-    waiter, and holds no thread once idle."""
-    import threading
-    import time
-
-    pool = _passes._LargestFirst(1)
-    gate, order = threading.Event(), []
-    first = pool.submit(0, lambda: gate.wait(10) and order.append("first"))  # holds the one worker
-    time.sleep(0.05)
-    futures = [pool.submit(size, order.append, name) for size, name in ((10, "small"), (1000, "large"), (100, "mid"))]
-    failed = pool.submit(1, lambda: 1 / 0)
-    gate.set()
-    for f in (first, *futures):
-        f.result(timeout=10)
-    with pytest.raises(ZeroDivisionError):
-        failed.result(timeout=10)
-    assert order == ["first", "large", "mid", "small"], order
-    deadline = time.time() + 10
-    while pool._alive and time.time() < deadline:
-        time.sleep(0.05)
-    assert pool._alive == 0
