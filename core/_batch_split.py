@@ -46,12 +46,18 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
         # only leaves without the batch's length are in the way (a count of shape (1,)), not batches of several
         # sizes (labelled and unlabelled examples), which another count splits alike
         odd = batch % num_microbatches == 0 and max(ok) == 1
+        one_more = [line.split(":")[0].strip() for line, n in zip(bad, [int(b.rsplit(" ", 1)[-1]) for b in bad])
+                    if n == batch + 1]  # (a rollout's T + 1 observations: the bootstrap one beside T rewards)
+        extra = (f" A leaf with one row more than the batch ({', '.join(one_more)}: a rollout's T + 1 observations, "
+                 "the last one to bootstrap from): keep its first rows in the batch and pass the last row as an "
+                 "argument of its own (obs[:-1] in the batch, obs[-1] apart), from which the step computes the "
+                 "bootstrap value." if odd and one_more else "")
         raise ValueError(
             f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
             "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) + "\n"
             + (f"Their leading dimension is not the batch's ({batch} in most leaves). A leaf without a batch axis (a "
                "count, one PRNG key, a table, class weights) belongs in another argument of the step (batch_argnums "
-               "names the batch)." if odd else
+               "names the batch)." + extra if odd else
                f"Use a num_microbatches that divides every batch leaf's leading dimension (e.g. {max(ok)}) or change "
                "the batch size. A leaf without a batch axis (one PRNG key, a table, class weights) belongs in another "
                "argument of the step (batch_argnums names the batch).")

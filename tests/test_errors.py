@@ -816,3 +816,55 @@ def test_a_scan_holding_the_work_gets_advice_that_fits(mapped):
     with pytest.raises(ValueError, match="holds") as info:
         piped(params, tx.init(params), batch)
     assert ("jax.vmap rather than a scan without a carry (lax.map" in str(info.value)) == mapped, str(info.value)
+
+
+def test_a_rollout_s_bootstrap_observation_in_the_batch_is_pointed_out_of_it():
+    """A PPO rollout stores T + 1 observations beside T rewards (trial RL): refused as a leaf without a batch axis,
+    whose advice (another argument) then failed at microbatch size. The refusal names the leaf with one row more and
+    the split that works: its first T rows in the batch, the last one apart. That runs as jit."""
+    import optax
+
+    t, n, d, a = 16, 4, 6, 3
+    ks = jax.random.split(jax.random.key(0), 6)
+    params = {"w": jax.random.normal(ks[0], (d, 16)) * 0.4, "wp": jax.random.normal(ks[1], (16, a)) * 0.3,
+              "wv": jax.random.normal(ks[2], (16, 1)) * 0.3}
+    roll = {"obs": jax.random.normal(ks[3], (t + 1, n, d)), "act": jax.random.randint(ks[4], (t, n), 0, a),
+            "rew": jax.random.normal(ks[5], (t, n))}
+    tx = optax.sgd(0.1)
+
+    def net(p, x):
+        h = jnp.tanh(x @ p["w"])
+        return h @ p["wp"], (h @ p["wv"])[..., 0]
+
+    def loss(p, obs, act, ret):
+        logits, v = net(p, obs)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), act[..., None], -1)[..., 0]
+        return -(logp * jax.lax.stop_gradient(ret - v)).mean() + 0.5 * ((v - ret) ** 2).mean()
+
+    def returns(p, obs, last_obs, rew):  # one-step bootstrapped returns from the next observation's value
+        v_next = jnp.concatenate([net(p, obs[1:])[1], net(p, last_obs[None])[1]])
+        return jax.lax.stop_gradient(rew + 0.99 * v_next)
+
+    def whole(p, o, roll):
+        ret = returns(p, roll["obs"][:-1], roll["obs"][-1], roll["rew"])
+        value, g = autopp.value_and_grad(loss)(p, roll["obs"][:-1], roll["act"], ret)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, value
+
+    with pytest.raises(ValueError, match=r"one row more than the batch \(args\[2\]\['obs'\].*obs\[:-1\] in the "
+                                         r"batch, obs\[-1\] apart"):
+        autopp.parallelize(whole, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            params, tx.init(params), roll)
+
+    def split(p, o, last_obs, roll):  # the advice
+        ret = returns(p, roll["obs"], last_obs, roll["rew"])
+        value, g = autopp.value_and_grad(loss)(p, roll["obs"], roll["act"], ret)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, value
+
+    args = (params, tx.init(params), roll["obs"][-1], {**roll, "obs": roll["obs"][:-1]})
+    want = jax.jit(whole)(params, tx.init(params), roll)
+    got = autopp.parallelize(split, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(*args)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(autopp.gather(got[0])), jax.tree.leaves(want[0])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
