@@ -77,14 +77,15 @@ _MIXING_KINDS = {
 
 def mixing_summary(mixing: list) -> str:
     """What the equations :func:`output_reductions` found mixing examples do, and where the user's code made them
-    (two places at most per kind)."""
+    (two places per kind, and how many more)."""
     seen: dict[str, list[str]] = {}
     for why, eqn, *_ in mixing:
         lines = seen.setdefault(why, [])
         line = user_line(eqn)
-        if line and line not in lines and len(lines) < 2:
+        if line and line not in lines:
             lines.append(line)
-    return "; ".join(_MIXING_KINDS[why] + (f" at {', '.join(lines)}" if lines else "") for why, lines in seen.items())
+    return "; ".join(_MIXING_KINDS[why] + (f" at {', '.join(lines[:2])}" if lines else "")
+                     + (f" and {len(lines) - 2} more line(s)" if len(lines) > 2 else "") for why, lines in seen.items())
 
 
 def mixing_by_output(mixing: list, micro: jex_core.ClosedJaxpr) -> dict[int, list]:

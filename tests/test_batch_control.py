@@ -1241,3 +1241,19 @@ def test_copies_of_the_examples_in_blocks_beside_an_input_per_example_warn(layou
         assert any("copies of its examples laid out in blocks" in t and "jnp.repeat(x, K, axis=0)" in t
                    for t in texts), texts
         assert not np.isclose(float(want[2]), float(got[2]), rtol=1e-5)  # (the pairing the warning describes)
+
+
+def test_a_warning_about_many_lines_says_how_many_it_does_not_name():
+    """Dropout on four lines, each drawn from one key over the batch (trial NOISE): the warning named two of the four
+    lines and no more. It names two and says how many more there are."""
+    def loss(p, b):
+        x, y = b
+        k0, k1, k2, k3 = jax.random.split(jax.random.key(0), 4)
+        z = x * jax.random.bernoulli(k0, 0.9, x.shape) / 0.9  # four dropout lines
+        z = z * jax.random.bernoulli(k1, 0.9, z.shape) / 0.9
+        z = z * jax.random.bernoulli(k2, 0.9, z.shape) / 0.9
+        z = z * jax.random.bernoulli(k3, 0.9, z.shape) / 0.9
+        return _head(p, z, y)
+
+    _, _, texts = _both(_step(loss), _batch())
+    assert any("and 2 more line(s)" in t for t in texts), texts
