@@ -154,7 +154,8 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             f"({num_microbatches}x plain jax.jit's) and 'mean' averaging their sums (1/{num_microbatches} of it). "
             "Write the mean as a sum over a number of examples the step passes to the loss (e.sum() / n, with n = "
             "x.shape[0] or a count computed in the step), then pass loss_reduction='sum'.")
-    parts = [e for e in parts if e[0] != "choice"]
+    beside = [e for e in mixing_by_output(parts, forward).get(0, []) if e[0] == "beside a mean"] if parts else []
+    parts = [e for e in parts if e[0] in ("mean", "sum")]
     if STRUCTURE in undetermined:
         warnings.warn(
             f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it"
@@ -233,7 +234,11 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                 "read with b['n'].mean(): that gives each microbatch's loss 1/num_microbatches of its share); to keep "
                 "the average of microbatch ratios (gradient accumulation's), pass loss_reduction='mean'. Where the "
                 "denominator depends on the parameters (a Dice loss over the whole batch), only num_microbatches=1 "
-                "gives jit's value.", stacklevel=user_stacklevel())
+                "gives jit's value." + (
+                    f" The loss also adds a mean over its examples to the ratio (at {user_line(beside[0][1])}): "
+                    "write that term over a count from the step too (x.sum() / n_examples, with n_examples = "
+                    "x.shape[0] in the step), then pass loss_reduction='sum'." if beside else ""),
+                stacklevel=user_stacklevel())
         kind, ratio = None, True  # (averaged, as said: no refusal for reading a count from the step besides)
     elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
         if given is None and num_microbatches > 1:

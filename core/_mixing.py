@@ -444,6 +444,11 @@ def note_choice(parts: list | None, eqn, states, top) -> None:
     """A mean over the examples or a sum over them, chosen at run time (a ``lax.cond`` or ``jnp.where`` on a flag):
     appended to ``parts`` (:func:`autopp.core.output_reductions`'s) as a ``"choice"``, for which no reduction of the
     microbatches' losses is right."""
-    kinds = {st[:2] for st in states if st is not None and st[2]}
-    if parts is not None and {(1, 0), (1, -1)} <= kinds:
-        parts.append(("choice", eqn, top))
+    if {(1, 0), (1, -1)} <= {st[:2] for st in states if st is not None and st[2]}:
+        note_part(parts, "choice", eqn, top)
+
+
+def note_part(parts: list | None, kind: str, eqn, top) -> None:
+    """Append ``(kind, eqn, top)`` to :func:`autopp.core.output_reductions`' ``parts`` (if it collects them)."""
+    if parts is not None:
+        parts.append((kind, eqn, top))

@@ -33,8 +33,8 @@ from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examp
                                       indexes_the_batch)
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
 from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE, _SHARE, _TEST, CONTROL,
-                                 DRAWS, note_choice, INDEXED, JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD, TIME,
-                                 decides_by_statistic, loop_bounds, loop_test, lost_reason, mixing_by_output,
+                                 DRAWS, note_choice, note_part, INDEXED, JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD,
+                                 TIME, decides_by_statistic, loop_bounds, loop_test, lost_reason, mixing_by_output,
                                  mixing_summary, scaled_apart, settle_shares, share_rule, uses_size)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
@@ -442,6 +442,8 @@ def _rule(we, me, ins: list, M: int) -> list:
             if constant and (name in _ADD or name == "mul" or name == "div" and states[0][1] == odd or name in _CARRY
                              or name in ("reduce_sum", "concatenate", "stack")):  # (weighted, stacked, summed)
                 odd = _RATIO_SUM if odd == _RATIO and name in _ADD and (1, 0, True) in states else odd  # (beside a
+                if odd == _RATIO and name in _ADD and (1, -1, True) in states:  # (ESMM's CVR ratio + CTR mean)
+                    note_part(getattr(_MIXING, "parts", None), "beside a mean", me, getattr(_MIXING, "top", None))
                 return [(1, odd, True)] + [(0, 0, dep)] * (n_out - 1)  # sum: neither combination is jit's)
             return [None] * n_out
     if name in _ADD:
