@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from autopp.core import TracedStep, eval_closed, eval_jaxpr_with, is_heavy, value_and_grad_p
-from autopp.profiler import aval_bytes
+from autopp.profiler import aval_bytes, optimizer_state_owners
 
 Literal = jex_core.Literal
 
@@ -303,3 +303,39 @@ def conds_as_selects(traced: TracedStep) -> TracedStep:
     closed = jax.make_jaxpr(lambda *flat: eval_jaxpr_with(jaxpr, traced.jaxpr.consts, flat, both))(*avals)
     grad_index = next(i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive is value_and_grad_p)
     return dataclasses.replace(traced, jaxpr=closed, grad_index=grad_index)
+
+
+def label_outer(traced) -> tuple[dict, set]:
+    """Which parameter each outer variable serves: the gradient equation's parameter inputs and gradients,
+    the optimizer state of each parameter, and what the update computes from them (same shape); and which of
+    them are optimizer state."""
+    grad, spec, jaxpr = traced.grad_eqn, traced.spec, traced.jaxpr.jaxpr
+    weights = [k for k, f in enumerate(traced.frozen_grad_inputs) if f or spec.diff_mask[k]]  # frozen ones too
+    label = {}
+    for k in weights:
+        a = grad.invars[k]
+        if not isinstance(a, Literal):
+            label[a] = k
+    outs = {1 + spec.num_aux + j: k for j, k in enumerate(spec.diff_indices)}
+    for pos, k in outs.items():
+        label[grad.outvars[pos]] = k
+    zeroed = dict(traced.zeroed_gradients)  # a frozen weight's gradient the step still reads, as zeros
+    label.update(zeroed)
+    for i, k in optimizer_state_owners(jaxpr, traced.grad_index, outs, traced.batch_mask, zeroed).items():
+        label.setdefault(jaxpr.invars[i], k)
+    for i, e in enumerate(jaxpr.eqns):
+        if i == traced.grad_index:
+            continue
+        for v in e.outvars:
+            src = [label[a] for a in _vars(e.invars) if a in label and a.aval.shape == v.aval.shape]
+            if src and v not in label:
+                label[v] = src[0]
+    # Optimizer state: labelled values that do not depend on a parameter itself (Adam's moments, and what an update
+    # split into phases hands between them, ``b1 * mu`` before a global norm is known; the new parameter reads the
+    # parameter). Under ZeRO-1 they are all sharded over data, so that a moment's buffer serves its next value.
+    on_param = {grad.invars[k] for k in weights if not isinstance(grad.invars[k], Literal)}
+    for i, e in enumerate(jaxpr.eqns):
+        if i != traced.grad_index and any(a in on_param for a in _vars(e.invars)):
+            on_param.update(e.outvars)
+    grads = set(grad.outvars) | set(zeroed)
+    return label, {v for v in label if v not in on_param and v not in grads}

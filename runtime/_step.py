@@ -18,13 +18,12 @@ from jax.sharding import NamedSharding
 from autopp.core import (RECOMPUTE_POLICIES, batch_dependent_vars, check_gradient_not_split, constant_outputs,
                          eval_closed, eval_jaxpr_with, layer_checkpointed, reroll_scans, slice_jaxpr, stage_graphs,
                          twin_program, warn_unrecomputable)
-from autopp.profiler import optimizer_state_owners
 
 from autopp.runtime._meshes import StageMeshes
 from autopp.runtime._pipeline_config import (EXTREMES, PipelineConfig, concatenate_microbatches, extreme_identity,
                                              loops_slowly)
 from autopp.runtime._passes import zeros_program
-from autopp.runtime._placement import place_outer
+from autopp.runtime._placement import label_outer, place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
 from autopp.runtime._tensor import tensor_specs
 
@@ -221,46 +220,10 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
                                                              or traced.frozen_grad_inputs[invar_pos[v]])]
         for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
             tensor_spec[(g.index, invar_pos[v])] = spec_
-    label, opt_state = _label_outer(traced)
+    label, opt_state = label_outer(traced)
     return Step(traced=traced, forward=forward, split=split, meshes=meshes, config=config,
                 out_stage=tuple(out_stage), graphs=graphs, invar_pos=invar_pos, users=users, owner=owner,
                 tensor_spec=tensor_spec, label=label, opt_state=frozenset(opt_state), constants=constants)
-
-
-def _label_outer(traced) -> tuple[dict, set]:
-    """Which parameter each outer variable serves: the gradient equation's parameter inputs and gradients,
-    the optimizer state of each parameter, and what the update computes from them (same shape); and which of
-    them are optimizer state."""
-    grad, spec, jaxpr = traced.grad_eqn, traced.spec, traced.jaxpr.jaxpr
-    weights = [k for k, f in enumerate(traced.frozen_grad_inputs) if f or spec.diff_mask[k]]  # frozen ones too
-    label = {}
-    for k in weights:
-        a = grad.invars[k]
-        if not isinstance(a, Literal):
-            label[a] = k
-    outs = {1 + spec.num_aux + j: k for j, k in enumerate(spec.diff_indices)}
-    for pos, k in outs.items():
-        label[grad.outvars[pos]] = k
-    zeroed = dict(traced.zeroed_gradients)  # a frozen weight's gradient the step still reads, as zeros
-    label.update(zeroed)
-    for i, k in optimizer_state_owners(jaxpr, traced.grad_index, outs, traced.batch_mask, zeroed).items():
-        label.setdefault(jaxpr.invars[i], k)
-    for i, e in enumerate(jaxpr.eqns):
-        if i == traced.grad_index:
-            continue
-        for v in e.outvars:
-            src = [label[a] for a in _vars(e.invars) if a in label and a.aval.shape == v.aval.shape]
-            if src and v not in label:
-                label[v] = src[0]
-    # Optimizer state: labelled values that do not depend on a parameter itself (Adam's moments, and what an update
-    # split into phases hands between them, ``b1 * mu`` before a global norm is known; the new parameter reads the
-    # parameter). Under ZeRO-1 they are all sharded over data, so that a moment's buffer serves its next value.
-    on_param = {grad.invars[k] for k in weights if not isinstance(grad.invars[k], Literal)}
-    for i, e in enumerate(jaxpr.eqns):
-        if i != traced.grad_index and any(a in on_param for a in _vars(e.invars)):
-            on_param.update(e.outvars)
-    grads = set(grad.outvars) | set(zeroed)
-    return label, {v for v in label if v not in on_param and v not in grads}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -372,7 +335,7 @@ class StepBuilder:
 
     # -- outer programs -------------------------------------------------------------------------
     def outer_program(self, eqn_ids: list[int], loc: int, label: str, consumers_outside,
-                      last_reader=lambda v, ids: False) -> None:
+                      last_reader=lambda v, ids: False, dies_here=lambda v, ids, loc: False) -> None:
         outside = consumers_outside(set(eqn_ids))
         closed, ins, outs = slice_jaxpr(self.step.traced.jaxpr, eqn_ids, lambda v: v in outside, label)
         if not outs and not any(e.effects for e in closed.jaxpr.eqns):  # (a jax.debug.print runs for its effect)
@@ -384,9 +347,19 @@ class StepBuilder:
         # Donated step inputs (their placed slot, read by nothing after this program) are donated here: the update
         # writes the new parameters and optimizer state into the old ones' buffers.
         ids = set(eqn_ids)
-        donate = tuple(sorted({j for v, (kind, j) in zip(ins, values) if kind == "slot"
-                               and self.placed_input.get(self.invar_index.get(v)) == in_slots[j]
-                               and last_reader(v, ids)}))
+        donate = {j for v, (kind, j) in zip(ins, values) if kind == "slot"
+                  and self.placed_input.get(self.invar_index.get(v)) == in_slots[j] and last_reader(v, ids)}
+        # So are values an earlier phase made that only this program reads (Adam's b1 * mu before a global norm is
+        # known), where a result of their type is left to write into them.
+        slot_var = {j: v for v, (kind, j) in zip(ins, values) if kind == "slot"}
+        free = collections.Counter((o.aval.shape, o.aval.dtype) for o in outs)
+        free.subtract((slot_var[j].aval.shape, slot_var[j].aval.dtype) for j in donate)
+        for j, v in slot_var.items():
+            key = (v.aval.shape, v.aval.dtype)
+            if j not in donate and free[key] > 0 and self.avail.get((v, loc)) == in_slots[j] and dies_here(v, ids, loc):
+                donate.add(j)
+                free[key] -= 1
+        donate = tuple(sorted(donate))
         # Results (new parameters, optimizer state) take the state layout of their stage, as the step's inputs do,
         # so that the next step finds them at home.
         st = self.step
@@ -511,10 +484,18 @@ class StepBuilder:
             return all(i in ids or i == st.traced.grad_index or pl.region.get(i) == "pre"
                        or (pl.region.get(i) == "post" and phases[i] and max(phases[i]) < now) for i in users_of[v])
 
+        made_by = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+
+        def dies_here(v, ids, loc):
+            """Whether a value an earlier post phase made at ``loc`` is read by post-processing equations ``ids``
+            alone, each run at ``loc`` only (no other program or transfer reads it after them)."""
+            return (v not in self.invar_index and v not in step_outs and pl.region.get(made_by.get(v)) == "post"
+                    and all(i in ids and pl.eqn_locs.get(i) == frozenset({loc}) for i in users_of[v]))
+
         for key in sorted(post):
             ph, loc = key
             self.outer_program(sorted(post[key]), loc, f"post phase {ph} stage {loc}", consumers_outside,
-                               last_reader)
+                               last_reader, dies_here)
 
         # Outputs.
         outputs, output_slots = [], set()
