@@ -18,6 +18,7 @@ from autopp.core import (
     TracedStep,
     batch_dependent_vars,
     block_copies_met,
+    differentiable_vars,
     check_batch_divisible,
     mixing_by_output,
     mixing_summary,
@@ -207,8 +208,17 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             f"{num_microbatches}, adding them counts the ratio {num_microbatches} times, so neither loss_reduction "
             "gives plain jax.jit's loss and gradients, even when every microbatch holds as many counted tokens. For "
             "jit's values compute the ratio's count in the step too and pass it to the loss (sum(nll * w) / n_w with "
-            "n_w = w.sum() over the whole batch), then pass loss_reduction='sum'; loss_reduction='mean' averages the "
-            "microbatches' losses (gradient accumulation's meaning).")
+            "n_w = w.sum() over the whole batch), then pass loss_reduction='sum'. Where the ratio's denominator "
+            "depends on the parameters (a Dice over the whole batch), only num_microbatches=1 gives jit's values. "
+            "loss_reduction='mean' averages the microbatches' losses, their ratios averaged and that sum divided by "
+            f"{num_microbatches}.")
+    if kind == "ratio+sum" and num_microbatches > 1:  # (given "mean": as asked, and said)
+        warnings.warn(
+            f"{_WHO}: loss_reduction='mean' is given, and the loss adds a ratio of sums over its examples to a sum "
+            f"over them divided by a count the step computes: averaging the {num_microbatches} microbatches' losses "
+            f"divides that sum by {num_microbatches}, 1/{num_microbatches} of its part of plain jax.jit's loss and "
+            "gradients. For jit's values compute the ratio's count in the step too, then pass "
+            "loss_reduction='sum'.", stacklevel=user_stacklevel())
     undetermined = undetermined + [k for k in range(1, n_out) if kinds[k] in ("mixed", "ratio+sum")]  # (an aux:
     kinds = tuple(None if k in ("mixed", "ratio+sum") else k for k in kinds)  # said below; a loss averaged as asked:
     kind = "ratio" if kind == "ratio+sum" else kind  # gradient accumulation's)
@@ -235,9 +245,10 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
                 "the average of microbatch ratios (gradient accumulation's), pass loss_reduction='mean'. Where the "
                 "denominator depends on the parameters (a Dice loss over the whole batch), only num_microbatches=1 "
                 "gives jit's value." + (
-                    f" The loss also adds a mean over its examples to the ratio (at {user_line(beside[0][1])}): "
-                    "write that term over a count from the step too (x.sum() / n_examples, with n_examples = "
-                    "x.shape[0] in the step), then pass loss_reduction='sum'." if beside else ""),
+                    f" The loss also adds a mean over its examples to the ratio (at {user_line(beside[0][1])}): where "
+                    "the ratio's count can come from the step, write that term over a count from the step too "
+                    "(x.sum() / n_examples, with n_examples = x.shape[0] in the step), then pass "
+                    "loss_reduction='sum'." if beside else ""),
                 stacklevel=user_stacklevel())
         kind, ratio = None, True  # (averaged, as said: no refusal for reading a count from the step besides)
     elif kind in ("max", "min"):  # a loss that is a maximum over examples: its gradient is no combination of theirs
@@ -324,7 +335,13 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
              f"at {user_line(first[1]) or 'an equation of the loss'} it {first[0]}")
     function_of = first is not None and (first[0].startswith("applies ") and "a sum or mean over the" in first[0]
                                          or first[0].startswith("divides by a sum over the examples"))
-    fix = ("compute that sum or mean in the step and pass it to the loss (a count that normalises it: mask.sum() in "
+    operands = [] if first is None else first[1].invars[1:2] if first[0].startswith("divides by") else first[1].invars
+    on_params = differentiable_vars(forward.jaxpr, traced.spec.diff_mask) if operands else set()
+    fix = ("use num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch): that sum or "
+           "mean depends on the parameters (an RMSE, sqrt(mse.mean())), so no per-microbatch form has jit's value; "
+           "training on the mean itself (the MSE) needs none"
+           if any(not isinstance(a, jex_core.Literal) and a in on_params for a in operands) else
+           "compute that sum or mean in the step and pass it to the loss (a count that normalises it: mask.sum() in "
            "the step), or use num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch)")
     if 0 in undetermined and 0 not in reached and given is None and not whole:  # (mixing: said above)
         warnings.warn(

@@ -1147,3 +1147,17 @@ def test_a_ratio_beside_a_mean_is_told_both_terms_in_one_round():
                  lambda b: (b["x"].size, b["mask"].sum()))
     (p_jit, l_jit), (p_pp, l_pp) = _run(both, loss_reduction="sum")
     _assert_equal((p_jit, l_jit), (p_pp, l_pp))
+
+
+def test_a_function_of_a_mean_of_the_model_s_errors_is_told_one_microbatch():
+    """An RMSE, ``sqrt(mse.mean())`` (trial GRAPHT): the warning's fix was to compute that mean in the step, which a
+    mean of the model's errors cannot be. It names one microbatch, which gives jit's values."""
+    rmse = _step(lambda p, b: jnp.sqrt((_nll(p, b) ** 2).mean()))
+    with pytest.warns(UserWarning, match=r"use num_microbatches=1 .*depends on the parameters") as rec:
+        _run(rmse)
+    assert not any("compute that sum or mean in the step" in str(w.message) for w in rec)
+    params = _params(jax.random.key(0))
+    want = jax.jit(rmse)(params, TX.init(params), _batch(0))
+    got = autopp.parallelize(rmse, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(
+        params, TX.init(params), _batch(0))
+    _assert_equal((want[0], want[2]), (autopp.gather(got[0]), got[2]))
