@@ -17,7 +17,7 @@ from autopp.profiler._layer_stage import layer_graph
 __all__ = ["activation_bytes", "residual_bytes"]
 
 _MAX_RESIDUAL_CACHE = 512
-_residual_cache: dict[str, int] = {}
+_residual_cache: dict[str, tuple[int, int]] = {}
 
 
 _VIEWS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",

@@ -17,6 +17,9 @@ Locations are stage indices. The rules:
   else the first; their results travel. An equation that reads only a scalar of the anchored values (the
   penalty's cotangent broadcast to a weight's shape) is made where it is needed, and anchored equations weigh the
   weights' stages too, so a penalty's backward runs where its weights live.
+
+:func:`label_outer` says which parameter each value outside the pipeline serves, and which values are optimizer
+state: what decides their layout on the stage that holds them.
 """
 
 from __future__ import annotations
