@@ -334,7 +334,8 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
              "mean, such as its square root" if first is None else
              f"at {user_line(first[1]) or 'an equation of the loss'} it {first[0]}")
     function_of = first is not None and (first[0].startswith("applies ") and "a sum or mean over the" in first[0]
-                                         or first[0].startswith("divides by a sum over the examples"))
+                                         or first[0].startswith("divides by a sum over the examples")) and not (
+        parts and mixing_by_output(parts, forward).get(0))  # (a mean plus an MoE term: the advice below says that)
     operands = [] if first is None else first[1].invars[1:2] if first[0].startswith("divides by") else first[1].invars
     on_params = differentiable_vars(forward.jaxpr, traced.spec.diff_mask) if operands else set()
     fix = ("use num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch): that sum or "
