@@ -6,6 +6,9 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+import jax
+import numpy as np
+
 from autopp.core._compat import user_line
 from autopp.core._custom_vjp import backward_outputs
 from autopp.core._warn import user_stacklevel
@@ -140,3 +143,39 @@ def refuse_overwritten_by_gradient(traced: TracedStep, num_microbatches: int, wh
             "differs from plain jax.jit's transform of the whole batch's gradient. Use num_microbatches=1 for jit's "
             "values, or transform the gradient in the step (optax) rather than in the backward.",
             stacklevel=user_stacklevel())
+
+
+def refuse_leaves_without_rows(args: tuple, flat_with_paths, batch_mask, leaf_paths, batch_argnums, who: str) -> None:
+    """Refuse batch leaves that are no arrays with a leading batch dimension (a scalar, a PRNG key, a Python value),
+    naming them; where the batch is the step's last argument (the default), also the argument that looks like the
+    batch: its array leaves all share one leading dimension (diffusers' ``train_step(unet, text, opt, batch, rng)``)."""
+    bad = []
+    for (path, leaf), is_batch, name in zip(flat_with_paths, batch_mask, leaf_paths):
+        if is_batch and not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            bad.append(f"  {name}: {type(leaf).__name__} {leaf!r:.60}")
+        elif is_batch and np.ndim(leaf) == 0 and not isinstance(leaf, jax.ShapeDtypeStruct):
+            key = jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+            bad.append(f"  {name}: a {'PRNG key' if key else 'scalar'} has no batch dimension to split"
+                       + (" (a step that draws its examples from it: draw them before the step and pass them in as "
+                          "its batch)" if key else ""))
+    if not bad:
+        return
+    if len(bad) > 8:
+        bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
+    rows = {}  # argument -> the one leading dimension of its leaves, for arguments before the last
+    if tuple(batch_argnums) == (len(args) - 1,):
+        for i, a in enumerate(args[:-1]):
+            leaves = jax.tree_util.tree_leaves(a)
+            if leaves and all(np.ndim(x) >= 1 for x in leaves) and len({np.shape(x)[0] for x in leaves}) == 1:
+                rows[i] = np.shape(leaves[0])[0]
+    last = max(rows, default=None)
+    hint = (f" args[{len(args) - 1}] is the step's last argument, the batch when batch_argnums is not given; "
+            f"args[{last}] looks like the batch (its leaves all have {rows[last]} rows): pass batch_argnums={last}."
+            if last is not None else "")
+    raise TypeError(
+        f"{who}: every leaf of the batch argument(s) "
+        f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "
+        "array); these are not:\n" + "\n".join(bad) + "\nMove values that are not per example (a count over the "
+        "batch, a setting) to an argument of the step of their own, or set batch_argnums to the argument(s) "
+        "holding only the batch; a list of per-example values becomes an array with jnp.asarray(...)." + hint
+    )

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
+from autopp.core._batch_split import refuse_leaves_without_rows
 from autopp.core._constraints import drop_sharding_constraints
 from autopp.core._jaxpr import eqn_signature, eval_jaxpr_with, sink_parameter_work
 from autopp.core._batch_split import sparse_batch_leaves, sparse_refusal
@@ -283,25 +284,7 @@ def trace_step(step_fn: Callable, args: Sequence[Any], batch_argnums: tuple[int,
     flat_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
     leaf_paths = tuple(f"args[{p[0].idx}]" + _path_str(p[1:]) for p, _ in flat_with_paths)
     batch_mask = tuple(p[0].idx in batch_argnums for p, _ in flat_with_paths)
-    bad = []
-    for (path, leaf), is_batch, name in zip(flat_with_paths, batch_mask, leaf_paths):
-        if is_batch and not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-            bad.append(f"  {name}: {type(leaf).__name__} {leaf!r:.60}")
-        elif is_batch and np.ndim(leaf) == 0 and not isinstance(leaf, jax.ShapeDtypeStruct):
-            key = jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
-            bad.append(f"  {name}: a {'PRNG key' if key else 'scalar'} has no batch dimension to split"
-                       + (" (a step that draws its examples from it: draw them before the step and pass them in as "
-                          "its batch)" if key else ""))
-    if bad:
-        if len(bad) > 8:
-            bad = bad[:8] + [f"  ... and {len(bad) - 8} more"]
-        raise TypeError(
-            f"{who}: every leaf of the batch argument(s) "
-            f"{batch_argnums} must be an array with a leading batch dimension (jax.Array or numpy "
-            "array); these are not:\n" + "\n".join(bad) + "\nMove values that are not per example (a count over the "
-            "batch, a setting) to an argument of the step of their own, or set batch_argnums to the argument(s) "
-            "holding only the batch; a list of per-example values becomes an array with jnp.asarray(...)."
-        )
+    refuse_leaves_without_rows(args, flat_with_paths, batch_mask, leaf_paths, batch_argnums, who)
     abstract = [abstract_leaf(x) for _, x in flat_with_paths]
 
     def flat_step(*leaves):

@@ -868,3 +868,30 @@ def test_a_rollout_s_bootstrap_observation_in_the_batch_is_pointed_out_of_it():
     np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
     for x, y in zip(jax.tree.leaves(autopp.gather(got[0])), jax.tree.leaves(want[0])):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_a_key_last_in_the_step_s_arguments_names_the_argument_that_looks_like_the_batch():
+    """diffusers' ``train_step(unet, text, opt_state, batch, rng)`` (trial NOISE16): the default batch, the last
+    argument, is a key, and the refusal did not say it took the last argument, nor which one to name. It says both;
+    ``batch_argnums=3`` runs as jit."""
+    import optax
+
+    params = {"w": jnp.ones((8, 1)) * 0.1}
+    text = jnp.ones((5, 8))  # a frozen table, not the batch
+    batch = {"x": jnp.arange(128.0).reshape(16, 8) / 128, "y": jnp.ones((16, 1))}
+    tx = optax.sgd(0.1)
+
+    def step(p, txt, o, b, rng):
+        noise = jax.random.normal(rng, b["x"].shape) * 0.0
+        value, g = autopp.value_and_grad(lambda q, bb: jnp.mean((bb["x"] @ q["w"] + txt.sum() * 0 - bb["y"]) ** 2))(
+            p, {**b, "x": b["x"] + noise})
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, value
+
+    args = (params, text, tx.init(params), batch, jax.random.key(0))
+    with pytest.raises(TypeError, match=r"args\[4\] is the step's last argument.*args\[3\] looks like the batch \(its "
+                                        r"leaves all have 16 rows\): pass batch_argnums=3"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(*args)
+    want = jax.jit(step)(*args)
+    got = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2], batch_argnums=3)(*args)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
