@@ -49,13 +49,11 @@ def block_copies_met(jaxpr: jex_core.Jaxpr, batch_invars: Sequence[bool]) -> jex
         if name == "tile" and ins and (ins[0] in native or ins[0] in block) and e.params["reps"][0] > 1:
             block[out] = block.get(ins[0], _leading(ins[0]))
             continue
-        if name in ("reshape", "convert_element_type") and ins and _leading(ins[0]) == n and ins[0] in block:
-            block[out] = block[ins[0]]
-            continue
         if name == "dot_general" and ins and _leading(ins[0]) == n:  # (a layer applied to each row: x @ w)
             (lhs_contract, _), (lhs_batch, _) = e.params["dimension_numbers"]
-            if 0 not in lhs_contract and not lhs_batch and (ins[0] in block or ins[0] in native):
-                (block if ins[0] in block else native)[out] = (block if ins[0] in block else native)[ins[0]]
+            tags = block if ins[0] in block else native
+            if 0 not in lhs_contract and not lhs_batch and ins[0] in tags:
+                tags[out] = tags[ins[0]]
             continue
         if name in _ROW_WISE or (len(ins) == 1 and all(_leading(o) == n for o in e.outvars)):
             rows = [a for a in ins if _leading(a) == n]

@@ -17,10 +17,9 @@ from jax.extend import core as jex_core
 from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
-from autopp.core._batch_split import refuse_leaves_without_rows
 from autopp.core._constraints import drop_sharding_constraints
 from autopp.core._jaxpr import eqn_signature, eval_jaxpr_with, sink_parameter_work
-from autopp.core._batch_split import sparse_batch_leaves, sparse_refusal
+from autopp.core._batch_split import refuse_leaves_without_rows, sparse_batch_leaves, sparse_refusal
 from autopp.core._warn import concrete_value_error
 from autopp.core._zero_grads import freeze_zero_gradients
 from autopp.core._hoist import hoist_batch_independent_work, hoisted_like

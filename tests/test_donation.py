@@ -267,4 +267,5 @@ def test_an_update_in_phases_writes_its_state_into_the_values_handed_between_the
             want = jax.jit(step)(params, tx.init(params), batch)
             got = piped(jax.tree.map(jnp.copy, params), tx.init(params), batch)
             assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-5, atol=1e-6)
+    print(f"\n[update in phases] peak with clipping {peaks[True] / 2**20:.2f} MiB, without {peaks[False] / 2**20:.2f} MiB")
     assert peaks[True] <= peaks[False] + 1.05 * params["emb"].nbytes, peaks

@@ -198,6 +198,8 @@ def test_the_plan_holds_the_new_parameters_and_state_beside_the_caller_s(optimiz
     pipelined = autopp.parallelize(step, devices=jax.devices()[:1], donate_argnums=donate)
     plan = pipelined.plan_for(*args)
     (measured,) = pipelined.memory_report(*args).values()
+    print(f"\n[update copies] {optimizer}, donate_argnums={donate}: planned "
+          f"{plan.predicted.peak_memory_bytes_per_gpu / 2**20:.2f} MiB, XLA {measured / 2**20:.2f} MiB")
     assert plan.predicted.peak_memory_bytes_per_gpu == pytest.approx(measured, rel=0.05)
     copies = plan.predicted.update_copy_bytes
     assert (copies > 0) == (donate is None and optimizer != "sgd"), copies
@@ -248,4 +250,6 @@ def test_the_plan_holds_weights_the_loss_builds_from_factors(builder, num_device
     assert plan.num_stages == num_devices
     predicted = plan.predicted.peak_memory_bytes_per_gpu
     measured = max(pipelined.memory_report(*args).values())
+    print(f"\n[built weights] {builder}, {num_devices} stage(s): planned {predicted / 2**20:.3f} MiB, "
+          f"XLA {measured / 2**20:.3f} MiB")
     assert measured / 2 < predicted < 1.1 * measured, (predicted, measured)
