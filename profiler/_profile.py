@@ -193,6 +193,8 @@ class Profile:
         return self  # (frozen)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (what ``autopp profile --json`` prints): the totals, :attr:`update_copies`, the moved
+        work's totals (``None``: none) and each layer's costs; not the programs, which do not serialise."""
         return {
             "cluster": self.cluster.to_dict(),
             "time_model": self.time_model.to_dict(),
@@ -202,6 +204,11 @@ class Profile:
             "update_flops": self.update_flops,
             "param_bytes": self.param_bytes,
             "fingerprint": self.fingerprint,
+            "batch_size": self.batch_size,
+            "update_copies": list(self.update_copies),
+            "moved": None if self.moved is None else {
+                k: getattr(self.moved, k) for k in ("flops", "held_bytes", "transient_bytes", "param_bytes",
+                                                     "state_bytes", "input_bytes", "home_layer")},
             "layers": [l.to_dict() for l in self.layers],
         }
 
@@ -497,7 +504,8 @@ def profile(step_fn: Callable, *example_args, cluster: Cluster | str | None = No
         layers=tuple(out_layers), graph=graph, cluster=cluster, time_model=time_model,
         total_flops=forward_flops + backward_flops + update, forward_flops=forward_flops,
         backward_flops=backward_flops, update_flops=update,
-        param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx) + (moved.param_bytes if moved else 0),
+        param_bytes=sum(aval_bytes(fwd.invars[k].aval) for k in diff_idx
+                        if not moved or k not in moved.result_inputs) + (moved.param_bytes if moved else 0),
         fingerprint=traced.fingerprint,
         batch_size=_traced_batch_size(traced), programs={fp: src.program for fp, (src, _, _) in by_fp.items()},
         state_bytes=state, update_kernels=update_work, moved=moved, param_names=_param_names(traced),

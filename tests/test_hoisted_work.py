@@ -195,6 +195,26 @@ def test_the_plan_holds_what_the_moved_work_reads_once(case):
     assert predicted == pytest.approx(max(piped.memory_report(*args).values()), rel=0.15)
 
 
+def test_the_profile_s_json_carries_the_moved_work_and_the_update_s_copies():
+    """``Profile.to_dict`` (what ``autopp profile --json`` prints) left out the moved work and the update's copies, so
+    an exported profile of a hypernetwork showed none of its generator's 4 MiB, and an undonated Adam step none of
+    its new copies; its parameter bytes counted the generated weights as parameters too. Checked against the sizes by
+    hand: the parameters, the generator's weights, and Adam's new parameters and moments when nothing is donated."""
+    import json
+
+    step, args = _generator()
+    tx = optax.adam(1e-3)
+    args = (args[0], tx.init(args[0]), *args[2:])
+    step = _step(lambda p, _, b: _generator_loss(p, b), tx)
+    g_bytes = 4 * (16 * 256 + 256 * 64 * 64)
+    params = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
+    for donated, copies in ((None, [0.0, 0.0]), ((), [1.0, 1.0])):
+        d = json.loads(json.dumps(profile(step, *args, donated=donated).to_dict()))
+        assert d["moved"]["param_bytes"] >= g_bytes and d["moved"]["home_layer"] >= 0, d["moved"]
+        assert d["param_bytes"] == params, (d["param_bytes"], params)  # (not the generated weights again)
+        assert d["update_copies"] == pytest.approx(copies), d["update_copies"]
+
+
 def test_the_state_of_weights_only_moved_work_reads_is_counted_once():
     """A hypernetwork's generator under Adam: its moments were found for the generated weights (values the stage
     receives) and counted again at the generator's size times Adam's ratio, 417.01 MiB predicted for XLA's 12.16 MiB
