@@ -18,7 +18,8 @@ dimension, so neither packing nor unpacking moves data between devices.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,25 @@ class ResidualPacking:
             parts = [values[i].reshape(-1) if n == 1 else values[i].reshape(n, -1) for i in g]
             out.append(jnp.concatenate(parts, axis=0 if n == 1 else 1))
         return out + [values[i] for i in self.loose]
+
+    def update(self, buffers: Sequence, fn: Callable[[int, Any], Any]) -> list:
+        """The buffers with each value ``v`` at position ``i`` replaced by ``fn(i, v)``, a packed value's slice written
+        back into its buffer one at a time: XLA updates a donated buffer in place so, where concatenating the new
+        values holds a second pack beside each value's new copy (a gradient accumulator: 1.00 MiB of temporaries for
+        two 256 x 256 weights' accumulation, against 0.26 MiB). A packed value reaches ``fn`` as it lies in its buffer
+        (flat, or ``(rows, -1)``), and ``fn`` returns it so: a reshape between the slice and its update keeps XLA from
+        fusing the slice into the update, and the slice is copied out."""
+        out = []
+        for buf, g, n in zip(buffers, self.groups, self.rows):
+            at = 0
+            for i in g:
+                width = int(np.prod(self.avals[i].shape, dtype=np.int64)) // n
+                start, size = ((at,), (width,)) if n == 1 else ((0, at), (n, width))
+                new = fn(i, jax.lax.dynamic_slice(buf, start, size))
+                buf = jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+                at += width
+            out.append(buf)
+        return out + [fn(i, buf) for buf, i in zip(buffers[len(self.groups):], self.loose)]
 
     def unpack(self, buffers: Sequence) -> list:
         """The residuals from the buffers (inside the backward program)."""

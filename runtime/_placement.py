@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -231,6 +231,7 @@ def place_outer(
             phase[(i, loc)] = p
             for v in e.outvars:
                 ready[(v, loc)] = p
+    _delay_local_work(eqns, pre | {grad_index}, eqn_locs, phase)
     out_locs = []
     for a in jaxpr.outvars:
         if isinstance(a, Literal):
@@ -245,6 +246,33 @@ def place_outer(
     region = {i: ("pre" if i in pre else "post") for i in eqn_locs}
     return OuterPlacement(eqn_locs=eqn_locs, region=region, phase=phase, input_homes=input_homes,
                           out_locs=out_locs)
+
+
+def _delay_local_work(eqns, fixed: set[int], eqn_locs: Mapping[int, frozenset[int]],
+                      phase: dict[tuple[int, int], int]) -> None:
+    """Move post-processing work that only its own location reads, and that makes values no smaller than what it
+    reads, to the phase of its first reader (in place, in ``phase``). A phase hands its values to the next: an
+    update split by a global norm computed ``b1 * mu``, ``b2 * nu`` and AdamW's ``wd * p`` before the norm was known
+    and held them beside the state and parameters they came from until the next phase read them."""
+    users = collections.defaultdict(list)
+    for j, e in enumerate(eqns):
+        for v in _vars(e.invars):
+            users[v].append(j)
+    last = collections.defaultdict(int)  # per location, its last phase
+    for (_, loc), p in phase.items():
+        last[loc] = max(last[loc], p)
+    for i in range(len(eqns) - 1, -1, -1):
+        e = eqns[i]
+        locs = eqn_locs.get(i)
+        if i in fixed or not locs or e.effects or sum(aval_bytes(v.aval) for v in e.outvars) < max(
+                (aval_bytes(v.aval) for v in _vars(e.invars)), default=0):
+            continue
+        readers = [j for v in e.outvars for j in users[v]]
+        if any(j in fixed or not eqn_locs.get(j) or not eqn_locs[j] <= locs for j in readers):
+            continue  # (read elsewhere: it feeds a transfer, which its phase orders)
+        for loc in locs:
+            at = [phase[(j, loc)] for j in readers if (j, loc) in phase]
+            phase[(i, loc)] = max(phase[(i, loc)], min(at, default=last[loc]))
 
 
 _SUMMARIES = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
