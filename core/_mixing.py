@@ -11,11 +11,13 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
 from autopp.core._compat import user_line
 
-__all__ = ["CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
+__all__ = ["CALLBACK", "CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
            "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary", "JOINED", "TIME"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 CONTROL, SIZED, SIZE, JOINED, TIME = "control", "sized", "size", "joined", "time"
+CALLBACK = "callback"
+_CALLBACKS = frozenset({"pure_callback", "io_callback"})  # (what CALLBACK is said of)
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
 _MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
@@ -70,6 +72,11 @@ _MIXING_KINDS = {
             "microbatch's own examples. Combine the two parts apart, (nll(x).sum() + nll(replay).sum()) / n with n "
             "passed from the step, or a weighted mean of each part's mean: autopp adds the examples' part up over the "
             "microbatches and counts the other part once",
+    CALLBACK: "hands its examples together to a host callback (jax.pure_callback, io_callback), which autopp cannot "
+              "see into: each microbatch's call gets only its own examples. That gives jit's values where the "
+              "callback computes each example's result from that example alone; where it reads them together (ranks "
+              "or a scaler fitted on the rows it is given), compute its result in the step and pass it to the loss, "
+              "or use num_microbatches=1",
     DRAWS: "draws random numbers for its examples from a key that is not split with the batch, so every microbatch "
            "draws the same ones (a dropout mask, a diffusion model's noise)",
 }

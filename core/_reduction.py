@@ -32,10 +32,10 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
                                       indexes_the_batch)
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
-from autopp.core._mixing import (_GUARD, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE, _SHARE, _TEST, CONTROL,
-                                 DRAWS, note_choice, note_part, INDEXED, JOINED, PAIRS, POSITIONS, SIZE, SIZED, SPREAD,
-                                 TIME, decides_by_statistic, loop_bounds, loop_test, lost_reason, mixing_by_output,
-                                 mixing_summary, scaled_apart, settle_shares, share_rule, uses_size)
+from autopp.core._mixing import (_CALLBACKS, _GUARD, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE, _SHARE, _TEST,
+                                 CALLBACK, CONTROL, DRAWS, note_choice, note_part, INDEXED, JOINED, PAIRS, POSITIONS,
+                                 SIZE, SIZED, SPREAD, TIME, decides_by_statistic, loop_bounds, loop_test, lost_reason,
+                                 mixing_by_output, mixing_summary, scaled_apart, settle_shares, share_rule, uses_size)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
            "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
@@ -48,8 +48,7 @@ STRUCTURE = -1  # in output_reductions' undetermined list: the programs at the t
 _CARRY = frozenset({
     "neg", "convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy",
     "copy_p", "reduce_precision", "slice", "dynamic_slice", "gather", "rev", "real", "imag", "conj", "pjit_sharding",
-    "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min", "stop_gradient",
-})
+    "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min", "stop_gradient"})
 _ADD = frozenset({"add", "sub", "add_any"})
 _CASTS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
 _SAME = frozenset({"max", "min", "select_n", "concatenate", "stack", "clamp", "pad", "dynamic_update_slice"})
@@ -310,6 +309,8 @@ def _mixes(me, ins: list, out_axes: list) -> str | None:
         return DRAWS if any(out_axes) and not keyed else None
     if me.primitive.name in _ADD and any(out_axes) and scaled_apart(ins):
         return SIZED
+    if me.primitive.name in _CALLBACKS and any(out_axes) and any(ax for _, ax in dependent):
+        return CALLBACK
     if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
         return PAIRS
     if any(out_axes) and any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st, _ in dependent):
@@ -606,8 +607,7 @@ def _scan(we, me, ins, M):
     if outs[:ncar] != carry:  # a carry that accumulates over iterations: one more pass from the joined states
         _look_again(wb, mb, states[:nc], carry, outs[:ncar], states[nc + ncar:], M)
         carry = [_join(a, b) for a, b in zip(carry, outs[:ncar])]
-        outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts),
-                     states[:nc] + carry + states[nc + ncar:], M)
+        outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[:nc] + carry + states[nc + ncar:], M)
         if outs[:ncar] != carry:
             return [None] * len(me.outvars)
     if any(st is not None and st[2] and 0 in ax for st, ax in ins[nc + ncar:]):  # over the examples (chunks of
