@@ -8,16 +8,21 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES
+from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES, across_examples
 from autopp.core._compat import user_line
 
 __all__ = ["CALLBACK", "CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
-           "loop_bounds", "loop_test", "lost_reason", "mixing_by_output", "mixing_summary", "JOINED", "TIME"]
+           "loop_bounds", "loop_test", "lost_reason", "mixes", "mixing_by_output", "mixing_summary", "JOINED", "TIME"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 CONTROL, SIZED, SIZE, JOINED, TIME = "control", "sized", "size", "joined", "time"
 CALLBACK = "callback"
 _CALLBACKS = frozenset({"pure_callback", "io_callback"})  # (what CALLBACK is said of)
+_ADD = frozenset({"add", "sub", "add_any"})
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform", "random_gamma"})
+# operations that mix examples along an axis without adding them up into one value
+_MIX_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
+              "sort": "dimension", "argsort": "dimension", "top_k": "axis"}
 _RATIO = "ratio"  # the b of a sum over examples divided by another sum over them
 _MIXED = "mixed"  # the b of a sum over examples added to a mean over them (no count of microbatches combines them)
 _MAX, _MIN = "max", "min"  # the b of a maximum (minimum) over examples: the microbatches' maximum is the batch's
@@ -31,9 +36,11 @@ _MIXING_KINDS = {
             "the batch)",
     ORDER: "orders its examples (a sort, a top-k, a scan or a cumulative sum along the batch, a shifted slice of it, "
            "a window, a convolution or an FFT over neighbouring examples)",
-    TIME: "scans along the batch's first axis, carrying a state from row to row (a recurrence over the examples; "
-          "where that axis is time, a time-major [T, B, ...] batch, note that autopp splits axis 0 of every batch "
-          "leaf into microbatches: put the examples first, jnp.swapaxes(x, 0, 1), and scan over axis 1 in the loss)",
+    TIME: "scans along the batch's first axis, carrying a state from row to row (a recurrence over the examples: an "
+          "inner training loop over chunks of the batch runs fewer steps in each microbatch, for which use "
+          "num_microbatches=1; where that axis is time, a time-major [T, B, ...] batch, note that autopp splits axis "
+          "0 of every batch leaf into microbatches: put the examples first, jnp.swapaxes(x, 0, 1), and scan over "
+          "axis 1 in the loss)",
     POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
                "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
                "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
@@ -340,6 +347,45 @@ def _tests_each(eqn, env) -> bool:
 
 def _batched(wv, mv) -> bool:
     return getattr(wv.aval, "shape", ()) != getattr(mv.aval, "shape", ())
+
+
+def mixes(me, ins: list, out_axes: list, recurrence: bool = False) -> str | None:
+    """Whether an equation makes one example's value depend on other examples of the batch: it pairs examples (an
+    axis per example on both sides: in-batch similarities, pairwise distances), spreads a statistic over the batch's
+    examples back over them (batch normalisation, a softmax over the batch), or orders them (a sort or cumulative
+    sum along the batch), or draws numbers for each example from a key every microbatch reads whole.
+    ``recurrence``: the equation is a loop over chunks of the examples carrying a state that is no sum of them (an
+    inner training loop's weights: each microbatch runs fewer steps)."""
+    bounds = loop_bounds(me)  # (fori_loop(0, jnp.max(n), ...): a count compared, not spread)
+    dependent = [(st, ax) for k, (st, ax) in enumerate(ins) if st is not None and st[2] and k not in bounds]
+    if me.primitive.name in _RANDOM:  # (a gamma draw's shape parameters may come with the batch: its key decides)
+        keyed = dependent if me.primitive.name != "random_gamma" else [(st, ax) for st, ax in ins[:1]
+                                                                        if st is None or st[2]]
+        return DRAWS if any(out_axes) and not keyed else None
+    if me.primitive.name in _ADD and any(out_axes) and scaled_apart(ins):
+        return SIZED
+    if me.primitive.name in _CALLBACKS and any(out_axes) and any(ax for _, ax in dependent):
+        return CALLBACK
+    if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
+        return PAIRS
+    if any(out_axes) and any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st, _ in dependent):
+        return SPREAD
+    along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
+    if along is not None and any(along in ax for _, ax in dependent):
+        return ORDER
+    if me.primitive.name == "rev" and any(set(me.params["dimensions"]) & set(ax) for _, ax in dependent):
+        return ORDER  # the batch reversed (jnp.flip(e, 0): each example paired with another)
+    across = across_examples(me)  # the axes a window, a transform or a selection runs along
+    if across and ins and ins[0][0] is not None and ins[0][0][2] and set(across) & set(ins[0][1]):
+        return ORDER
+    if recurrence:  # (a carried state, not a sum, of a loop over chunks of the examples: _scan says which)
+        return TIME
+    if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
+        xs = ins[me.params["num_consts"] + me.params["num_carry"]:]  # giving a value per step (a sum carried over
+        ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
+        if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
+            return TIME
+    return None
 
 
 def lost_reason(eqn, states: list) -> str:

@@ -29,13 +29,12 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, across_examples, batch_parts, examples_blocks,
-                                      indexes_the_batch)
+from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES, batch_parts, examples_blocks, indexes_the_batch
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
-from autopp.core._mixing import (_CALLBACKS, _GUARD, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE, _SHARE, _TEST,
-                                 CALLBACK, CONTROL, DRAWS, note_choice, note_part, INDEXED, JOINED, PAIRS, POSITIONS,
-                                 SIZE, SIZED, SPREAD, TIME, decides_by_statistic, loop_bounds, loop_test, lost_reason,
-                                 mixing_by_output, mixing_summary, scaled_apart, settle_shares, share_rule, uses_size)
+from autopp.core._mixing import (_ADD, _GUARD, _MIX_ALONG, _RANDOM, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE,
+                                 _SHARE, _TEST, CONTROL, DRAWS, note_choice, note_part, INDEXED, JOINED, PAIRS,
+                                 POSITIONS, SIZE, SIZED, SPREAD, decides_by_statistic, loop_test, lost_reason,
+                                 mixing_by_output, mixes, mixing_summary, settle_shares, share_rule, uses_size)
 
 __all__ = ["CONTROL", "DRAWS", "FIRST", "INDEXED", "ORDER", "PAIRS", "PARTS", "POSITIONS", "SIZE", "SIZED",
            "SPREAD", "STRIDES", "STRUCTURE", "mixing_by_output", "mixing_summary", "output_reductions"]
@@ -49,12 +48,8 @@ _CARRY = frozenset({
     "neg", "convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy",
     "copy_p", "reduce_precision", "slice", "dynamic_slice", "gather", "rev", "real", "imag", "conj", "pjit_sharding",
     "sharding_constraint", "mesh_cast", "optimization_barrier", "abs", "reduce_max", "reduce_min", "stop_gradient"})
-_ADD = frozenset({"add", "sub", "add_any"})
 _CASTS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
 _SAME = frozenset({"max", "min", "select_n", "concatenate", "stack", "clamp", "pad", "dynamic_update_slice"})
-# operations that mix examples along an axis without adding them up into one value
-_MIX_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
-              "sort": "dimension", "argsort": "dimension", "top_k": "axis"}
 _ORDERED_REDUCE = frozenset({"reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod", "reduce_and",
                              "reduce_or", "reduce_xor"})
 _LIN = frozenset({"dot_general"})
@@ -181,7 +176,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             by_position = _by_position(we, me, ins, out_axes, positions, _MIXING.top)  # (followed whatever else)
             why = (batch_parts(we, me, ins, out_axes, segments, getattr(_MIXING, "microbatches", None))
                    or (CONTROL if decides_by_statistic(we, me, ins, firsts) else None)
-                   or _mixes(me, ins, out_axes) or by_position
+                   or mixes(me, ins, out_axes, _MIXING.__dict__.pop("recurrence", None) is me)
+                   or by_position
                    or (SPREAD if any(out_axes) and any((env[a][0] is None or env[a][0][1] == _TEST)
                                                        and not env[a][1] and a not in firsts
                                                        for a in read_batch) else None)  # (x * tanh(x.mean(0)))
@@ -293,42 +289,6 @@ def _scalar_value(a, positions: dict):
 
 _MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
 # how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
-_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform", "random_gamma"})
-
-
-def _mixes(me, ins: list, out_axes: list) -> str | None:
-    """Whether an equation makes one example's value depend on other examples of the batch: it pairs examples (an
-    axis per example on both sides: in-batch similarities, pairwise distances), spreads a statistic over the batch's
-    examples back over them (batch normalisation, a softmax over the batch), or orders them (a sort or cumulative
-    sum along the batch), or draws numbers for each example from a key every microbatch reads whole."""
-    bounds = loop_bounds(me)  # (fori_loop(0, jnp.max(n), ...): a count compared, not spread)
-    dependent = [(st, ax) for k, (st, ax) in enumerate(ins) if st is not None and st[2] and k not in bounds]
-    if me.primitive.name in _RANDOM:  # (a gamma draw's shape parameters may come with the batch: its key decides)
-        keyed = dependent if me.primitive.name != "random_gamma" else [(st, ax) for st, ax in ins[:1]
-                                                                        if st is None or st[2]]
-        return DRAWS if any(out_axes) and not keyed else None
-    if me.primitive.name in _ADD and any(out_axes) and scaled_apart(ins):
-        return SIZED
-    if me.primitive.name in _CALLBACKS and any(out_axes) and any(ax for _, ax in dependent):
-        return CALLBACK
-    if any(len(ax) >= 2 for ax in out_axes) and dependent and all(len(ax) < 2 for _, ax in ins):
-        return PAIRS
-    if any(out_axes) and any(isinstance(st[0], (int, Fraction)) and st[0] > 0 for st, _ in dependent):
-        return SPREAD
-    along = me.params.get(_MIX_ALONG.get(me.primitive.name, ""), None)
-    if along is not None and any(along in ax for _, ax in dependent):
-        return ORDER
-    if me.primitive.name == "rev" and any(set(me.params["dimensions"]) & set(ax) for _, ax in dependent):
-        return ORDER  # the batch reversed (jnp.flip(e, 0): each example paired with another)
-    across = across_examples(me)  # the axes a window, a transform or a selection runs along
-    if across and ins and ins[0][0] is not None and ins[0][0][2] and set(across) & set(ins[0][1]):
-        return ORDER
-    if me.primitive.name == "scan" and me.params["num_carry"]:  # a recurrence along the batch axis (time-major data)
-        xs = ins[me.params["num_consts"] + me.params["num_carry"]:]  # giving a value per step (a sum carried over
-        ys = out_axes[me.params["num_carry"]:]  # chunks of the examples is a sum, not an order)
-        if any(st is not None and st[2] and 0 in ax for st, ax in xs) and any(0 in ax for ax in ys):
-            return TIME
-    return None
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:
@@ -603,15 +563,16 @@ def _scan(we, me, ins, M):
     wb, mb = we.params["jaxpr"], me.params["jaxpr"]
     states = [st for st, _ in ins]
     carry = states[nc:nc + ncar]
+    over_examples = any(st is not None and st[2] and 0 in ax for st, ax in ins[nc + ncar:])  # (chunks of tokens)
     outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states, M)
     if outs[:ncar] != carry:  # a carry that accumulates over iterations: one more pass from the joined states
         _look_again(wb, mb, states[:nc], carry, outs[:ncar], states[nc + ncar:], M)
         carry = [_join(a, b) for a, b in zip(carry, outs[:ncar])]
         outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[:nc] + carry + states[nc + ncar:], M)
         if outs[:ncar] != carry:
-            return [None] * len(me.outvars)
-    if any(st is not None and st[2] and 0 in ax for st, ax in ins[nc + ncar:]):  # over the examples (chunks of
-        body = mb.jaxpr  # tokens): a carry each iteration adds to sums them up
+            outs = [None] * len(me.outvars)
+    if over_examples:  # a carry each iteration adds to sums the examples up; one it changes otherwise (an inner
+        body = mb.jaxpr  # training loop's weights) is a recurrence over them, each microbatch running fewer steps
         made = {v: e for e in body.eqns for v in e.outvars}
         outs = list(outs)
 
@@ -622,8 +583,12 @@ def _scan(we, me, ins, M):
             return v
 
         for k in range(ncar):
-            if _adds_to(made, body.outvars[k], body.invars[nc + k], source) and outs[k] is not None and outs[k][0] == 0:
-                outs[k] = (1, outs[k][1], True)
+            if _adds_to(made, body.outvars[k], body.invars[nc + k], source):
+                if outs[k] is not None and outs[k][0] == 0:
+                    outs[k] = (1, outs[k][1], True)
+            elif ((outs[k] is None or outs[k][2] and outs[k][1] not in (_MAX, _MIN)) and body.outvars[k] is not
+                  body.invars[nc + k] and we.outvars[k].aval.shape == me.outvars[k].aval.shape):
+                _MIXING.recurrence = me
     return outs
 
 

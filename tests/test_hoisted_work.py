@@ -462,7 +462,8 @@ def test_per_layer_work_runs_on_the_stage_that_reads_it():
     """Per-layer Cayley weights, each solved from the layer's own parameters alone (trial HOIST): all the solves ran
     on the first stage, which then held every layer's work (8 layers on 4 stages: peaks {826, 178, 166, 148} KB
     against {202, 178, 166, 148} KB with plain weights). Each layer's solve runs on the stage that reads its weight:
-    every stage's peak within 2x of the plain model's, and the step equals jit."""
+    the first stage holds no more of them than the others (since the accumulators add in place: {77, 69, 66, 67} KB
+    against {44, 36, 33, 29} KB), and the step equals jit."""
     d, layers = 32, 8
     ks = jax.random.split(jax.random.key(0), layers + 3)
     params = {"layers": [jax.random.normal(k, (d, d)) / d ** 0.5 for k in ks[:layers]],
@@ -481,7 +482,8 @@ def test_per_layer_work_runs_on_the_stage_that_reads_it():
     args = (params, optax.sgd(0.1).init(params), jnp.zeros(()), batch)
     peaks = {cayley: autopp.parallelize(_step(loss_with(cayley), optax.sgd(0.1)), num_stages=4, num_microbatches=4,
                                         devices=jax.devices()[:4]).memory_report(*args) for cayley in (False, True)}
-    assert all(peaks[True][k] <= 2 * peaks[False][k] for k in peaks[True]), peaks
+    excess = {k: peaks[True][k] - peaks[False][k] for k in peaks[True]}  # (each stage's own solves: about equal)
+    assert excess[0] <= 1.5 * max(excess[k] for k in excess if k != 0), peaks
     _equal_to_jit(_step(loss_with(True), optax.sgd(0.1)), params, jnp.zeros(()), batch, atol=5e-7, num_stages=4,
                   num_microbatches=4, devices=jax.devices()[:4])
 
