@@ -14,6 +14,7 @@ collectives across processes on CPU (``jax.experimental.multihost_utils``, a ``j
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -28,6 +29,7 @@ from autopp.core import distributed_client
 _HEARTBEAT_PREFIX = "autopp/heartbeat/"
 _DONE_PREFIX = "autopp/done/"
 _FAILED_PREFIX = "autopp/failed/"
+_GATHER_PREFIX = "autopp/gathering/"  # per process inside gather: the steps it started (else empty)
 DEFAULT_FAILURE_TIMEOUT_S = 20.0
 """A peer silent for this long is declared lost (override: ``failure_timeout_s`` or $AUTOPP_FAILURE_TIMEOUT)."""
 CPU_COLLECTIVES = (None, "gloo", "mpi")
@@ -165,6 +167,7 @@ def _start_watchdog(timeout_s: float) -> None:
 
     from autopp.runtime import steps_started
     short: dict[int, float] = {}  # finished peer that started fewer steps than this process -> when first seen
+    stuck: dict[str, float] = {}  # what is wrong about a gather -> when first seen
 
     def beat() -> None:
         count = 0
@@ -174,6 +177,7 @@ def _start_watchdog(timeout_s: float) -> None:
                 client.key_value_set(f"{_HEARTBEAT_PREFIX}{me}", str(count), allow_overwrite=True)
                 beats = dict(client.key_value_dir_get(_HEARTBEAT_PREFIX))
                 done, failed = processes(_DONE_PREFIX), processes(_FAILED_PREFIX) - {me}
+                gathering = dict(client.key_value_dir_get(_GATHER_PREFIX))
             except Exception:  # noqa: BLE001 - the coordinator is unreachable; the monitor reports it
                 stop.wait(interval)
                 continue
@@ -190,6 +194,13 @@ def _start_watchdog(timeout_s: float) -> None:
                         _lost(f"process {p} of {n} ended after {theirs} step(s), but process {me} is in step {mine}, "
                               "which needs it; every process must run the same steps (the same loop over the same "
                               f"inputs). Stopping process {me}.")
+            wrong = _gather_mismatches(me, done - {me}, gathering, steps_started())
+            for key in set(stuck) - set(wrong):  # (resolved: a peer that was slow to reach the gather)
+                del stuck[key]
+            for why in wrong:
+                stuck.setdefault(why, now)
+                if now - stuck[why] > timeout_s and not stop.is_set():  # (a gather never ends without its peers)
+                    _lost(f"{why}. Stopping process {me}.")
             if failed and not stop.is_set():
                 _lost(f"process {min(failed)} of {n} stopped with an error (its traceback is in its output); "
                       f"stopping process {me}.")
@@ -268,6 +279,84 @@ def _start_watchdog(timeout_s: float) -> None:
     atexit.register(finish)
     sys.excepthook = excepthook
     _state["stop_watchdog"] = finish
+    _state["failure_timeout_s"] = timeout_s
+
+
+def _gather_mismatches(me: int, done: set[int], gathering: dict[str, str], mine: int) -> list[str]:
+    """What keeps a gather from ending, as this process sees it: ``done``, the peers that ended; ``gathering``, the
+    store's entries of :func:`_gathering` (per process: its gathers, the steps it started, whether it is inside one);
+    ``mine``: the steps this process started. A peer that gathers after fewer steps than this process runs (a data
+    loader that ran out on one process), or one that ended while this process gathers (a gather called on process 0
+    alone)."""
+    inside = {p: steps for p, (_, steps, now) in _gather_entries(gathering).items() if now}
+    wrong = []
+    for p, theirs in sorted(inside.items()):
+        if p != me and me not in inside and theirs < mine:
+            wrong.append(f"process {p} called autopp.distributed.gather after {theirs} step(s), but process {me} is "
+                         f"in step {mine}, which needs it; every process must run the same steps before gathering")
+    if me in inside:
+        for p in sorted(done - set(inside)):
+            wrong.append(f"process {me} is in autopp.distributed.gather, but process {p} ended without calling it; "
+                         "gather is a collective: every process calls it with the same values in the same order "
+                         "(not only the one that saves)")
+    return wrong
+
+
+def _gather_entries(gathering: dict[str, str]) -> dict[int, tuple[int, int, bool]]:
+    out = {}
+    for k, v in gathering.items():
+        parts = v.split(":")
+        if len(parts) == 3 and all(x.isdigit() for x in parts):
+            out[int(k.rsplit("/", 1)[1])] = (int(parts[0]), int(parts[1]), parts[2] == "1")
+    return out
+
+
+@contextlib.contextmanager
+def _gathering():
+    """Around :func:`gather`: tells the peers, through the store, that this process is in its gather number ``k``
+    after how many steps, and waits until every peer has reached gather ``k`` (for ``failure_timeout_s``), so that
+    a gather its peers do not make raises, naming them, instead of pairing its transfers with a step's."""
+    client = _client() if _state.get("stop_watchdog") is not None and not _state.get("gathering") else None
+    if client is None:
+        yield
+        return
+    from autopp.runtime import steps_started
+
+    me, n, steps = jax.process_index(), jax.process_count(), steps_started()
+    count = _state["gathers"] = _state.get("gathers", 0) + 1
+    key = f"{_GATHER_PREFIX}{me}"
+    _state["gathering"] = True
+    client.key_value_set(key, f"{count}:{steps}:1", allow_overwrite=True)
+    try:
+        wait_s = 2 * _state["failure_timeout_s"]  # (the watchdog names a mismatch it sees after one)
+        deadline = time.monotonic() + wait_s
+        while True:
+            entries = _gather_entries(dict(client.key_value_dir_get(_GATHER_PREFIX)))
+            behind = [p for p in range(n) if p != me and entries.get(p, (0, 0, False))[0] < count]
+            if not behind:
+                break
+            if time.monotonic() > deadline:
+                done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(_DONE_PREFIX)}
+                raise RuntimeError(
+                    f"autopp.distributed.gather: process(es) {', '.join(map(str, behind))} of {n} did not call "
+                    f"gather number {count} within {wait_s:g} s "
+                    f"({'it ended' if set(behind) <= done else 'still running'}); process {me} called it after "
+                    f"{steps} step(s). gather is a collective: every process calls it with the same values in the "
+                    "same order, after the same steps (not only the one that saves).")
+            time.sleep(0.02)
+        late = {p: e[1] for p, e in entries.items() if p != me and e[0] == count and e[1] != steps}
+        if late:
+            raise RuntimeError(
+                f"autopp.distributed.gather: process {me} called gather number {count} after {steps} step(s), but "
+                + ", ".join(f"process {p} after {s}" for p, s in sorted(late.items()))
+                + "; every process must run the same steps before gathering.")
+        yield
+    finally:
+        _state["gathering"] = False
+        try:
+            client.key_value_set(key, f"{count}:{steps}:0", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the coordinator is gone; the watchdog reports it
+            pass
 
 
 def shutdown() -> None:
@@ -290,13 +379,20 @@ def gather(x):
     it with the same output, in the same order, as for any collective. An output held by one process travels by
     cross-process ``jax.device_put`` (no collective); one whose every process holds a whole copy (a replicated
     counter, such as Adam's step count) is read locally; one split over several processes needs JAX's
-    ``process_allgather`` (``initialize(cpu_collectives="gloo")`` on CPU).
+    ``process_allgather`` (``initialize(cpu_collectives="gloo")`` on CPU). A process that gathers after fewer steps
+    than its peers run, or while a peer has ended without gathering, is stopped by the watchdog within
+    ``failure_timeout_s``, naming the mismatch (instead of waiting for ever).
     """
+    with _gathering():
+        return _gather(x)
+
+
+def _gather(x):
     import numpy as np
 
     leaves, tree = jax.tree_util.tree_flatten(x)
     if tree.num_leaves != 1 or tree.num_nodes != 1:
-        return jax.tree_util.tree_unflatten(tree, [gather(leaf) for leaf in leaves])
+        return jax.tree_util.tree_unflatten(tree, [_gather(leaf) for leaf in leaves])
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
         x = jax.random.key_data(x)  # a typed PRNG key: its raw data (NumPy has no key dtype)
     if not isinstance(x, jax.Array) or jax.process_count() == 1:

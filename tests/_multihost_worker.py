@@ -4,7 +4,8 @@
 GPT for :data:`STEPS` steps and writes ``OUT_DIR/<plan>.<process>.npz`` (losses as seen here, and the parameters
 this process holds, by leaf path). Plan ``die`` runs one step of a 2-stage plan, then process 1 kills itself and
 the others try another step (which can never finish); ``raise0`` / ``raise1``: process 0 / 1 raises instead;
-``fewer``: process 1 runs one step fewer and ends normally; ``batchdiff``: process 1 passes another batch.
+``fewer``: process 1 runs one step fewer and ends normally; ``fewergather``: the same, then every process gathers the
+parameters; ``gather0``: only process 0 gathers them; ``batchdiff``: process 1 passes another batch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def plan_kwargs(name: str, devices) -> dict:
                     devices=[list(devices[0:2]), [devices[2]], list(devices[4:6]), [devices[6]]])
     if name == "auto":  # planned: stages within processes, process 0's plan on every process
         return dict(devices=list(devices))
-    if name in ("die", "raise0", "raise1", "fewer", "batchdiff"):
+    if name in ("die", "raise0", "raise1", "fewer", "fewergather", "gather0", "batchdiff"):
         return dict(num_stages=2, num_microbatches=2, schedule="1f1b", devices=list(devices))
     raise ValueError(f"unknown plan {name!r}")
 
@@ -114,7 +115,7 @@ def run(name: str, out_dir: str) -> None:
     if name == "batchdiff" and me == 1:  # another batch on process 1: refused on the first step
         batch = jax.tree.map(lambda x: (x + 1) % 16, batch)
     losses = []
-    for i in range(STEPS - (name == "fewer" and me == 1)):
+    for i in range(STEPS - (name in ("fewer", "fewergather") and me == 1)):
         *state, loss = step(*state, batch)
         losses.append(float(loss))  # scalar outputs are on every process
         if name == "die" and i == 0:
@@ -123,6 +124,8 @@ def run(name: str, out_dir: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         if name.startswith("raise") and i == 0 and me == int(name[-1]):
             raise RuntimeError(f"process {me} raised on purpose")
+    if name == "fewergather" or name == "gather0" and me == 0:
+        autopp.distributed.gather(state[0])
     held = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state[0])[0]:
         if leaf.addressable_shards:

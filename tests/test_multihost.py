@@ -206,6 +206,21 @@ def test_a_process_that_ends_steps_early_stops_the_others(tmp_path):
             f"{worker_plans.STEPS}") in text, text[-3000:]
 
 
+@pytest.mark.parametrize("plan", ["fewergather", "gather0"])
+def test_a_gather_its_peers_never_reach_stops_the_run(tmp_path, plan):
+    """A gather its peers never reach waited for ever (trial MHOST): process 1 gathering after one step fewer than
+    process 0 runs, or process 0 gathering alone (the "save from rank 0" habit), while process 1 ends. Process 0
+    now stops within the bound, naming the mismatch."""
+    with _two_workers(tmp_path, plan) as procs:
+        code = procs[0].wait(timeout=240)
+        text = procs[0].stdout.read()
+    assert code == autopp.distributed.LOST_PROCESS_EXIT_CODE, text[-3000:]
+    said = (f"process 1 called autopp.distributed.gather after {worker_plans.STEPS - 1} step(s), but process 0 is in "
+            f"step {worker_plans.STEPS}" if plan == "fewergather" else
+            "process 0 is in autopp.distributed.gather, but process 1 ended without calling it")
+    assert said in text, text[-3000:]
+
+
 @pytest.mark.parametrize("raiser", [0, 1])
 def test_an_error_in_one_process_stops_the_run_at_once(tmp_path, raiser):
     """A process that raises prints its traceback and exits with status 1 without waiting for its peers (nor in
