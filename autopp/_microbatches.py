@@ -157,7 +157,16 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "x.shape[0] or a count computed in the step), then pass loss_reduction='sum'.")
     beside = [e for e in mixing_by_output(parts, forward).get(0, []) if e[0] == "beside a mean"] if parts else []
     parts = [e for e in parts if e[0] in ("mean", "sum")]
-    if STRUCTURE in undetermined:
+    fixed = _fixed_batch_reshapes(forward.jaxpr, batch_size(traced), factor) if STRUCTURE in undetermined else []
+    if fixed:
+        e = fixed[0]
+        warnings.warn(
+            f"{_WHO}: at {user_line(e) or 'an equation of the loss'} the loss reshapes a value of "
+            f"{e.invars[0].aval.shape[0]} examples (a microbatch's) to {tuple(e.params['new_sizes'])}: the whole "
+            f"batch's size, {batch_size(traced)}, is written as a number, so each microbatch's values are regrouped "
+            "across its examples and the loss and gradients differ from plain jax.jit's. Take the size from the "
+            "array (x.reshape(x.shape[0], -1)).", stacklevel=user_stacklevel())
+    elif STRUCTURE in undetermined:
         warnings.warn(
             f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it"
             + (f" (compared there: each of the {num_microbatches} microbatches holds one example)"
@@ -379,6 +388,22 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     # interleave its microbatches' values as the whole batch's are ([chosen; rejected], time-major rows)
     kinds = tuple(blocks.get(k, kd) if k and kd is None else kd for k, kd in enumerate(kinds))
     return reduction, kinds
+
+
+def _fixed_batch_reshapes(jaxpr: jex_core.Jaxpr, whole: int, factor: int) -> list:
+    """The reshapes in the loss at microbatch size (``jaxpr``, inner programs included) of a value whose leading
+    axis is a microbatch's ``whole // factor`` examples to a shape whose leading axis is the whole batch's ``whole``:
+    a batch size written as a number (``g.reshape(BATCH_SIZE, -1)``)."""
+    found = []
+    for e in jaxpr.eqns:
+        if (e.primitive.name == "reshape" and whole != whole // factor and getattr(e.invars[0].aval, "shape", ())[:1]
+                == (whole // factor,) and tuple(e.params["new_sizes"])[:1] == (whole,)):
+            found.append(e)
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(sub, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+                    found += _fixed_batch_reshapes(getattr(sub, "jaxpr", sub), whole, factor)
+    return found
 
 
 def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,
