@@ -187,7 +187,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "then compute over the whole batch, as jit does), or compute such values (statistics, random draws) in "
             "the step, outside the loss, and pass them in: a value without the batch's leading length reaches every "
             "microbatch whole, while one with it (negatives or a cache computed from the batch's examples) is split "
-            "with the batch, so pairs across the whole batch need num_microbatches=1.", stacklevel=user_stacklevel())
+            "with the batch, so pairs across the whole batch need num_microbatches=1. A value passed in is not "
+            "differentiated: one computed from the parameters (prototypes as means of embedded examples) keeps its "
+            "gradient only with num_microbatches=1.", stacklevel=user_stacklevel())
     in_loss = set(map(id, reached.get(0, [])))
     aux_mixed = sorted(k for k in reached if k > 0 and not set(map(id, reached[k])) <= in_loss)
     if aux_mixed:  # mixing that only aux values see: the loss and gradients are jit's

@@ -102,8 +102,9 @@ def _warn_fsdp_whole(meshes: StageMeshes) -> None:
         names = ", ".join(f"{name} {list(shape)}" for name, shape in list(whole.items())[:8])
         more = f" and {len(whole) - 8} more" if len(whole) > 8 else ""
         warnings.warn(
-            f"autopp: fsdp={n} on stage {loc} leaves {len(whole)} parameter(s) whole on each of its devices (with "
-            f"their gradients and optimizer state), since no dimension of theirs is divisible by {n}: {names}{more}. "
+            f"autopp: fsdp={n} on stage {loc} leaves {len(whole)} of the values it would split whole on each of its "
+            f"devices (a trained parameter with its gradient and optimizer state, a frozen input or a value the step "
+            f"computes alone), since no dimension of theirs is divisible by {n}: {names}{more}. "
             f"Use sizes divisible by {n}, or a smaller fsdp degree that divides them.", stacklevel=3)
 
 
