@@ -383,7 +383,11 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "show whether it is a mean or a sum over its examples. Every microbatch's loss reads the step's value: "
             "when that value normalises the loss (sum(nll * mask) / mask.sum() over the whole batch), the step's loss "
             "is the sum of the microbatch losses, so pass loss_reduction=\"sum\"; when the loss averages its "
-            "examples anyway (a temperature, a key), pass loss_reduction=\"mean\"."
+            "examples anyway (a temperature, a key, weights moved by a gradient over the whole batch), pass "
+            "loss_reduction=\"mean\"."
+            + (f" Here the reduction cannot be read because the loss {mixing_summary(reached[0])} (the warning above): "
+               "loss_reduction=\"mean\" keeps that warning's meaning (gradient accumulation's); num_microbatches=1 "
+               "gives jit's values." if 0 in reached else "")
             + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
                "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
     # a per-example aux whose leading axis holds several blocks of the examples: the block count, for the runtime to

@@ -1369,3 +1369,34 @@ def test_a_batch_size_written_as_a_number_in_a_reshape_is_named():
     want, got, texts = _both(_step(loss_with(lambda h: h.shape[0])), _batch())
     assert not texts, texts
     _assert_equal((got[0], got[2]), (want[0], want[2]))
+
+
+def test_a_refusal_for_whole_batch_values_names_the_statistic_that_hides_the_reduction():
+    """A DCGAN-style step (trial GAN): the discriminator moved by ``jax.grad`` over the whole batch in the step, then
+    the generator's gradient through a loss that normalises by the batch's statistics. The refusal named only the
+    moved weights ("e.g. a token count"); it now says that the statistic hides the reduction, with the choices:
+    ``"mean"`` runs with the statistic's warning, ``num_microbatches=1`` gives jit's values."""
+    def step(params, opt_state, batch):
+        x, y = batch
+        s = params["wo"][:3, 0]  # (the discriminator: a few weights)
+        d = s - 0.1 * jax.grad(lambda s: jnp.mean((x @ params["w1"][:, :3] @ s - y[:, 0]) ** 2))(s)
+
+        def loss(p, b):
+            h = jnp.tanh(b[0] @ p["w0"])
+            h = (h - h.mean(0)) / (h.std(0) + 1e-3)  # batch normalisation
+            return jnp.mean((jnp.tanh(h @ p["w1"])[:, :3] @ d - b[1][:, 0]) ** 2)
+
+        value, grads = autopp.value_and_grad(loss)(params, batch)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    with pytest.raises(ValueError, match=r"(?s)whole batch.*Here the reduction cannot be read because the loss spreads "
+                                         r"a statistic.*num_microbatches=1 gives jit's values"):
+        _both(step, _batch())
+    _, _, texts = _both(step, _batch(), loss_reduction="mean")
+    assert any("spreads a statistic" in t for t in texts), texts
+    params = _params()
+    one = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(
+        params, TX.init(params), _batch())
+    want = jax.jit(step)(params, TX.init(params), _batch())
+    _assert_equal((autopp.gather(one[0]), one[2]), (want[0], want[2]), tol=1e-5)
