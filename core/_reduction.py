@@ -571,39 +571,73 @@ def _scan(we, me, ins, M):
         outs = _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), states[:nc] + carry + states[nc + ncar:], M)
         if outs[:ncar] != carry:
             outs = [None] * len(me.outvars)
-    if over_examples:  # a carry each iteration adds to sums the examples up; one it changes otherwise (an inner
-        body = mb.jaxpr  # training loop's weights) is a recurrence over them, each microbatch running fewer steps
-        made = {v: e for e in body.eqns for v in e.outvars}
+    if over_examples:  # a carry each iteration adds to sums the examples up (a constant: counts them); one it changes
+        body = mb.jaxpr  # otherwise (an inner training loop's weights) is a recurrence over them, each microbatch
+        made = {v: e for e in body.eqns for v in e.outvars}  # running fewer steps
         outs = list(outs)
-
-        def source(v):  # through casts (a weakly typed zero's carry is cast to the sum's type)
-            while (not isinstance(v, jex_core.Literal) and v in made
-                   and made[v].primitive.name in ("convert_element_type", "copy", "copy_p")):
-                v = made[v].invars[0]
-            return v
-
+        data = {v for v, (st, _) in zip(body.invars, ins) if st is None or st[2]}
         for k in range(ncar):
-            if _adds_to(made, body.outvars[k], body.invars[nc + k], source):
+            carried, out = body.invars[nc + k], body.outvars[k]
+            added = _added_to(made, out, carried)
+            if added is not None:
                 if outs[k] is not None and outs[k][0] == 0:
-                    outs[k] = (1, outs[k][1], True)
-            elif ((outs[k] is None or outs[k][2] and outs[k][1] not in (_MAX, _MIN)) and body.outvars[k] is not
-                  body.invars[nc + k] and we.outvars[k].aval.shape == me.outvars[k].aval.shape):
+                    outs[k] = (1, outs[k][1], True) if _reads(made, added, data) else (0, 1, False)
+            elif extreme := _extreme_of(made, out, carried):  # a running maximum (minimum) of the chunks' values
+                outs[k] = (1, extreme, True) if outs[k] is None or outs[k][2] else outs[k]
+            elif ((outs[k] is None or outs[k][2] and outs[k][1] not in (_MAX, _MIN)) and out is not carried
+                  and we.outvars[k].aval.shape == me.outvars[k].aval.shape):
                 _MIXING.recurrence = me
     return outs
 
 
-def _adds_to(made: dict, out, carried, source) -> bool:
-    """Whether ``out`` (a loop body's carry out) is ``carried`` (its carry in) plus something, seen through the casts
-    ``source`` skips and through a call the addition sits in (a body under ``jax.checkpoint``)."""
-    e = made.get(out)
+def _source(made: dict, v):  # ``v`` through the casts that made it (a weakly typed zero's carry cast to a sum's type)
+    while (not isinstance(v, jex_core.Literal) and v in made
+           and made[v].primitive.name in ("convert_element_type", "copy", "copy_p")):
+        v = made[v].invars[0]
+    return v
+
+
+def _added_to(made: dict, out, carried):
+    """What ``out`` (a loop body's carry out) adds to ``carried`` (its carry in), seen through casts and through a call
+    the addition sits in (a body under ``jax.checkpoint``); None where it is no such sum, or where what it adds reads
+    the carried value (a running mean, ``m + (x - m) / n``: no sum of the examples)."""
+    e = made.get(_source(made, out))
     if e is not None and _is_call(e):
         inner = _body(e).jaxpr
-        at = [k for k, a in enumerate(e.invars) if not isinstance(a, jex_core.Literal) and source(a) is carried]
         inner_made = {v: q for q in inner.eqns for v in q.outvars}
-        return any(_adds_to(inner_made, inner.outvars[e.outvars.index(out)], inner.invars[k], lambda v: v)
-                   for k in at)
-    return (e is not None and e.primitive.name in ("add", "add_any")
-            and any(source(a) is carried for a in e.invars if not isinstance(a, jex_core.Literal)))
+        inner_out = inner.outvars[e.outvars.index(_source(made, out))]
+        for a, inner_in in zip(e.invars, inner.invars):
+            if not isinstance(a, jex_core.Literal) and _source(made, a) is carried:
+                added = _added_to(inner_made, inner_out, inner_in)
+                if added is not None:
+                    return added
+        return None
+    if e is None or e.primitive.name not in ("add", "add_any"):
+        return None
+    rest = [a for a in e.invars if isinstance(a, jex_core.Literal) or _source(made, a) is not carried]
+    if len(rest) != 1 or _reads(made, rest[0], {carried}):
+        return None
+    return rest[0]
+
+
+def _reads(made: dict, v, sources: set) -> bool:
+    """Whether ``v`` is one of ``sources`` or is computed from one (inside a loop body: ``made`` its equations)."""
+    stack, seen = [v], set()
+    while stack:
+        a = stack.pop()
+        if not isinstance(a, jex_core.Literal) and a not in seen:
+            if a in sources:
+                return True
+            seen.add(a)
+            stack.extend(made[a].invars if a in made else ())
+    return False
+
+
+def _extreme_of(made: dict, out, carried) -> str | None:
+    """:data:`_MAX` (:data:`_MIN`) where ``out`` is the maximum (minimum) of ``carried`` and another, else None."""
+    e = made.get(_source(made, out))
+    hit = e is not None and any(_source(made, a) is carried for a in e.invars if not isinstance(a, jex_core.Literal))
+    return {"max": _MAX, "min": _MIN}.get(e.primitive.name) if hit else None
 
 
 def _look_again(wb, mb, before, carry, carried, after, M) -> None:
