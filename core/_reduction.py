@@ -578,10 +578,10 @@ def _scan(we, me, ins, M):
         data = {v for v, (st, _) in zip(body.invars, ins) if st is None or st[2]}
         for k in range(ncar):
             carried, out = body.invars[nc + k], body.outvars[k]
-            added = _added_to(made, out, carried)
+            added = _added_to(made, out, carried, data)
             if added is not None:
                 if outs[k] is not None and outs[k][0] == 0:
-                    outs[k] = (1, outs[k][1], True) if _reads(made, added, data) else (0, 1, False)
+                    outs[k] = (1, outs[k][1], True) if added == "sum" else (0, 1, False)
             elif extreme := _extreme_of(made, out, carried):  # a running maximum (minimum) of the chunks' values
                 outs[k] = (1, extreme, True) if outs[k] is None or outs[k][2] else outs[k]
             elif ((outs[k] is None or outs[k][2] and outs[k][1] not in (_MAX, _MIN)) and out is not carried
@@ -597,27 +597,26 @@ def _source(made: dict, v):  # ``v`` through the casts that made it (a weakly ty
     return v
 
 
-def _added_to(made: dict, out, carried):
-    """What ``out`` (a loop body's carry out) adds to ``carried`` (its carry in), seen through casts and through a call
-    the addition sits in (a body under ``jax.checkpoint``); None where it is no such sum, or where what it adds reads
-    the carried value (a running mean, ``m + (x - m) / n``: no sum of the examples)."""
+def _added_to(made: dict, out, carried, data: set) -> str | None:
+    """``"sum"`` where ``out`` (a loop body's carry out) is ``carried`` (its carry in) plus a value read from ``data``,
+    ``"count"`` where what it adds reads none (a constant), seen through casts and through a call the addition sits
+    in (a body under ``jax.checkpoint``); None where it is no such sum, or where what it adds reads the carried value
+    (a running mean, ``m + (x - m) / n``: no sum of the examples)."""
     e = made.get(_source(made, out))
     if e is not None and _is_call(e):
         inner = _body(e).jaxpr
         inner_made = {v: q for q in inner.eqns for v in q.outvars}
         inner_out = inner.outvars[e.outvars.index(_source(made, out))]
-        for a, inner_in in zip(e.invars, inner.invars):
-            if not isinstance(a, jex_core.Literal) and _source(made, a) is carried:
-                added = _added_to(inner_made, inner_out, inner_in)
-                if added is not None:
-                    return added
-        return None
+        inner_data = {i for a, i in zip(e.invars, inner.invars) if _reads(made, a, data)}
+        kinds = [_added_to(inner_made, inner_out, i, inner_data) for a, i in zip(e.invars, inner.invars)
+                 if not isinstance(a, jex_core.Literal) and _source(made, a) is carried]
+        return next((k for k in kinds if k is not None), None)
     if e is None or e.primitive.name not in ("add", "add_any"):
         return None
     rest = [a for a in e.invars if isinstance(a, jex_core.Literal) or _source(made, a) is not carried]
     if len(rest) != 1 or _reads(made, rest[0], {carried}):
         return None
-    return rest[0]
+    return "sum" if _reads(made, rest[0], data) else "count"
 
 
 def _reads(made: dict, v, sources: set) -> bool:
