@@ -29,7 +29,7 @@ from autopp.core import distributed_client
 _HEARTBEAT_PREFIX = "autopp/heartbeat/"
 _DONE_PREFIX = "autopp/done/"
 _FAILED_PREFIX = "autopp/failed/"
-_GATHER_PREFIX = "autopp/gathering/"  # per process inside gather: the steps it started (else empty)
+_GATHER_PREFIX = "autopp/gathering/"  # per process: "gathers:steps started:1 inside one, else 0" (_gathering)
 DEFAULT_FAILURE_TIMEOUT_S = 20.0
 """A peer silent for this long is declared lost (override: ``failure_timeout_s`` or $AUTOPP_FAILURE_TIMEOUT)."""
 CPU_COLLECTIVES = (None, "gloo", "mpi")
@@ -314,8 +314,8 @@ def _gather_entries(gathering: dict[str, str]) -> dict[int, tuple[int, int, bool
 @contextlib.contextmanager
 def _gathering():
     """Around :func:`gather`: tells the peers, through the store, that this process is in its gather number ``k``
-    after how many steps, and waits until every peer has reached gather ``k`` (for ``failure_timeout_s``), so that
-    a gather its peers do not make raises, naming them, instead of pairing its transfers with a step's."""
+    after how many steps, and waits until every peer has reached gather ``k`` (for twice ``failure_timeout_s``), so
+    that a gather its peers do not make raises, naming them, instead of pairing its transfers with a step's."""
     client = _client() if _state.get("stop_watchdog") is not None and not _state.get("gathering") else None
     if client is None:
         yield
