@@ -18,8 +18,7 @@ dimension, so neither packing nor unpacking moves data between devices.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,25 +73,6 @@ class ResidualPacking:
             parts = [values[i].reshape(-1) if n == 1 else values[i].reshape(n, -1) for i in g]
             out.append(jnp.concatenate(parts, axis=0 if n == 1 else 1))
         return out + [values[i] for i in self.loose]
-
-    def update(self, buffers: Sequence, fn: Callable[[int, Any], Any]) -> list:
-        """The buffers with each value ``v`` at position ``i`` replaced by ``fn(i, v)``. A packed value's slice is
-        written back into its buffer one at a time, which XLA does in place in a donated buffer; concatenating the new
-        values held a second pack beside them (two 256 x 256 accumulators, each added a matmul's gradient: 1.00 MiB of
-        temporaries, against 0.50 MiB). A packed value reaches ``fn`` as it lies in its buffer (flat, or
-        ``(rows, -1)``), and ``fn`` returns it so: a reshape between the slice and its update would keep XLA from
-        fusing the slice into the update, and the slice would be copied out."""
-        out = []
-        for buf, g, n in zip(buffers, self.groups, self.rows):
-            at = 0
-            for i in g:
-                width = int(np.prod(self.avals[i].shape, dtype=np.int64)) // n
-                start, size = ((at,), (width,)) if n == 1 else ((0, at), (n, width))
-                new = fn(i, jax.lax.dynamic_slice(buf, start, size))
-                buf = jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
-                at += width
-            out.append(buf)
-        return out + [fn(i, buf) for buf, i in zip(buffers[len(self.groups):], self.loose)]
 
     def unpack(self, buffers: Sequence) -> list:
         """The residuals from the buffers (inside the backward program)."""
