@@ -11,8 +11,9 @@ from jax.extend import core as jex_core
 from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES, across_examples
 from autopp.core._compat import user_line
 
-__all__ = ["CALLBACK", "CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD", "decides_by_statistic",
-           "loop_bounds", "loop_test", "lost_reason", "mixes", "mixing_by_output", "mixing_summary", "JOINED", "TIME"]
+__all__ = ["CALLBACK", "CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD",
+           "decides_by_statistic", "loop_bounds", "loop_test", "lost_reason", "mixes", "mixing_by_output",
+           "mixing_summary", "JOINED", "TIME"]
 
 PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
 CONTROL, SIZED, SIZE, JOINED, TIME = "control", "sized", "size", "joined", "time"

@@ -106,7 +106,8 @@ def test_parameters_fsdp_cannot_split_are_named():
     batch = {"x": jnp.ones((8, 6)), "y": jnp.zeros((8, 8))}
     pipelined = autopp.parallelize(step, num_stages=1, num_microbatches=2, layout={"fsdp": 4},
                                    devices=jax.devices()[:4])
-    with pytest.warns(UserWarning, match=r"fsdp=4 on stage 0 leaves 2 of the values it would split whole .*no dimension of theirs "
+    with pytest.warns(UserWarning, match=r"fsdp=4 on stage 0 leaves 2 of the values it would split whole .*no "
+                                         r"dimension of theirs "
                                          r"is divisible by 4: args\[0\]\['b1'\] \[10\], args\[0\]\['w1'\] \[6, 10\]"):
         new, _ = pipelined(params, tx.init(params), batch)
     assert new["w1"].sharding.spec == P() and new["b1"].sharding.spec == P()  # the arrays' own layout: whole
