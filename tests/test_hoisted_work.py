@@ -462,8 +462,8 @@ def test_per_layer_work_runs_on_the_stage_that_reads_it():
     """Per-layer Cayley weights, each solved from the layer's own parameters alone (trial HOIST): all the solves ran
     on the first stage, which then held every layer's work (8 layers on 4 stages: peaks {826, 178, 166, 148} KB
     against {202, 178, 166, 148} KB with plain weights). Each layer's solve runs on the stage that reads its weight:
-    the first stage holds no more of them than the others (since the accumulators add in place: {77, 69, 66, 67} KB
-    against {44, 36, 33, 29} KB), and the step equals jit."""
+    the first stage holds no more of them than the others (since the accumulators add in place: {85, 77, 74, 71} KB
+    against {52, 44, 41, 37} KB), and the step equals jit."""
     d, layers = 32, 8
     ks = jax.random.split(jax.random.key(0), layers + 3)
     params = {"layers": [jax.random.normal(k, (d, d)) / d ** 0.5 for k in ks[:layers]],
