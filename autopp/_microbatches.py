@@ -405,10 +405,8 @@ def _fixed_batch_reshapes(jaxpr: jex_core.Jaxpr, whole: int, factor: int) -> lis
         if (e.primitive.name == "reshape" and whole != whole // factor and getattr(e.invars[0].aval, "shape", ())[:1]
                 == (whole // factor,) and tuple(e.params["new_sizes"])[:1] == (whole,)):
             found.append(e)
-        for v in e.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(sub, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
-                    found += _fixed_batch_reshapes(getattr(sub, "jaxpr", sub), whole, factor)
+        for sub in jex_core.jaxprs_in_params(e.params):
+            found += _fixed_batch_reshapes(sub, whole, factor)
     return found
 
 

@@ -118,4 +118,3 @@ def test_residuals_offloaded_to_host_by_a_checkpoint_policy_are_not_packed_with_
     pipelined = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])
     got, _ = run_steps(pipelined, state, batch)
     assert_trees_close(autopp.gather(got), run_steps(jax.jit(step), state, batch)[0], atol=1e-6)
-
