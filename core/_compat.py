@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import re
+import sys
 import threading
 
 import jax
@@ -484,25 +485,6 @@ def _scan_by_replay(f, init, xs, length, reverse):
     return jax.tree_util.tree_unflatten(carry_tree, carry), jax.tree_util.tree_unflatten(y_tree, stacked)
 
 
-def leaked_tracers(closed) -> list:
-    """Tracers of finished traces held as constants by ``closed`` or the jaxprs inside it (a value that escaped a
-    scan body traced once, through a Python list, and was used after the scan: JAX keeps it as a constant)."""
-    found, seen, todo = [], set(), [closed]
-    while todo:
-        c = todo.pop()
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
-        found += [x for x in c.consts if isinstance(x, jax.core.Tracer)]
-        for e in c.jaxpr.eqns:
-            for value in e.params.values():
-                for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-                    sub = getattr(sub, "forward", sub)  # (the gradient marker's spec holds the loss's jaxpr)
-                    if isinstance(sub, jex_core.ClosedJaxpr):
-                        todo.append(sub)
-    return found
-
-
 def _exclude_from_user_lines() -> None:
     """Leave this module's frames out of the source lines JAX reports for equations (``lax.scan`` called through
     :class:`replaying_scans` names the user's line, not the wrapper's)."""
@@ -542,30 +524,79 @@ def _scans_data(xs_flat) -> bool:
     """Whether a ``lax.scan`` in the loss being traced runs over data: a scanned operand computed from an input of the
     loss that is not a parameter (a recurrence over time, over examples), the others such or constants (an index
     scanned beside the data), none of them a parameter or made from parameters alone (the blocks of a model stacked
-    by layer: those are unrolled, to be split into stages).
+    by layer: those are unrolled, to be split into stages). Inside a ``jax.checkpoint``'ed function the operands are
+    followed to the checkpoint's arguments (:func:`_linking_remat`).
     False where that cannot be told (no loss traced, operands of another trace)."""
     stack = getattr(_loss_frames, "stack", None)
     if not stack or not xs_flat or stack[-1][0] is None:
         return False
-    from jax._src.interpreters import batching
-
     frame, params = stack[-1]
     data = False
     for x in xs_flat:
-        while isinstance(x, batching.BatchTracer):  # a scan per example under jax.vmap: its batched operand's
-            x = x.val
-        if not is_tracer(x):  # a constant scanned beside the data (jnp.arange(n), a node's index)
-            continue
-        if getattr(getattr(x, "_trace", None), "frame", None) is not frame:
-            return False
-        try:
-            positions, _ = frame.find_progenitors(x)
-        except Exception:  # noqa: BLE001 - JAX internals changed: unroll, as before
-            return False
-        if positions and set(positions) <= params:
+        positions = _loss_inputs(x, frame)
+        if positions is None or (positions and positions <= params):
             return False
         data = data or bool(positions)
     return data
+
+
+def _loss_inputs(x, frame) -> set | None:
+    """The positions of the loss's inputs ``x`` is computed from, traced in ``frame`` (empty for a constant); None
+    where that cannot be told (a tracer of another trace that no checkpoint links to the loss's)."""
+    from jax._src.interpreters import batching
+
+    while isinstance(x, batching.BatchTracer):  # a scan per example under jax.vmap: its batched operand's
+        x = x.val
+    if not is_tracer(x):  # a constant scanned beside the data (jnp.arange(n), a node's index)
+        return set()
+    own = getattr(getattr(x, "_trace", None), "frame", None)
+    link = frame if own is frame else next((m for f, m in getattr(_loss_frames, "links", ()) if f is own), None)
+    try:
+        positions, _ = own.find_progenitors(x)
+    except Exception:  # noqa: BLE001 - JAX internals changed: unroll, as before
+        return None
+    if link is None or positions is None:
+        return None
+    if own is frame:
+        return set(positions)
+    found: set = set()
+    for i in positions:  # the checkpoint's arguments, followed into the trace that called it
+        outer = _loss_inputs(link[own.invars[i]], frame) if own.invars[i] in link else None
+        if outer is None:
+            return None
+        found |= outer
+    return found
+
+
+def _linking_remat(original):
+    """``jax.checkpoint``'s tracing of its function (``_trace_to_jaxpr``, called by every checkpointed function, also
+    one decorated before autopp traces), wrapped so that while a loss is traced by :class:`replaying_scans`, the
+    function's arguments are linked to the values they were called with: a scan over time inside a checkpointed
+    layer is then told from a scan over stacked layers (:func:`_scans_data`). The values are read from the caller's
+    ``args_flat``; where JAX's internals differ, nothing is linked (the scan is unrolled, as before)."""
+    @functools.wraps(original)
+    def trace(fun, in_tree, in_avals, debug):
+        outer = sys._getframe(1).f_locals.get("args_flat")
+        if (threading.get_ident() not in replaying_scans._inside or not getattr(_loss_frames, "stack", None)
+                or not isinstance(outer, (list, tuple)) or len(outer) != len(in_avals)):
+            return original(fun, in_tree, in_avals, debug)
+        links = _loss_frames.__dict__.setdefault("links", [])
+
+        def linked(*args, **kwargs):
+            inner = jax.tree_util.tree_leaves((args, kwargs))
+            own = next((x._trace.frame for x in inner if is_tracer(x) and hasattr(x._trace, "frame")), None)
+            if own is not None and len(inner) == len(outer):
+                links.append((own, {x.val: o for x, o in zip(inner, outer) if getattr(x, "_trace", None)
+                                    and getattr(x._trace, "frame", None) is own}))
+            return fun(*args, **kwargs)
+
+        depth = len(links)
+        try:
+            return original(functools.wraps(fun)(linked), in_tree, in_avals, debug)
+        finally:
+            del links[depth:]
+
+    return trace
 
 
 class LoopCounter(int):
@@ -601,14 +632,13 @@ class replaying_scans:
     threads keep JAX's own."""
 
     _inside: dict = {}  # thread id -> depth
-    _original = None
+    _original = _remat_trace = None
 
     def __init__(self, steps: bool = False):
         self.steps = steps  # (tracing a step: its loops before the loss stay loops, see _before_the_loss)
 
     def __enter__(self):
-        import threading
-
+        from jax._src import ad_checkpoint
         from jax._src.lax.control_flow import loops
 
         cls = type(self)
@@ -616,6 +646,7 @@ class replaying_scans:
             _loss_frames.traced, _loss_frames.step = False, self.steps
         if not cls._inside:
             original = cls._original = (loops.scan, jax.lax.scan)
+            cls._remat_trace = ad_checkpoint._trace_to_jaxpr
             inside = cls._inside
 
             @functools.wraps(original[0])
@@ -632,13 +663,13 @@ class replaying_scans:
                 return original[0](f, init, xs, length, reverse, unroll, _split_transpose)
 
             loops.scan = jax.lax.scan = scan
+            ad_checkpoint._trace_to_jaxpr = _linking_remat(cls._remat_trace)
         me = threading.get_ident()
         cls._inside[me] = cls._inside.get(me, 0) + 1
         return self
 
     def __exit__(self, *exc):
-        import threading
-
+        from jax._src import ad_checkpoint
         from jax._src.lax.control_flow import loops
 
         cls = type(self)
@@ -648,7 +679,8 @@ class replaying_scans:
             del cls._inside[me]
         if not cls._inside:
             loops.scan, jax.lax.scan = cls._original
-            cls._original = None
+            ad_checkpoint._trace_to_jaxpr = cls._remat_trace
+            cls._original = cls._remat_trace = None
         return False
 
 

@@ -602,3 +602,22 @@ def _zeros_for_io_callbacks(eqns, jaxpr, consts, *args):
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
+
+
+def leaked_tracers(closed) -> list:
+    """Tracers of finished traces held as constants by ``closed`` or the jaxprs inside it (a value that escaped a
+    scan body traced once, through a Python list, and was used after the scan: JAX keeps it as a constant)."""
+    found, seen, todo = [], set(), [closed]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        found += [x for x in c.consts if isinstance(x, jax.core.Tracer)]
+        for e in c.jaxpr.eqns:
+            for value in e.params.values():
+                for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                    sub = getattr(sub, "forward", sub)  # (the gradient marker's spec holds the loss's jaxpr)
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        todo.append(sub)
+    return found

@@ -18,7 +18,7 @@ from autopp.core import _compat
 from autopp.core._grad import GradSpec, marking_gradients, value_and_grad_p
 from autopp.core._batch_reads import refuse_batch_positions, refuse_reads_past_rows
 from autopp.core._constraints import drop_sharding_constraints
-from autopp.core._jaxpr import eqn_signature, eval_jaxpr_with, sink_parameter_work
+from autopp.core._jaxpr import eqn_signature, eval_jaxpr_with, leaked_tracers, sink_parameter_work
 from autopp.core._batch_split import refuse_leaves_without_rows, sparse_batch_leaves, sparse_refusal
 from autopp.core._warn import concrete_value_error
 from autopp.core._zero_grads import freeze_zero_gradients
@@ -264,7 +264,7 @@ def outside_the_context_mesh(who: str = "autopp.parallelize"):
 
 
 def _refuse_leaked_values(closed: jex_core.ClosedJaxpr, who: str) -> None:
-    if _compat.leaked_tracers(closed):
+    if leaked_tracers(closed):
         raise ValueError(
             f"{who}: a value computed inside a lax.scan body escaped the body (appended to a Python list, stored on an "
             "object or in a global) and was used after the scan, which jax.jit refuses too (UnexpectedTracerError). "
