@@ -200,8 +200,9 @@ class StepModel:
             return hit
         lc = self.layer_cost(lay.fingerprint, tensor, self.boundary(lay.fingerprint, tensor, sequence_parallel))
         tm, cluster = self.tm, self.cluster
-        if lay.measured and tensor == 1:
-            f, b = lay.forward_time_s * scale, lay.backward_time_s * scale
+        if lay.measured and tensor == 1:  # the measurement at the traced batch, scaled as the kernels' times are
+            f = lay.forward_time_s * _batch_shape(tm, lc.forward, scale)  # (launches do not shrink with the batch)
+            b = lay.backward_time_s * _batch_shape(tm, lc.backward, scale)
         else:
             f, b = tm.scaled_time(lc.forward, scale), tm.scaled_time(lc.backward, scale)
         tp_f = sum(c.seconds(scale, tensor, cluster) for c in lc.collectives if not c.backward)
@@ -618,6 +619,14 @@ class StepModel:
         return allreduce_like(grad_bytes, "all-reduce"), 0.0
 
 
+def _batch_shape(tm, kernels, scale: float) -> float:
+    """A layer's time at ``scale`` times the traced batch over its time at the traced batch, by the kernel model:
+    what does not shrink with the batch (a kernel's launch, a loop's launches per iteration, reading weights) keeps
+    a measured time from being scaled as if all of it did. ``scale`` where the model gives no time."""
+    at_traced = tm.scaled_time(kernels, 1.0)
+    return tm.scaled_time(kernels, scale) / at_traced if at_traced > 0 else scale
+
+
 def _above_rounding(x: float, scale: float) -> float:
     """``x`` (a difference of sums of seconds), or 0 where it is negative or rounding error next to ``scale``."""
     return x if x > 1e-9 * scale else 0.0
@@ -625,3 +634,4 @@ def _above_rounding(x: float, scale: float) -> float:
 
 __all__ = ["Evaluation", "LayerTerms", "Layout", "RECOMPUTE_MODES", "SCHEDULES", "StepModel", "chunk_split",
            "even_layers"]  # the chunk split re-exported: what the cost model evaluates layouts over
+

@@ -562,8 +562,9 @@ def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
 
     ``"matmul"``: one dot/convolution. ``"fused"``: a run of other equations between matmuls, fused into
     one kernel whose memory traffic is only what crosses its boundary (values read from outside the run, only
-    the parts of them slices take where slices are all that read them; values used after it). ``"loop"``: a control-flow equation (scan, while, cond) with its nested costs.
-    Plain calls (``jit``) are looked through.
+    the parts of them slices take where slices are all that read them; values used after it). A control-flow
+    equation (scan, while, cond) is the kernels its body launches (:func:`loop_kernels`). Plain calls (``jit``) are
+    looked through.
     """
     eqns = _flatten_calls(jaxpr)
     last_use: dict = {}
@@ -612,8 +613,22 @@ def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
             kernels.append(("matmul", eqn_cost(e)))
         elif e.primitive.name in ("scan", "while", "cond"):
             close_run()
-            kernels.append(("loop", eqn_cost(e)))
+            kernels.extend(loop_kernels(e))
         else:
             run.append(i)
     close_run()
     return kernels
+
+
+def loop_kernels(eqn) -> list[tuple[str, OpCost]]:
+    """The kernels one control-flow equation launches, as :func:`kernel_costs` gives them: a ``scan``'s body's once
+    per iteration (XLA runs a loop's body as kernels launched per iteration, each paying its launch and tail), a
+    ``while_loop``'s body and condition once (its trip count is unknown, as in :func:`eqn_cost`), the ``cond``
+    branch with the most FLOPs."""
+    name = eqn.primitive.name
+    if name == "scan":
+        return kernel_costs(_sub(eqn.params["jaxpr"])) * int(eqn.params["length"])
+    if name == "while":
+        return kernel_costs(_sub(eqn.params["body_jaxpr"])) + kernel_costs(_sub(eqn.params["cond_jaxpr"]))
+    branches = [kernel_costs(_sub(b)) for b in eqn.params["branches"]]
+    return max(branches, key=lambda ks: sum(c.flops for _, c in ks))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.profiler._costs import REDUCTIONS, OpCost, aval_bytes, eqn_cost
+from autopp.profiler._costs import REDUCTIONS, OpCost, aval_bytes, eqn_cost, loop_kernels
 
 Literal = jex_core.Literal
 _ZERO = OpCost(0.0, 0.0, 0.0, 0.0)
@@ -90,6 +90,10 @@ class ScaledKernel:
     """A kernel of parameter-only equations (casting master weights to the compute dtype, transposing weights):
     the same for every microbatch, so it runs once per step, before the microbatches (as XLA hoists it out of a
     gradient-accumulation loop, and as autopp's runtime runs it per stage and step)."""
+
+    launches: int = 1
+    """Kernels this one stands for, each paying the fixed cost of a launch: a loop's, its body's kernels times its
+    trip count (:func:`~autopp.profiler._costs.loop_kernels`)."""
 
     def at(self, scale: float) -> OpCost:
         """The cost at ``scale`` times the traced batch."""
@@ -363,14 +367,33 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
             batch_eqn = any(is_batch(a) for a in _reads(e))
             share = eqn_share(i)
             traffic = OpCost(0.0, 0.0, c.bytes_accessed * share, c.output_bytes * share)
-            kernels.append(ScaledKernel("loop", None, OpCost(cb.flops, cb.transcendentals, 0, 0) + (
-                traffic if batch_eqn else _ZERO), OpCost(cf.flops, cf.transcendentals, 0, 0) + (
-                _ZERO if batch_eqn else traffic)))
+            inner = loop_kernels(e)  # the kernels the loop launches: its matmuls at their rate, each its own launch
+            matmuls = [k for k, _ in inner if k == MATMUL]
+            total = sum(k.flops for _, k in inner)
+            part = sum(k.flops for kind, k in inner if kind == MATMUL) / total if total else 0.0
+            if matmuls:
+                kernels.append(ScaledKernel(MATMUL, _loop_matmul_dtype(e), OpCost(cb.flops * part, 0.0, 0.0, 0.0),
+                                            OpCost(cf.flops * part, 0.0, 0.0, 0.0), launches=len(matmuls)))
+            kernels.append(ScaledKernel("loop", None, OpCost(cb.flops * (1 - part), cb.transcendentals, 0, 0) + (
+                traffic if batch_eqn else _ZERO), OpCost(cf.flops * (1 - part), cf.transcendentals, 0, 0) + (
+                _ZERO if batch_eqn else traffic), launches=max(1, len(inner) - len(matmuls))))
         else:
             run.append(i)
     end_epilogue()
     close_run()
     return kernels
+
+
+def _loop_matmul_dtype(eqn, default: str = "float32") -> str:
+    """The peak the matmuls inside a control-flow equation run at: its first one's (:func:`matmul_dtype`)."""
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+        for e in getattr(sub, "jaxpr", sub).eqns:
+            if e.primitive.name in ("dot_general", "conv_general_dilated"):
+                return matmul_dtype(e)
+            found = _loop_matmul_dtype(e, None)
+            if found is not None:
+                return found
+    return default
 
 
 def _reduction_bounded(ids: Sequence[int], eqns) -> list[list[int]]:

@@ -201,10 +201,11 @@ class KernelTimeModel:
         return self.flops_per_s
 
     def kernel_time(self, kind: str, cost: OpCost, dtype: str | None = None, *, work: float = 1.0,
-                    floor: bool = True) -> float:
+                    floor: bool = True, launches: int = 1) -> float:
         """Seconds of one kernel: ``matmul`` at :meth:`matmul_rate`, ``attention`` (a fused flash kernel executing
         ``work`` FLOPs per counted FLOP) at ``attention_flops_per_s`` for 16-bit operands, anything else at
-        the fused rate (memory-bound). ``floor=False`` leaves out the per-kernel fixed cost."""
+        the fused rate (memory-bound). ``floor=False`` leaves out the per-kernel fixed cost; ``launches``: the
+        kernels ``cost`` is the sum of (a loop's), each paying it."""
         if kind == "attention":
             rate = (self.attention_flops_per_s or self.matmul_rate(dtype)) if dtype in ("bfloat16", "float16", None) \
                 else self.matmul_rate(dtype)
@@ -214,10 +215,12 @@ class KernelTimeModel:
             body = max(cost.flops / self.matmul_rate(dtype), cost.bytes_accessed / self.bytes_per_s)
             if not floor:
                 return body
-            scale = cost.flops / (cost.flops + self.matmul_floor_flops) if self.matmul_floor_flops else 1.0
-            return body + self.matmul_floor_s * scale
+            each = cost.flops / launches
+            scale = each / (each + self.matmul_floor_flops) if self.matmul_floor_flops else 1.0
+            return body + self.matmul_floor_s * scale * launches
         body = max(cost.flops / (self.fp32_flops_per_s or self.flops_per_s), cost.bytes_accessed / self.bytes_per_s)
-        return body + cost.transcendentals / self.transcendentals_per_s + (self.fused_floor_s if floor else 0.0)
+        return body + cost.transcendentals / self.transcendentals_per_s + (self.fused_floor_s * launches if floor
+                                                                           else 0.0)
 
     def time(self, kernels) -> float:
         """Seconds for a list of ``(kind, OpCost)`` kernels."""
@@ -226,11 +229,13 @@ class KernelTimeModel:
     def scaled_time(self, kernels, scale: float = 1.0) -> float:
         """Seconds per microbatch for a list of :class:`~autopp.profiler._kernels.ScaledKernel` at ``scale`` times
         the traced batch (kernels that run once per step left out: see :meth:`per_step_time`)."""
-        return sum(self.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work) for k in kernels if not k.per_step)
+        return sum(self.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work, launches=k.launches)
+                   for k in kernels if not k.per_step)
 
     def per_step_time(self, kernels) -> float:
         """Seconds of the kernels that run once per step (parameter-only work, e.g. casting master weights)."""
-        return sum(self.kernel_time(k.kind, k.at(1.0), k.dtype, work=k.work) for k in kernels if k.per_step)
+        return sum(self.kernel_time(k.kind, k.at(1.0), k.dtype, work=k.work, launches=k.launches)
+                   for k in kernels if k.per_step)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

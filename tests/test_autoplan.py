@@ -160,19 +160,20 @@ def test_restricted_search():
     assert plan.microbatch_size * plan.num_microbatches * plan.devices_per_stage == 8
 
 
-def test_among_equal_predictions_the_fewest_microbatches():
-    """One stage per device group takes microbatches only for memory: where the cost model predicts the same step
-    for 1 and 2 microbatches (measured layer times, scaled with the batch: the same work split in two), the plan
-    takes 1 (fewer kernels, larger matmuls; on this machine `autopp compare`'s GPT measured 947.7 ms with 2
-    microbatches of 1 against 473.5 ms for data parallelism, which runs 1 of 2)."""
+def test_two_microbatches_of_a_measured_layer_cost_more_than_one():
+    """One stage per device group: 2 microbatches of 1 example run each layer's kernels twice, with all their fixed
+    costs, where 1 microbatch of 2 runs them once (on this machine `autopp compare`'s GPT measured 947.7 ms with 2
+    microbatches of 1 against 473.5 ms for data parallelism, which runs 1 of 2). Measured layer times were scaled in
+    proportion to the batch, so both predicted the same step and only a tie-break chose 1; they are scaled as the
+    layer's kernels are (launches and weight reads do not shrink with the batch), and 2 is predicted slower."""
     from autopp.models import GPT, GPTConfig
 
     model, tx = GPT(GPTConfig(layers=2, hidden=64, heads=4, seq=32, vocab=128)), optax.adamw(1e-3)
     params = model.init(jax.random.key(0))
     prof = profile(make_train_step(model.loss, tx), params, tx.init(params), model.batch(jax.random.key(1), 8),
-                   cluster=Cluster.local(jax.devices()), measure=True)  # layer times measured, scaled by the batch
+                   cluster=Cluster.local(jax.devices()), measure=True)  # layer times measured
     one, two = (_local.plan_local(prof, 4, 8, num_stages=1, num_microbatches=m) for m in (1, 2))
-    assert two.predicted.step_time_s == pytest.approx(one.predicted.step_time_s, rel=1e-9)
+    assert two.predicted.step_time_s > 1.05 * one.predicted.step_time_s
     chosen = _local.plan_local(prof, 4, 8, num_stages=1)
     assert (chosen.num_microbatches, chosen.microbatch_size) == (1, 2)
 
