@@ -37,6 +37,7 @@ from autopp.core import (
     get_schedule,
     moved_work_inputs,
     row_slice,
+    sparse_batch_leaves,
     user_stacklevel,
 )
 from autopp.profiler import Cluster, Profile, StageSplit, aval_bytes, profile, split_at, split_stages
@@ -77,6 +78,8 @@ def _microbatches_for(config: ParallelizeConfig, traced: TracedStep) -> int:
         return config.num_microbatches
     if isinstance(config.schedule, Schedule):
         return config.schedule.num_microbatches
+    if config.schedule in (None, "1f1b", "gpipe") and sparse_batch_leaves(traced):
+        return 1  # (a sparse array in the batch cannot be split into microbatches; its stages' devices split it)
     batch, n = batch_size(traced), config.num_stages
     if config.schedule == "dualpipev":  # at least two microbatches per device group
         fits = [d for d in range(2 * n, 4 * n + 1) if batch % d == 0]

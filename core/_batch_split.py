@@ -25,6 +25,9 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
     for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, traced.leaf_paths):
         if is_batch and v.aval.shape[0] % num_microbatches:
             bad.append(f"  {name}: leading dimension {v.aval.shape[0]}")
+    sparse = sparse_batch_leaves(traced) if num_microbatches > 1 else []
+    if sparse:  # (its data and indices have as many rows as stored entries: split, they keep the whole shape)
+        raise sparse_refusal(who, num_microbatches, sparse)
     leading = {name: v.aval.shape[0] for v, is_batch, name in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask,
                                                                     traced.leaf_paths) if is_batch and v.aval.shape}
     if not bad and len(set(leading.values())) > 1 and num_microbatches > 1:
@@ -38,9 +41,6 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
             "number per example (multi-hot ids flattened with each one's example index): a part's rows are not its "
             "examples', and example indices count the whole batch's; pad such values per example ([batch, max "
             "length] with a mask).", stacklevel=3)
-    sparse = sparse_batch_leaves(traced) if bad else []
-    if sparse:  # (its data and indices have as many rows as stored entries)
-        raise sparse_refusal(who, num_microbatches, sparse)
     if bad:
         sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b]
         batch = max(set(sizes), key=lambda n: (sizes.count(n), n % num_microbatches == 0))  # (the batch size:
@@ -94,7 +94,8 @@ def sparse_refusal(who: str, num_microbatches: int, sparse: list[str]) -> ValueE
         f"0 into num_microbatches={num_microbatches} microbatches, but a sparse array's shape is static metadata its "
         "leaves (data, indices) do not carry, so a microbatch's part keeps the whole batch's shape. Pass its dense "
         "form (x.todense()), or its data and indices per example as arrays of the batch, building the sparse array "
-        "inside the loss; or use num_microbatches=1 (data-parallel devices split it correctly).")
+        "inside the loss; or use num_microbatches=1 (data-parallel devices split it correctly). If it is not the "
+        "batch (a fixed adjacency or mask passed last), name the batch's argument with batch_argnums.")
 
 
 OVERWRITE_WITH_GRADIENT = "overwrite_with_gradient"  # (Flax's fp8 state collection: '_overwrite_with_gradient')

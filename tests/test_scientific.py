@@ -159,6 +159,33 @@ def test_a_sparse_batch_is_refused_with_the_reason_and_runs_whole(n_batch):
     assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
 
 
+def test_a_sparse_batch_whose_entries_divide_is_refused_too():
+    """A BCOO batch of ratings (an AutoRec recommender, user trial SPARSE) whose stored entries divide into the
+    microbatches was split along them, each microbatch keeping the whole (users, items) shape: each trained on a
+    quarter of the ratings (loss 18.70 for jit's 67.12; silent with ``loss_reduction="mean"``). It is refused as a
+    sparse batch whatever the reduction, and left to the defaults the step runs it as one microbatch, as jit."""
+    from jax.experimental import sparse
+
+    dense = jnp.where(jax.random.uniform(jax.random.key(1), (16, 12)) < 0.3, 1.0 + jnp.arange(12.0), 0.0)
+    ratings = {"r": sparse.BCOO.fromdense(dense, nse=64)}
+    p = _mlp(jax.random.key(0), [12, 8, 12])
+
+    def loss(p, batch):
+        x = batch["r"].todense()
+        return jnp.sum((x != 0) * (_net(p, x) - x) ** 2) / x.shape[0]
+
+    step = _sgd_step(loss)
+    for given in ({}, {"loss_reduction": "mean"}):
+        with pytest.raises(ValueError, match=r"(?s)batch holds a sparse array \(a BCOO in args\[2\]\).*batch_argnums"):
+            autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2], **given)(
+                p, TX.init(p), ratings)
+    want = jax.jit(step)(p, TX.init(p), ratings)
+    defaults = autopp.parallelize(step, num_stages=2, devices=jax.devices()[:2])
+    got = defaults(p, TX.init(p), ratings)
+    assert defaults.plan_for(p, TX.init(p), ratings).num_microbatches == 1
+    assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+
+
 def test_a_step_that_draws_its_points_from_a_key_is_told_how_to_pass_them():
     """A PINN drawing all its points in the step from a key was refused twice in a circle: the key as the batch
     ("a scalar has no batch dimension ... set batch_argnums"), then ``batch_argnums=()`` ("pass the batch's position
