@@ -116,6 +116,10 @@ def _cut(we, me, ins, out_axes, pieces_of, keep, microbatches) -> str | None:
                  we.params["start_indices"][d], we.params["limit_indices"][d], me.outvars[0]) for d in axes]
     else:
         d = me.params["axis"]
+        if d not in axes:  # along another axis (a fused projection's q, k, v): each piece keeps the batch's segments
+            for out in me.outvars:
+                keep(out, pieces_of(0, ins[0][1][0]))
+            return None
         starts, wstarts = np.cumsum((0, *me.params["sizes"])), np.cumsum((0, *we.params["sizes"]))
         cuts = [(d, int(a), int(b), 1, int(wa), int(wb), out) for a, b, wa, wb, out
                 in zip(starts, starts[1:], wstarts, wstarts[1:], me.outvars)] if d in axes else []

@@ -786,7 +786,8 @@ def test_pairs_read_as_they_stand_in_each_microbatch_run_as_jit_without_a_word()
     that divide each microbatch (DPO's variant B in the trial, which warned falsely that it ordered its examples);
     time-major values flattened to [T * B] rows and reshaped back; the split inside ``jax.checkpoint``; views of
     unequal sizes ([B] + [2B]) concatenated and split back; a batch padded and cut back; pairs signed by parity
-    (``jnp.arange(B) % 2``, which each microbatch of whole pairs numbers alike). Each equals jit (SGD, <= 1e-6)."""
+    (``jnp.arange(B) % 2``, which each microbatch of whole pairs numbers alike); the pair through a fused projection
+    split along its features (q, k, v). Each equals jit (SGD, <= 1e-6)."""
     def concatenated(p, b):
         rejected = jax.tree.map(lambda a: jnp.flip(a, -1) if a.ndim > 1 else a, b)  # each example's own other half
         both = jax.tree.map(lambda c, r: jnp.concatenate([c, r]), b, rejected)
@@ -824,7 +825,14 @@ def test_pairs_read_as_they_stand_in_each_microbatch_run_as_jit_without_a_word()
         s = _pair_logits(p, b)
         return -jax.nn.log_sigmoid(jnp.where(jnp.arange(s.shape[0]) % 2 == 0, 1.0, -1.0) * s).mean()
 
-    for loss in (concatenated, strided, time_major, checkpointed, unequal, padded, parity):
+    def fused_qkv(p, b):  # the pair through a fused projection split along its features (trial PREFOPT: the
+        rejected = jax.tree.map(lambda a: jnp.flip(a, -1) if a.ndim > 1 else a, b)  # split lost the pair's halves,
+        both = jax.tree.map(lambda c, r: jnp.concatenate([c, r]), b, rejected)  # warned as parts by position)
+        q, k, v = jnp.split(jnp.tile(p["embed"][both["x"]], 3), 3, axis=-1)
+        s = (jnp.tanh(q * k + v) @ p["head"]).mean((1, 2))
+        return _dpo(*jnp.split(s, 2))
+
+    for loss in (concatenated, strided, time_major, checkpointed, unequal, padded, parity, fused_qkv):
         _assert_quiet_and_jit_s(_step(loss), what=loss.__name__)
 
 
