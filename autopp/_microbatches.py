@@ -374,6 +374,7 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     asked = given is None or config.source == "replay" and given == "mean"  # (a plan's default: not the user's word)
     if whole and asked and kind is None and num_microbatches > 1 and not ratio:  # (one microbatch: both are jit's)
         made = {v: e for e in traced.jaxpr.jaxpr.eqns for v in e.outvars}
+        function_where = where
         where = "; ".join(f"{traced.grad_eqn.invars[k].aval.str_short()} made at {user_line(made[v])}"
                           if v in made else traced.grad_eqn.invars[k].aval.str_short()
                           for k in whole for v in [traced.grad_eqn.invars[k]])
@@ -387,7 +388,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "loss_reduction=\"mean\"."
             + (f" Here the reduction cannot be read because the loss {mixing_summary(reached[0])} (the warning above): "
                "loss_reduction=\"mean\" keeps that warning's meaning (gradient accumulation's); num_microbatches=1 "
-               "gives jit's values." if 0 in reached else "")
+               "gives jit's values." if 0 in reached else
+               f" Here neither is jit's: {function_where} (a norm over the batch, say), which no reduction of the "
+               f"microbatches' losses gives; for jit's values {fix}." if function_of else "")
             + (" The plan given says loss_reduction 'mean': make it with plan_model(..., loss_reduction=\"sum\") "
                "(autopp plan --loss-reduction sum)." if config.source == "replay" else ""))
     # a per-example aux whose leading axis holds several blocks of the examples: the block count, for the runtime to

@@ -1402,6 +1402,29 @@ def test_a_refusal_for_whole_batch_values_names_the_statistic_that_hides_the_red
     _assert_equal((autopp.gather(one[0]), one[2]), (want[0], want[2]), tol=1e-5)
 
 
+def test_a_refusal_for_whole_batch_values_says_when_neither_reduction_is_jit_s():
+    """A relative L2 error over the whole batch, ``||pred - y|| / ||y||`` with the denominator computed in the step,
+    as the refusal advises (trial OPLEARN): the refusal offered ``"sum"`` and ``"mean"``, and ``"mean"`` then ran
+    silently at half of jit's loss (0.5595 for 1.1202). A norm over the batch is no sum of per-microbatch terms:
+    the refusal now says that neither is jit's, where, and that ``num_microbatches=1`` is (checked)."""
+    def loss(p, x, y, scale):
+        return jnp.linalg.norm(jnp.tanh(jnp.tanh(x @ p["w0"]) @ p["w1"]) @ p["wo"] - y) / scale
+
+    def step(params, opt_state, batch):
+        value, grads = autopp.value_and_grad(loss)(params, batch[0], batch[1], jnp.linalg.norm(batch[1]))
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    with pytest.raises(ValueError, match=r"(?s)whole batch.*Here neither is jit's: at .*test_batch_control.py.*"
+                                         r"num_microbatches=1"):
+        _both(step, _batch())
+    params = _params()
+    one = autopp.parallelize(step, num_stages=2, num_microbatches=1, devices=jax.devices()[:2])(
+        params, TX.init(params), _batch())
+    want = jax.jit(step)(params, TX.init(params), _batch())
+    _assert_equal((autopp.gather(one[0]), one[2]), (want[0], want[2]), tol=1e-5)
+
+
 def _chunks(p, b, chunk=2):
     x, y = b
     h = jnp.tanh(jnp.tanh(x @ p["w0"]) @ p["w1"])
