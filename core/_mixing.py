@@ -36,7 +36,9 @@ _MIXING_KINDS = {
     SPREAD: "spreads a statistic over its examples back over them (batch normalisation, a softmax or a count over "
             "the batch)",
     ORDER: "orders its examples (a sort, a top-k, a scan or a cumulative sum along the batch, a shifted slice of it, "
-           "a window, a convolution or an FFT over neighbouring examples)",
+           "a window, a convolution or an FFT over neighbouring examples; where the batch's first axis is time, a "
+           "time-major [T, B, ...] rollout, autopp splits time into microbatches: put the examples first, "
+           "jnp.swapaxes(x, 0, 1))",
     TIME: "scans along the batch's first axis, carrying a state from row to row (a recurrence over the examples: an "
           "inner training loop over chunks of the batch runs fewer steps in each microbatch, for which use "
           "num_microbatches=1; where that axis is time, a time-major [T, B, ...] batch, note that autopp splits axis "

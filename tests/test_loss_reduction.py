@@ -531,10 +531,17 @@ def test_a_recurrence_along_the_batch_axis_is_named():
         x = p["embed"][b["x"]].mean(1) @ p["w"]
         return ((jax.lax.associative_scan(jnp.add, jnp.tanh(x)) @ p["head"]) ** 2).mean()
 
+    def gae(p, b):  # PureJaxRL's GAE over a time-major rollout: the next values shifted in time, a reverse scan
+        v = (jnp.tanh(p["embed"][b["x"]].mean(1) @ p["w"]) @ p["head"]).mean(1)  # (trial PREFOPT: warned as an
+        nv = jax.lax.stop_gradient(jnp.concatenate([v[1:], v[-1:]]))  # order and a replay buffer, with no word of
+        adv = jax.lax.scan(lambda c, d: (d + 0.9 * c,) * 2, 0.0, nv - jax.lax.stop_gradient(v), reverse=True)[1]
+        return ((v - jax.lax.stop_gradient(adv + v)) ** 2).mean()  # time-major data)
+
     # the scan carried along axis 0 says what a time-major batch needs (it said "orders its examples", with advice
     # that did not fit: a trial's GRU over [T, B] windows)
     for loss, said in ((recurrence, r"(?s)scans along the batch's first axis.*time-major.*jnp.swapaxes"),
-                       (prefix, r"(?s)loops over the batch axis.*time-major|orders its examples")):
+                       (prefix, r"(?s)loops over the batch axis.*time-major|orders its examples"),
+                       (gae, r"(?s)time-major \[T, B, ...\] rollout.*jnp.swapaxes")):
         with pytest.warns(UserWarning, match=said):
             (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss))
         assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-4)
