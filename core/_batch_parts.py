@@ -61,6 +61,9 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
         d = me.params["dimension"]
         if d in out_axes[0]:
             keep(me.outvars[0], [p for k in range(len(me.invars)) for p in pieces_of(k, d)])
+        else:  # along another axis (a class token broadcast to the batch, then the patches): the batch's segments
+            b = out_axes[0][0]  # are those of the operand that has some
+            keep(me.outvars[0], max((pieces_of(k, b) for k in dependent if b in ins[k][1]), key=len, default=()))
         return None
     if name == "pad" and 0 in dependent:
         d = out_axes[0][0]

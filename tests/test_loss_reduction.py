@@ -794,7 +794,8 @@ def test_pairs_read_as_they_stand_in_each_microbatch_run_as_jit_without_a_word()
     time-major values flattened to [T * B] rows and reshaped back; the split inside ``jax.checkpoint``; views of
     unequal sizes ([B] + [2B]) concatenated and split back; a batch padded and cut back; pairs signed by parity
     (``jnp.arange(B) % 2``, which each microbatch of whole pairs numbers alike); the pair through a fused projection
-    split along its features (q, k, v). Each equals jit (SGD, <= 1e-6)."""
+    split along its features (q, k, v); two views through a class token joined along the tokens. Each equals jit
+    (SGD, <= 1e-6)."""
     def concatenated(p, b):
         rejected = jax.tree.map(lambda a: jnp.flip(a, -1) if a.ndim > 1 else a, b)  # each example's own other half
         both = jax.tree.map(lambda c, r: jnp.concatenate([c, r]), b, rejected)
@@ -839,7 +840,14 @@ def test_pairs_read_as_they_stand_in_each_microbatch_run_as_jit_without_a_word()
         s = (jnp.tanh(q * k + v) @ p["head"]).mean((1, 2))
         return _dpo(*jnp.split(s, 2))
 
-    for loss in (concatenated, strided, time_major, checkpointed, unequal, padded, parity, fused_qkv):
+    def class_token(p, b):  # two views concatenated through a ViT whose class token is broadcast to the batch and
+        views = jnp.concatenate([b["x"], jnp.flip(b["x"], -1)])  # joined to the patches along the tokens (DINO,
+        h = p["embed"][views]  # trial VISION: the join lost the views' halves, warned as parts by position)
+        cls = jnp.broadcast_to(p["w"][:1][None], (h.shape[0], 1, H))
+        s = (jnp.concatenate([cls, h], 1).mean(1) @ p["head"]).mean(1)
+        return _dpo(*jnp.split(s, 2))
+
+    for loss in (concatenated, strided, time_major, checkpointed, unequal, padded, parity, fused_qkv, class_token):
         _assert_quiet_and_jit_s(_step(loss), what=loss.__name__)
 
 
