@@ -51,10 +51,11 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
         odd = batch % num_microbatches == 0 and max(ok) == 1
         one_more = [line.split(":")[0].strip() for line, n in zip(bad, [int(b.rsplit(" ", 1)[-1]) for b in bad])
                     if n == batch + 1]  # (a rollout's T + 1 observations: the bootstrap one beside T rewards)
-        extra = (f" A leaf with one row more than the batch ({', '.join(one_more)}: a rollout's T + 1 observations, "
-                 "the last one to bootstrap from): keep its first rows in the batch and pass the last row as an "
+        extra = (f" A leaf with one row more than the batch ({', '.join(one_more)}): a rollout's T + 1 observations, "
+                 "the last one to bootstrap from: keep its first rows in the batch and pass the last row as an "
                  "argument of its own (obs[:-1] in the batch, obs[-1] apart), from which the step computes the "
-                 "bootstrap value." if odd and one_more else "")
+                 "bootstrap value; ragged rows' offsets (row_splits, B + 1 of them): pass each example's length, or "
+                 "its rows padded ([B, max length] with a mask), instead." if odd and one_more else "")
         raise ValueError(
             f"{who}: the batch cannot be split into num_microbatches={num_microbatches} equal "
             "microbatches along axis 0; these batch leaves are not divisible:\n" + "\n".join(bad) + "\n"

@@ -856,6 +856,15 @@ def test_a_rollout_s_bootstrap_observation_in_the_batch_is_pointed_out_of_it():
         autopp.parallelize(whole, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
             params, tx.init(params), roll)
 
+    def ragged(p, o, batch):  # ragged rows' offsets in the batch (trial SPARSE: given only the rollout's advice)
+        lengths = batch["row_splits"][1:] - batch["row_splits"][:-1]
+        value, g = autopp.value_and_grad(lambda p, x: (net(p, x)[1] * lengths).mean())(p, batch["x"])
+        return optax.apply_updates(p, tx.update(g, o, p)[0]), o, value
+
+    with pytest.raises(ValueError, match=r"ragged rows' offsets \(row_splits, B \+ 1 of them\): pass each example's"):
+        autopp.parallelize(ragged, num_stages=2, num_microbatches=4, devices=jax.devices()[:2])(
+            params, tx.init(params), {"x": roll["obs"][0], "row_splits": jnp.arange(n + 1) * 2})
+
     def split(p, o, last_obs, roll):  # the advice
         ret = returns(p, roll["obs"], last_obs, roll["rew"])
         value, g = autopp.value_and_grad(loss)(p, roll["obs"], roll["act"], ret)
