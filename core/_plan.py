@@ -374,8 +374,8 @@ class Plan:
                          if rest > 0.005 * div else "")
             if copies:
                 rest_text = (f", the update's new parameters and state beside the caller's (not in donate_argnums) "
-                             f"{copies / div:.2f}{rest_text}; activations {e.activation_bytes / div:.2f} are freed "
-                             "before it")
+                             f"{copies / div:.2f}{rest_text} {name}; activations {e.activation_bytes / div:.2f} "
+                             f"{name} are freed before it")
             fdiv, fname = unit(e.tflops_per_gpu * 1e12, "flop")
             lines.append(
                 f"predicted: step {e.step_time_s:.4g} s, {e.tflops_per_gpu * 1e12 / fdiv:.4g} {fname}/s per device "
@@ -384,7 +384,8 @@ class Plan:
                 f"peak memory {e.peak_memory_bytes_per_gpu / div:.2f} {name} per device "
                 f"({'fits' if e.fits else 'DOES NOT FIT'}: weights and gradients {e.param_bytes / div:.2f}, "
                 f"optimizer state {e.optimizer_bytes / div:.2f}"
-                f"{'' if copies else f', activations {e.activation_bytes / div:.2f}'}{rest_text} {name})")
+                f"{'' if copies else f', activations {e.activation_bytes / div:.2f}'}{rest_text}"
+                f"{'' if copies else f' {name}'})")
             lines.append(
                 f"  time: compute {e.compute_s:.4g} s, bubble {e.bubble_s:.4g}, tensor-parallel {e.tp_comm_s:.4g}, "
                 f"FSDP {e.fsdp_comm_s:.4g}, pipeline sends {e.pp_comm_s:.4g}, data-parallel {e.dp_comm_s:.4g}, "
