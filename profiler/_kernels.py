@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.profiler._costs import REDUCTIONS, OpCost, aval_bytes, eqn_cost, loop_kernels
+from autopp.profiler._costs import REDUCTIONS, OpCost, aval_bytes, eqn_cost
 
 Literal = jex_core.Literal
 _ZERO = OpCost(0.0, 0.0, 0.0, 0.0)
@@ -362,21 +362,7 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
             chain.update(e.outvars)
         elif e.primitive.name in ("scan", "while", "cond"):
             close_run()
-            cb, cf = cost_pair(i, e)
-            c = eqn_cost(e)
-            batch_eqn = any(is_batch(a) for a in _reads(e))
-            share = eqn_share(i)
-            traffic = OpCost(0.0, 0.0, c.bytes_accessed * share, c.output_bytes * share)
-            inner = loop_kernels(e)  # the kernels the loop launches: its matmuls at their rate, each its own launch
-            matmuls = [k for k, _ in inner if k == MATMUL]
-            total = sum(k.flops for _, k in inner)
-            part = sum(k.flops for kind, k in inner if kind == MATMUL) / total if total else 0.0
-            if matmuls:
-                kernels.append(ScaledKernel(MATMUL, _loop_matmul_dtype(e), OpCost(cb.flops * part, 0.0, 0.0, 0.0),
-                                            OpCost(cf.flops * part, 0.0, 0.0, 0.0), launches=len(matmuls)))
-            kernels.append(ScaledKernel("loop", None, OpCost(cb.flops * (1 - part), cb.transcendentals, 0, 0) + (
-                traffic if batch_eqn else _ZERO), OpCost(cf.flops * (1 - part), cf.transcendentals, 0, 0) + (
-                _ZERO if batch_eqn else traffic), launches=max(1, len(inner) - len(matmuls))))
+            kernels.extend(_loop_kernels(e, is_batch, eqn_share(i)))
         else:
             run.append(i)
     end_epilogue()
@@ -384,16 +370,33 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
     return kernels
 
 
-def _loop_matmul_dtype(eqn, default: str = "float32") -> str:
-    """The peak the matmuls inside a control-flow equation run at: its first one's (:func:`matmul_dtype`)."""
-    for sub in jex_core.jaxprs_in_params(eqn.params):
-        for e in getattr(sub, "jaxpr", sub).eqns:
-            if e.primitive.name in ("dot_general", "conv_general_dilated"):
-                return matmul_dtype(e)
-            found = _loop_matmul_dtype(e, None)
-            if found is not None:
-                return found
-    return default
+def _loop_kernels(eqn, is_batch: Callable[[object], bool], share: float) -> list[ScaledKernel]:
+    """The kernels a control-flow equation launches: its body's (:func:`program_kernels`), each launched once per
+    iteration of a ``scan`` (a ``while_loop``'s trip count is unknown: once, as :func:`eqn_cost` counts it; a
+    ``cond``: the branch with the most FLOPs), so each pays its launch per iteration and its matmuls run at the
+    matmul rate. Inside the body a value scales with the batch where it is computed from one that does and is no
+    larger than the iteration's largest such input: a recurrent cell's weight-sized gradient contribution, computed
+    from the examples, is read and written whatever their number."""
+    name = eqn.primitive.name
+    if name == "scan":
+        bodies, operands, times = [eqn.params["jaxpr"]], eqn.invars, int(eqn.params["length"])
+    elif name == "while":
+        n = eqn.params["cond_nconsts"]
+        bodies, operands, times = [eqn.params["body_jaxpr"]], eqn.invars[n:], 1
+    else:
+        bodies, operands, times = list(eqn.params["branches"]), eqn.invars[1:], 1
+    options = []
+    for closed in bodies:
+        body = getattr(closed, "jaxpr", closed)
+        scales = {v for v, a in zip(body.invars, operands) if not isinstance(a, Literal) and is_batch(a)}
+        cap = max((v.aval.size for v in scales if hasattr(v.aval, "size")), default=0)
+        for e in body.eqns:
+            if any(a in scales for a in _reads(e)):
+                scales.update(v for v in e.outvars if getattr(v.aval, "size", 0) <= cap)
+        options.append(program_kernels(body, range(len(body.eqns)), is_batch=scales.__contains__))
+    chosen = max(options, key=lambda ks: sum(k.at(1.0).flops for k in ks))
+    return [ScaledKernel(k.kind, k.dtype, k.batch.scale(times * share), k.fixed.scale(times * share), k.work,
+                         launches=k.launches * times) for k in chosen]
 
 
 def _reduction_bounded(ids: Sequence[int], eqns) -> list[list[int]]:
