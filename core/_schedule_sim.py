@@ -49,9 +49,10 @@ def _costs(schedule: Schedule, f_time, b_time, w_time) -> dict[str, list[float]]
     """Per kind, the duration of each stage's action (``f_time`` etc. are numbers or one per stage)."""
     S = schedule.num_stages
     f, b = _per_stage("f_time", f_time, S), _per_stage("b_time", b_time, S)
-    for name, vs in (("f_time", f), ("b_time", b)):
-        if not all(v > 0 for v in vs):
-            raise ValueError(f"{name} must be positive, got {f_time if name == 'f_time' else b_time!r}")
+    if not all(v > 0 for v in f):
+        raise ValueError(f"f_time must be positive, got {f_time!r}")
+    if not all(v >= 0 for v in b):  # (0: a stage with nothing to differentiate, a frozen teacher's)
+        raise ValueError(f"b_time must be >= 0, got {b_time!r}")
     w = [x / 2.0 for x in b] if w_time is None else _per_stage("w_time", w_time, S)
     if not all(0 <= wi <= bi for wi, bi in zip(w, b)):
         raise ValueError(f"w_time must be in [0, b_time={b_time}], got {w_time!r}")

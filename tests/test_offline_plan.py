@@ -91,3 +91,36 @@ def test_printed_plan_names_zero1_sequence_parallel_and_all_of_its_peak(offline_
     assert "ZeRO-1 (optimizer state sharded over data), sequence parallel" in shown.splitlines()[0]
     rest = e.peak_memory_bytes_per_gpu + extra - e.param_bytes - e.optimizer_bytes - e.activation_bytes
     assert f"other buffers {rest / 2**30:.2f} GiB" in shown
+
+
+def test_a_step_with_a_frozen_teacher_plans_offline():
+    """Distillation from a teacher behind ``stop_gradient`` (trial PLANS3): the teacher's layer has no backward, and
+    the schedule simulator refused a stage whose backward takes no time ("b_time must be positive"), so
+    ``plan_model`` (``autopp plan``) crashed where the same step with the teacher trained planned. A stage may
+    have nothing to differentiate; the plan's prediction is no less than the teacher's forward alone."""
+    import jax.numpy as jnp
+    import optax
+
+    from autopp.models import make_train_step
+    from autopp.profiler import profile
+
+    def mlp(sizes):
+        return [{"w": jax.ShapeDtypeStruct((a, b), jnp.bfloat16)} for a, b in zip(sizes, sizes[1:])]
+
+    def apply(layers, x):
+        for layer in layers[:-1]:
+            x = jax.nn.relu(x @ layer["w"])
+        return x @ layers[-1]["w"]
+
+    def loss(p, b):
+        t = jax.lax.stop_gradient(apply(p["teacher"], b["x"]))
+        return optax.softmax_cross_entropy(apply(p["student"], b["x"]), jax.nn.softmax(t)).mean()
+
+    params = {"teacher": mlp([256] + [2048] * 8 + [100]), "student": mlp([256] + [256] * 4 + [100])}
+    tx = optax.sgd(0.1)
+    prof = profile(make_train_step(loss, tx), params, jax.eval_shape(tx.init, params),
+                   {"x": jax.ShapeDtypeStruct((1, 256), jnp.bfloat16)}, cluster="1x8xH100")
+    assert any(lay.backward_flops == 0 and lay.flops > 0 for lay in prof.layers)
+    plan = plan_model(prof, "1x8xH100", global_batch=64)
+    teacher_flops = sum(2 * a * b for a, b in zip([256] + [2048] * 8, [2048] * 8 + [100])) * 64
+    assert plan.predicted.step_time_s > teacher_flops / 8 / 989e12  # (H100's dense bf16 peak over 8 devices)
