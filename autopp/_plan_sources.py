@@ -514,20 +514,16 @@ def _layer_ranges(prof: Profile, traced: TracedStep, forward) -> list[tuple[int,
     """Each profile layer's equations ``[first, end)`` in the per-microbatch forward ``forward``.
 
     The profile's layers index equations of the full-batch forward (``traced.spec.forward``); the pipeline runs the
-    forward re-traced at microbatch size. The two traces must have the same equations (only shapes differ), so an
-    index means the same operation in both."""
+    forward re-traced at microbatch size. The two traces have the same equations (only shapes differ), but for a few
+    that JAX writes otherwise at a size of 1 (``jnp.take_along_axis`` of one example: one gather, not a reshape and a
+    gather): the traces are aligned by their primitives, and each index is read through the alignment."""
     full, small = traced.spec.forward.jaxpr.eqns, forward.jaxpr.eqns
-    if len(full) != len(small) or any(a.primitive is not b.primitive for a, b in zip(full, small)):
-        first = next((i for i, (a, b) in enumerate(zip(full, small)) if a.primitive is not b.primitive),
-                     min(len(full), len(small)))
-        raise internal_error(
-            f"the loss's forward traced at the full batch ({len(full)} equations) and at microbatch size "
-            f"({len(small)} equations) differ from equation {first} on, so the planner's layer boundaries cannot "
-            "be placed in the pipeline's forward")
+    to_small = _aligned(full, small)
     mask = traced.microbatched_grad_inputs
     dep, full_dep = batch_dependent_vars(forward.jaxpr, mask), batch_dependent_vars(traced.spec.forward.jaxpr, mask)
-    if ([i for i, e in enumerate(small) if any(v in dep for v in e.outvars)]
-            != [i for i, e in enumerate(full) if any(v in full_dep for v in e.outvars)]):
+    matched = {i: j for i, j in enumerate(to_small[:-1]) if j < to_small[i + 1]}  # (one alone: the next one's)
+    if any(any(v in dep for v in small[j].outvars) != any(v in full_dep for v in full[i].outvars)
+           for i, j in matched.items()):
         raise internal_error("the loss's forward traced at the full batch and at microbatch size depend on the batch "
                              "at different equations, so the planner's layer boundaries cannot be placed in the "
                              "pipeline's forward")
@@ -536,8 +532,33 @@ def _layer_ranges(prof: Profile, traced: TracedStep, forward) -> list[tuple[int,
         r = prof.graph.nodes[lay.index].get("eqn_range")
         if r is None:
             raise internal_error(f"profile layer {lay.index} ({lay.name}) carries no equation range")
-        ranges.append(tuple(r))
+        ranges.append((to_small[r[0]], to_small[r[1]]))
     return ranges
+
+
+def _aligned(full, small) -> list[int]:
+    """For each equation index of ``full`` (and its end, ``len(full)``), the index in ``small`` of the first
+    equation at or after it that the two share (:class:`difflib.SequenceMatcher` over their primitives)."""
+    import difflib
+
+    if len(full) == len(small) and all(a.primitive is b.primitive for a, b in zip(full, small)):
+        return list(range(len(full) + 1))
+    names = ([e.primitive.name for e in full], [e.primitive.name for e in small])
+    blocks = difflib.SequenceMatcher(None, *names, autojunk=False).get_matching_blocks()
+    if sum(b.size for b in blocks) < 0.9 * max(len(full), len(small)):
+        first = next((i for i, (a, b) in enumerate(zip(full, small)) if a.primitive is not b.primitive),
+                     min(len(full), len(small)))
+        raise internal_error(
+            f"the loss's forward traced at the full batch ({len(full)} equations) and at microbatch size "
+            f"({len(small)} equations) differ from equation {first} on, so the planner's layer boundaries cannot "
+            "be placed in the pipeline's forward")
+    to_small: list = [None] * len(full) + [len(small)]
+    for b in blocks:
+        to_small[b.a:b.a + b.size] = range(b.b, b.b + b.size)
+    for i in range(len(full) - 1, -1, -1):  # an equation of the full trace alone: the next shared one's index
+        if to_small[i] is None:
+            to_small[i] = to_small[i + 1]
+    return to_small
 
 
 def _stage_starts(ranges: Sequence[tuple[int, int]], traced: TracedStep, forward, first_layers: Sequence[int],

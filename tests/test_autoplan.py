@@ -84,6 +84,29 @@ def test_auto_plan_with_pipeline_stages_trains_like_jit():
     assert_trees_close(got_state, want_state)
 
 
+def test_a_planned_step_of_one_example_per_microbatch_trains_like_jit():
+    """``num_microbatches`` equal to the batch, the stages planned (trial PLANS3): JAX writes
+    ``jnp.take_along_axis`` of one example as one gather where it writes a reshape and a gather for several, so the
+    loss traced at microbatch size had one equation fewer than at the full batch, and the planner's layer boundaries
+    could not be placed ("autopp internal error"). The two traces are aligned by their operations."""
+    def loss(p, b):
+        x = b["x"]
+        for layer in p[:-1]:
+            x = jax.nn.gelu(x @ layer["w"] + layer["b"])
+        return optax.softmax_cross_entropy_with_integer_labels(x @ p[-1]["w"] + p[-1]["b"], b["y"]).mean()
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = [{"w": jax.random.normal(k, (32, 32)) / 6, "b": jnp.zeros(32)} for k in keys[:4]]
+    batch = {"x": jax.random.normal(keys[4], (8, 32)), "y": jax.random.randint(keys[5], (8,), 0, 32)}
+    tx = optax.sgd(0.1)
+    step = make_train_step(loss, tx)
+    planned = autopp.parallelize(step, num_microbatches=8, devices=jax.devices()[:2])
+    got = planned(params, tx.init(params), batch)
+    want = jax.jit(step)(params, tx.init(params), batch)
+    assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+    assert planned.plan_for(params, tx.init(params), batch).num_microbatches == 8
+
+
 @pytest.mark.parametrize("which", ["one stage", "four stages"])
 def test_auto_plan_round_trips_and_replays_bit_identically(which, tmp_path):
     step, state, batch, _ = _setup("gpt")
