@@ -25,6 +25,7 @@ from autopp.core import (
     output_reductions,
     refuse_overwritten_by_gradient,
     scale_batch_independent_terms,
+    sparse_leaf_mask,
     trace_microbatch_forward,
     user_line,
     user_stacklevel,
@@ -36,8 +37,13 @@ _WHO = "autopp.parallelize"
 
 
 def batch_size(traced: TracedStep) -> int:
-    """The traced step's batch size (the common divisor of its batch leaves' leading dimensions)."""
+    """The traced step's batch size (the common divisor of its batch leaves' leading dimensions, leaving out a sparse
+    array's, which count stored entries, where other leaves count the examples)."""
     sizes = [v.aval.shape[0] for v, b in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask) if b and v.aval.shape]
+    sparse = sparse_leaf_mask(traced)
+    dense = [v.aval.shape[0] for v, b, s in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, sparse)
+             if b and not s and v.aval.shape]
+    sizes = dense or sizes
     return math.gcd(*sizes) if sizes else 1
 
 

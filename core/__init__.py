@@ -57,7 +57,12 @@ from autopp.core._trace import (
     trace_microbatch_forward,
     trace_step,
 )
-from autopp.core._batch_split import check_batch_divisible, refuse_overwritten_by_gradient, sparse_batch_leaves
+from autopp.core._batch_split import (
+    check_batch_divisible,
+    refuse_overwritten_by_gradient,
+    sparse_batch_leaves,
+    sparse_leaf_mask,
+)
 from autopp.core._row_layout import block_copies_met
 from autopp.core._warn import user_stacklevel
 from autopp.core._schedule import KINDS, Action, Schedule, ScheduleError, dependencies, validate

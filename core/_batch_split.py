@@ -16,7 +16,8 @@ from autopp.core._warn import user_stacklevel
 if TYPE_CHECKING:
     from autopp.core._trace import TracedStep
 
-__all__ = ["check_batch_divisible", "refuse_overwritten_by_gradient", "sparse_batch_leaves", "sparse_refusal"]
+__all__ = ["check_batch_divisible", "refuse_overwritten_by_gradient", "sparse_batch_leaves", "sparse_leaf_mask",
+           "sparse_refusal"]
 
 
 def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = "autopp.parallelize") -> None:
@@ -69,22 +70,39 @@ def check_batch_divisible(traced: TracedStep, num_microbatches: int, who: str = 
 
 
 def sparse_batch_leaves(traced: TracedStep) -> list[str]:
-    """The batch arguments' sparse arrays (``jax.experimental.sparse``), by type and argument."""
-    found: list[str] = []
+    """The batch arguments' sparse arrays (``jax.experimental.sparse``), by type and where they are."""
+    return list(_sparse_batch_arrays(traced))
 
-    def walk(node, where):
+
+def sparse_leaf_mask(traced: TracedStep) -> list[bool]:
+    """Per leaf of the step's arguments, whether it belongs to a sparse array of the batch (its data or indices,
+    whose leading dimension counts stored entries, not examples)."""
+    mask = [False] * traced.in_tree.num_leaves
+    for first, count in _sparse_batch_arrays(traced).values():
+        mask[first:first + count] = [True] * count
+    return mask
+
+
+def _sparse_batch_arrays(traced: TracedStep) -> dict[str, tuple[int, int]]:
+    """The batch arguments' sparse arrays: "a BCOO in args[2]['adj']" -> (its first leaf's index, its leaves)."""
+    found: dict[str, tuple[int, int]] = {}
+
+    def walk(node, where, first):
         data = node.node_data()
         kind = data[0] if data else None
         if kind is not None and getattr(kind, "__module__", "").startswith("jax.experimental.sparse"):
-            found.append(f"a {kind.__name__} in {where}")
+            found[f"a {kind.__name__} in {where}"] = (first, node.num_leaves)
             return
-        for child in node.children():
-            walk(child, where)
+        keys = data[1] if kind is dict and data else None
+        for k, child in enumerate(node.children()):
+            walk(child, f"{where}[{keys[k]!r}]" if keys is not None else where, first)
+            first += child.num_leaves
 
-    args = traced.in_tree.children()
-    for i in traced.batch_argnums:
-        if i < len(args):
-            walk(args[i], f"args[{i}]")
+    first = 0
+    for i, arg in enumerate(traced.in_tree.children()):
+        if i in traced.batch_argnums:
+            walk(arg, f"args[{i}]", first)
+        first += arg.num_leaves
     return found
 
 

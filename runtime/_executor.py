@@ -11,6 +11,7 @@ compilation after the first call, no host synchronisation; a buffer is dropped r
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from autopp.core import RECOMPUTE_MODES, Plan, Schedule, TracedStep, batch_dependent_vars, weak_typed
+from autopp.core import RECOMPUTE_MODES, Plan, Schedule, TracedStep, batch_dependent_vars, sparse_leaf_mask, weak_typed
 from autopp.profiler import split_at
 
 from autopp.runtime import _passes
@@ -81,7 +82,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     if rows is None:
         program = builder.build()
         _warn_fsdp_whole(meshes)
-        _warn_batch_undivided(meshes, num_microbatches)
+        _warn_batch_undivided(meshes, user_traced, num_microbatches)
         return program, compiler, meshes
 
     def shardings_of(stages):
@@ -90,7 +91,7 @@ def build_program(traced, forward, split, stage_devices, *, num_microbatches, lo
     user_slots = lay_out_row_inputs(builder.tl, builder.input_slots, rows, user_traced, shardings_of, user_donated)
     program = builder.build()
     _warn_fsdp_whole(meshes)
-    _warn_batch_undivided(meshes, num_microbatches)
+    _warn_batch_undivided(meshes, user_traced, num_microbatches)
     return row_outputs(program, rows, user_slots, shardings_of), compiler, meshes
 
 
@@ -108,10 +109,16 @@ def _warn_fsdp_whole(meshes: StageMeshes) -> None:
             f"Use sizes divisible by {n}, or a smaller fsdp degree that divides them.", stacklevel=3)
 
 
-def _warn_batch_undivided(meshes: StageMeshes, num_microbatches: int) -> None:
+def _warn_batch_undivided(meshes: StageMeshes, traced: TracedStep, num_microbatches: int) -> None:
     """A microbatch that a stage's data-parallel devices do not divide runs whole on each of them (or on each of the
-    part that divides it): they repeat the same work. Say so, with the batch sizes that divide."""
-    for size, n in sorted(set(meshes.batch_undivided.values())):
+    part that divides it): they repeat the same work. Say so, with the batch sizes that divide. (A leaf of another
+    length left whole, a sparse array's entries or row offsets, repeats no examples: not said.)"""
+    sparse = sparse_leaf_mask(traced)
+    sizes = [v.aval.shape[0] for v, b, s in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, sparse)
+             if b and not s and v.aval.shape]
+    examples = math.gcd(*sizes) // num_microbatches if sizes else None
+    for size, n in sorted({u for found in meshes.batch_undivided.values() for u in found
+                           if examples is None or u[0] == examples}):
         warnings.warn(
             f"autopp.parallelize: microbatches of {size} example(s) do not divide over a stage's {n} data-parallel "
             f"devices (data x fsdp), so those devices repeat the same examples instead of sharing them. Use a batch "

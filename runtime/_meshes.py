@@ -34,9 +34,9 @@ class StageMeshes:
         self._multi: dict[frozenset[int], NamedSharding] = {}
         self.fsdp_whole: dict[int, dict[str, tuple]] = {}
         """Stage -> {parameter: shape} of the parameters its FSDP axis leaves whole (no dimension divides)."""
-        self.batch_undivided: dict[int, tuple[int, int]] = {}
-        """Stage -> (examples per microbatch, its data x FSDP devices) where those devices do not divide the
-        microbatch (:meth:`microbatch_sharding`)."""
+        self.batch_undivided: dict[int, set[tuple[int, int]]] = {}
+        """Stage -> {(a microbatch input's leading length, its data x FSDP devices)} where those devices do not divide
+        it (:meth:`microbatch_sharding`)."""
 
     def batch_sharding(self, loc: int, shape) -> NamedSharding:
         """Leading dim over the stage's data and FSDP axes when it divides evenly (else over as many as divide),
@@ -54,7 +54,7 @@ class StageMeshes:
         divide it (some of them, or all, then repeat the same examples) it is recorded in :attr:`batch_undivided`."""
         n = self.layouts[loc]["data"] * self.layouts[loc]["fsdp"]
         if n > 1 and len(shape) >= 1 and shape[0] % n:
-            self.batch_undivided[loc] = (shape[0], n)
+            self.batch_undivided.setdefault(loc, set()).add((shape[0], n))
         return self.batch_sharding(loc, shape)
 
     def residual_sharding(self, loc: int, shape, dim: int | None = None) -> NamedSharding:

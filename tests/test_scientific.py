@@ -176,7 +176,8 @@ def test_a_sparse_batch_whose_entries_divide_is_refused_too():
 
     step = _sgd_step(loss)
     for given in ({}, {"loss_reduction": "mean"}):
-        with pytest.raises(ValueError, match=r"(?s)batch holds a sparse array \(a BCOO in args\[2\]\).*batch_argnums"):
+        with pytest.raises(ValueError, match=r"(?s)batch holds a sparse array \(a BCOO in args\[2\]\['r'\]\).*"
+                                             r"batch_argnums"):
             autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2], **given)(
                 p, TX.init(p), ratings)
     want = jax.jit(step)(p, TX.init(p), ratings)
@@ -184,6 +185,40 @@ def test_a_sparse_batch_whose_entries_divide_is_refused_too():
     got = defaults(p, TX.init(p), ratings)
     assert defaults.plan_for(p, TX.init(p), ratings).num_microbatches == 1
     assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_fixed_adjacency_in_the_batch_does_not_count_as_examples():
+    """A fixed BCOO adjacency kept in the batch dict beside 8 examples (trial NOISE18): its 65 stored entries were
+    counted with the examples, so the planned step took a batch of gcd(8, 65) = 1 and left 3 of 4 devices idle, and
+    2 data-parallel devices were said to repeat "microbatches of 65 example(s)". The batch size is the examples'; the
+    step runs as jit without a word, and the refusal at more microbatches names the array's key."""
+    from jax.experimental import sparse
+
+    adj = sparse.BCOO.fromdense(jnp.eye(6) + jnp.eye(6, k=1), nse=65)
+    p = _mlp(jax.random.key(0), [3, 8, 1])
+
+    def loss(p, b):
+        h = jax.vmap(lambda x: adj_of(b) @ x)(b["x"])
+        return jnp.mean((_net(p, h)[..., 0] - b["y"]) ** 2)
+
+    def adj_of(b):
+        return b["adj"]
+
+    batch = {"x": jax.random.normal(jax.random.key(1), (8, 6, 3)), "y": jax.random.normal(jax.random.key(2), (8, 6)),
+             "adj": adj}
+    step = _sgd_step(loss)
+    want = jax.jit(step)(p, TX.init(p), batch)
+    for kw in ({}, {"num_stages": 2, "num_microbatches": 1}):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pipelined = autopp.parallelize(step, devices=jax.devices()[:4], **kw)
+            got = pipelined(p, TX.init(p), batch)
+        assert not [str(w.message) for w in seen if "autopp" in str(w.message)], kw
+        assert_trees_close(autopp.gather(got[0]), want[0], rtol=1e-6, atol=1e-6)
+    plan = autopp.parallelize(step, devices=jax.devices()[:4]).plan_for(p, TX.init(p), batch)
+    assert sum(len(stage.devices) for stage in plan.stages) == 4  # (none idle)
+    with pytest.raises(ValueError, match=r"a BCOO in args\[2\]\['adj'\]"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])(p, TX.init(p), batch)
 
 
 def test_a_step_that_draws_its_points_from_a_key_is_told_how_to_pass_them():
