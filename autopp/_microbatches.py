@@ -322,9 +322,13 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             "to a term whose combination of the examples cannot be read (a function of statistics of the batch, such "
             "as a mixture of experts' load-balancing term). With loss_reduction='sum' the "
             f"{num_microbatches} microbatches' values of that term are added up: {num_microbatches} times its weight "
-            "in plain jax.jit's loss and gradients, each computed over a microbatch. Divide the term by "
-            "num_microbatches in the loss to average the microbatches' terms (gradient accumulation's usual weight; "
-            "still not the whole batch's), or compute its statistics in the step and pass them to the loss.",
+            "in plain jax.jit's loss and gradients where it is built from means over each microbatch's examples, "
+            f"about 1/{num_microbatches} of it where it multiplies two sums over them divided by the step's counts "
+            "(a masked load-balancing term, E * sum(f * P)); each is computed over a microbatch. For jit's values "
+            "compute its statistics in the step and pass them to the loss (the token fractions f, which take no "
+            "gradient: the term is then a sum over the examples), or use num_microbatches=1; for a term of means, "
+            "dividing it by num_microbatches in the loss averages the microbatches' terms (gradient accumulation's "
+            "usual weight, still not the whole batch's).",
             stacklevel=user_stacklevel())
     reduction = given or kind or "mean"
     combined = "sum" if reduction == "sum" else "average"
