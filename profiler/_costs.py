@@ -621,13 +621,14 @@ def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
 
 
 def loop_kernels(eqn) -> list[tuple[str, OpCost]]:
-    """The kernels one control-flow equation launches, as :func:`kernel_costs` gives them: a ``scan``'s body's once
-    per iteration (XLA runs a loop's body as kernels launched per iteration, each paying its launch and tail), a
+    """The kernels of one control-flow equation, as :func:`kernel_costs` gives them: a ``scan``'s body's, each with
+    the cost of all its iterations (one launch each, as XLA:CPU, where layers are measured, runs a loop's body), a
     ``while_loop``'s body and condition once (its trip count is unknown, as in :func:`eqn_cost`), the ``cond``
     branch with the most FLOPs."""
     name = eqn.primitive.name
     if name == "scan":
-        return kernel_costs(_sub(eqn.params["jaxpr"])) * int(eqn.params["length"])
+        n = int(eqn.params["length"])
+        return [(kind, cost.scale(n)) for kind, cost in kernel_costs(_sub(eqn.params["jaxpr"]))]
     if name == "while":
         return kernel_costs(_sub(eqn.params["body_jaxpr"])) + kernel_costs(_sub(eqn.params["cond_jaxpr"]))
     branches = [kernel_costs(_sub(b)) for b in eqn.params["branches"]]

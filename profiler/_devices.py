@@ -111,6 +111,10 @@ class DeviceSpec:
     fused_attention: bool = True
     """Whether ``jax.nn.dot_product_attention`` runs as one fused (flash) kernel, with no ``s x s`` scores in memory
     (cuDNN's on GPUs); where not, its equations are priced, and its scores kept, as written."""
+    loop_launches: bool = True
+    """Whether a loop launches its body's kernels again on every iteration, each paying ``kernel_launch_floor`` (XLA's
+    GPU while loop runs its body's kernels per iteration [LAUNCH]); where not, each of the body's kernels pays it once
+    per loop."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -134,9 +138,10 @@ class DeviceSpec:
             else:
                 value = float(value)
             object.__setattr__(self, field, value)
-        if not isinstance(self.fused_attention, bool):
-            raise TypeError(f"DeviceSpec({self.name!r}).fused_attention must be True or False, got "
-                            f"{self.fused_attention!r}.")
+        for flag in ("fused_attention", "loop_launches"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"DeviceSpec({self.name!r}).{flag} must be True or False, got "
+                                f"{getattr(self, flag)!r}.")
         for field, example in (("peak_flops_fp64", "67e12"), ("peak_flops_fp8", "1979e12"),
                                ("peak_ops_int8", "1979e12")):
             if getattr(self, field) is None:
@@ -379,6 +384,9 @@ _TABLE = (
         # XLA:CPU has no fused attention kernel: dot_product_attention lowers to XLA's reference implementation,
         # which computes and keeps the scores (jax.nn.dot_product_attention's implementation="xla")
         fused_attention=False,
+        # XLA:CPU compiles a loop's body into the loop (no dispatch per kernel and iteration): 0.1 us per iteration of
+        # a scan over two 8 x 8 matmuls and a tanh on this repository's 2-core machine, jax 0.10 (docs/limits.md)
+        loop_launches=False,
         source="conservative host default (one AVX2 core, one DDR4 channel, 10 GbE); calibrate with with_overrides",
     ),
 )

@@ -92,8 +92,10 @@ class ScaledKernel:
     gradient-accumulation loop, and as autopp's runtime runs it per stage and step)."""
 
     launches: int = 1
-    """Kernels this one stands for, each paying the fixed cost of a launch: a loop's, its body's kernels times its
-    trip count (:func:`~autopp.profiler._costs.loop_kernels`)."""
+    """Kernels this one stands for, each paying the fixed cost of a launch."""
+    iterations: int = 1
+    """Times it runs per execution of its program: a loop's trip count for its body's kernels (each iteration
+    launches them again on devices whose loops launch per iteration, :attr:`DeviceSpec.loop_launches`)."""
 
     def at(self, scale: float) -> OpCost:
         """The cost at ``scale`` times the traced batch."""
@@ -371,10 +373,10 @@ def program_kernels(jaxpr: jex_core.Jaxpr, eqn_ids: Sequence[int], *, is_batch: 
 
 
 def _loop_kernels(eqn, is_batch: Callable[[object], bool], share: float) -> list[ScaledKernel]:
-    """The kernels a control-flow equation launches: its body's (:func:`program_kernels`), each launched once per
-    iteration of a ``scan`` (a ``while_loop``'s trip count is unknown: once, as :func:`eqn_cost` counts it; a
-    ``cond``: the branch with the most FLOPs), so each pays its launch per iteration and its matmuls run at the
-    matmul rate. Inside the body a value scales with the batch where it is computed from one that does and is no
+    """The kernels a control-flow equation runs: its body's (:func:`program_kernels`), each run once per iteration of
+    a ``scan`` (a ``while_loop``'s trip count is unknown: once, as :func:`eqn_cost` counts it; a ``cond``: the
+    branch with the most FLOPs), so each pays its launch per iteration where loops launch so and its matmuls run at
+    the matmul rate. Inside the body a value scales with the batch where it is computed from one that does and is no
     larger than the iteration's largest such input: a recurrent cell's weight-sized gradient contribution, computed
     from the examples, is read and written whatever their number."""
     name = eqn.primitive.name
@@ -396,7 +398,7 @@ def _loop_kernels(eqn, is_batch: Callable[[object], bool], share: float) -> list
         options.append(program_kernels(body, range(len(body.eqns)), is_batch=scales.__contains__))
     chosen = max(options, key=lambda ks: sum(k.at(1.0).flops for k in ks))
     return [ScaledKernel(k.kind, k.dtype, k.batch.scale(times * share), k.fixed.scale(times * share), k.work,
-                         launches=k.launches * times) for k in chosen]
+                         launches=k.launches, iterations=k.iterations * times) for k in chosen]
 
 
 def _reduction_bounded(ids: Sequence[int], eqns) -> list[list[int]]:

@@ -18,8 +18,11 @@ from autopp.core import without_host_prints
 from autopp.profiler._costs import OpCost
 from autopp.profiler._layer_stage import layer_graph, layer_stage_programs
 
-CACHE_VERSION = 4
-"""Version 4: times of the runtime's stage programs (:class:`autopp.core.StagePrograms`) with small gradient
+CACHE_VERSION = 5
+"""Version 5: the kernel lists a calibration fits (:func:`~autopp.profiler._costs.kernel_costs`) hold a loop's body's
+kernels once per iteration, where version 4's held one kernel per loop (fitted together, the old lists' few kernels
+for a loop's long time pushed the fitted launch floors up: 27.6 us per fused kernel on this machine's CPU). Version 4:
+times of the runtime's stage programs (:class:`autopp.core.StagePrograms`) with small gradient
 accumulators packed too, and a scanned layer reading its rows relative to a row base; version 3 packed only the
 residuals between forward and backward, version 2 packed nothing, version 1 timed a plain ``jit`` of the layer's
 VJP."""

@@ -156,6 +156,8 @@ class KernelTimeModel:
     """Achievable FLOP/s of matmuls of float8 operands (None: ``half_flops_per_s``, as XLA converts them)."""
     int8_ops_per_s: float | None = None
     """Achievable operations/s of matmuls of int8 operands on integer tensor cores (None: ``fp32_flops_per_s``)."""
+    loop_launches: bool = True
+    """Whether a loop's body's kernels pay their fixed cost on every iteration (:attr:`DeviceSpec.loop_launches`)."""
 
     def __post_init__(self):
         for f in ("flops_per_s", "bytes_per_s", "transcendentals_per_s", "matmul_floor_s", "fused_floor_s",
@@ -184,7 +186,8 @@ class KernelTimeModel:
                    tf32_flops_per_s=spec.peak_flops("tf32") * eff, fp32_flops_per_s=spec.peak_flops_fp32 * eff,
                    attention_flops_per_s=spec.peak_flops("bfloat16") * spec.attention_efficiency,
                    fp8_flops_per_s=spec.peak_flops("float8") * eff,
-                   int8_ops_per_s=(spec.peak_ops_int8 or spec.peak_flops_fp32) * eff)
+                   int8_ops_per_s=(spec.peak_ops_int8 or spec.peak_flops_fp32) * eff,
+                   loop_launches=spec.loop_launches)
 
     def matmul_rate(self, dtype: str | None) -> float:
         """FLOP/s of a matmul whose operands are ``dtype`` (``tf32``: float32 allowed to use TF32)."""
@@ -201,11 +204,12 @@ class KernelTimeModel:
         return self.flops_per_s
 
     def kernel_time(self, kind: str, cost: OpCost, dtype: str | None = None, *, work: float = 1.0,
-                    floor: bool = True, launches: int = 1) -> float:
+                    floor: bool = True, launches: int = 1, iterations: int = 1) -> float:
         """Seconds of one kernel: ``matmul`` at :meth:`matmul_rate`, ``attention`` (a fused flash kernel executing
         ``work`` FLOPs per counted FLOP) at ``attention_flops_per_s`` for 16-bit operands, anything else at
         the fused rate (memory-bound). ``floor=False`` leaves out the per-kernel fixed cost; ``launches``: the
-        kernels ``cost`` is the sum of (a loop's), each paying it."""
+        kernels ``cost`` is the sum of, each paying it, ``iterations`` times where loops launch per iteration."""
+        launches = launches * (iterations if self.loop_launches else 1)
         if kind == "attention":
             rate = (self.attention_flops_per_s or self.matmul_rate(dtype)) if dtype in ("bfloat16", "float16", None) \
                 else self.matmul_rate(dtype)
@@ -229,13 +233,13 @@ class KernelTimeModel:
     def scaled_time(self, kernels, scale: float = 1.0) -> float:
         """Seconds per microbatch for a list of :class:`~autopp.profiler._kernels.ScaledKernel` at ``scale`` times
         the traced batch (kernels that run once per step left out: see :meth:`per_step_time`)."""
-        return sum(self.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work, launches=k.launches)
-                   for k in kernels if not k.per_step)
+        return sum(self.kernel_time(k.kind, k.at(scale), k.dtype, work=k.work, launches=k.launches,
+                                    iterations=k.iterations) for k in kernels if not k.per_step)
 
     def per_step_time(self, kernels) -> float:
         """Seconds of the kernels that run once per step (parameter-only work, e.g. casting master weights)."""
-        return sum(self.kernel_time(k.kind, k.at(1.0), k.dtype, work=k.work, launches=k.launches)
-                   for k in kernels if k.per_step)
+        return sum(self.kernel_time(k.kind, k.at(1.0), k.dtype, work=k.work, launches=k.launches,
+                                    iterations=k.iterations) for k in kernels if k.per_step)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -290,5 +294,9 @@ class KernelTimeModel:
             if r.fun < best.fun:
                 best = r
         P, W, T, fm, fe, f0 = (float(x) for x in np.exp(np.clip(best.x, lo, hi)))
+        try:
+            loops = get_device(device).loop_launches
+        except (KeyError, ValueError, TypeError):  # (a device the table does not know: as GPUs do)
+            loops = True
         return cls(device=device, flops_per_s=P, bytes_per_s=W, transcendentals_per_s=T, matmul_floor_s=fm,
-                   fused_floor_s=fe, matmul_floor_flops=f0, calibrated=True)
+                   fused_floor_s=fe, matmul_floor_flops=f0, calibrated=True, loop_launches=loops)
