@@ -38,7 +38,14 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
     :data:`STRIDES` (``microbatches``: how many the step runs), :data:`ORDER`, :data:`FIRST` (a fixed number of
     examples: the caller says so where their values meet the others'), or None."""
     name = me.primitive.name
+    values = segments.setdefault(_VALUES, {})
+    _follow_values(we, me, values)
     dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
+    if name in ("gather", "dynamic_slice") and 0 in dependent and microbatches:
+        d = ins[0][1][0]
+        rows = _rows_picked(we, me, d, values)
+        if rows is not None and not _own_rows(*rows, _operand_pieces(we, me, d, segments), microbatches):
+            return ORDER  # rows picked by computed positions that are not each microbatch's own (z[arange(n) + c])
     if name == "slice" and 0 in dependent and set(ins[0][1]) - set(out_axes[0]):
         return FIRST  # a number of examples that does not grow with the batch (x[0], x[:4])
     if not dependent or not me.outvars or not out_axes[0]:
@@ -81,6 +88,82 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
         if pieces is not None:
             keep(mv, pieces)
     return None
+
+
+_VALUES = "values"  # key of the segments dict holding (whole, microbatch) values made from positions alone
+_MAX_VALUES = 1 << 16
+
+
+def _operand_pieces(we, me, d: int, segments) -> tuple:
+    """The segments of the first operand's batch axis ``d`` (one examples segment when none are known)."""
+    a = me.invars[0]
+    got = None if isinstance(a, jex_core.Literal) else segments.get(a)
+    return got or ((we.invars[0].aval.shape[d], a.aval.shape[d]),)
+
+
+def _follow_values(we, me, values: dict) -> None:
+    """The values of arrays made from ``jnp.arange`` and literals alone, in both traces (positions computed in the
+    loss: ``jnp.arange(n) + n - 1``, a fixed permutation by ``argsort``), for the rows a gather picks."""
+    name = me.primitive.name
+    if me.effects or (name not in ("pjit", "jit") and next(jex_core.jaxprs_in_params(me.params), None) is not None):
+        return  # (a jitted jnp function, argsort: run whole)
+    if any(getattr(v.aval, "size", _MAX_VALUES + 1) > _MAX_VALUES for v in me.outvars) or "random" in name:
+        return
+    reads = [a for a in me.invars if not isinstance(a, jex_core.Literal)]
+    if name != "iota" and (not reads or any(a not in values for a in reads)):
+        return
+    try:
+        got = []
+        for e, k in ((we, 0), (me, 1)):
+            args = [np.asarray(a.val) if isinstance(a, jex_core.Literal) else values[b][k]
+                    for a, b in zip(e.invars, me.invars)]
+            out = e.primitive.bind(*args, **e.params)
+            got.append([np.asarray(o) for o in (out if e.primitive.multiple_results else [out])])
+    except Exception:  # noqa: BLE001 - an operation that cannot run on host values: not followed
+        return
+    values.update((v, (w, m)) for v, w, m in zip(me.outvars, *got))
+
+
+def _rows_picked(we, me, d: int, values: dict):
+    """The rows along axis ``d`` of its operand that a gather (one index per output row) or a dynamic slice picks, in
+    both traces, where they are known (:func:`_follow_values`); else None."""
+    if me.primitive.name == "dynamic_slice":
+        starts = [(np.asarray(a.val), np.asarray(b.val)) if isinstance(b, jex_core.Literal) else values.get(b)
+                  for a, b in zip(we.invars[1:], me.invars[1:])]
+        if len(starts) <= d or starts[d] is None:
+            return None
+        return tuple(int(st) + np.arange(e.params["slice_sizes"][d]) for st, e in zip(starts[d], (we, me)))
+    idx = me.invars[1]
+    numbers = me.params["dimension_numbers"]
+    if isinstance(idx, jex_core.Literal) or idx not in values or tuple(numbers.start_index_map) != (d,):
+        return None
+    w, m = values[idx]
+    if w.ndim != 2 or m.ndim != 2 or w.shape[1] != 1 or m.shape[1] != 1:
+        return None
+    return w[:, 0], m[:, 0]
+
+
+def _own_rows(whole, micro, pieces, microbatches: int) -> bool:
+    """Whether a microbatch's gather (``micro``: the operand rows it picks, of segments ``pieces``) reads what the whole
+    batch's (``whole``) reads for it: its picks run through whole segments of the examples, each in order (a part of
+    [chosen; rejected], both swapped), or through rows the same in every microbatch; an offset window or a fixed
+    permutation picks other examples' rows in each microbatch than in the whole batch."""
+    wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
+    seg = np.searchsorted(mc, micro, side="right") - 1
+    if len(micro) == 0 or np.any(seg < 0) or np.any(seg >= len(pieces)):
+        return False
+    offset = micro - mc[seg]
+    want, i = [], 0
+    while i < len(micro):  # runs of consecutive rows of one segment
+        k, j = seg[i], i
+        while j + 1 < len(micro) and seg[j + 1] == k and offset[j + 1] == offset[j] + 1:
+            j += 1
+        w, m = pieces[k]
+        if w != m and (offset[i] != 0 or j - i + 1 != m):
+            return False  # part of a microbatch's examples by position
+        want.append(wc[k] + (np.arange(w) if w != m else offset[i:j + 1]))
+        i = j + 1
+    return bool(np.array_equal(whole, np.concatenate(want)))
 
 
 def _reshape(we, me, ins, out_axes, pieces, keep) -> str | None:
