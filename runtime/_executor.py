@@ -11,7 +11,6 @@ compilation after the first call, no host synchronisation; a buffer is dropped r
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Sequence
 
@@ -114,11 +113,10 @@ def _warn_batch_undivided(meshes: StageMeshes, traced: TracedStep, num_microbatc
     part that divides it): they repeat the same work. Say so, with the batch sizes that divide. (A leaf of another
     length left whole, a sparse array's entries or row offsets, repeats no examples: not said.)"""
     sparse = sparse_leaf_mask(traced)
-    sizes = [v.aval.shape[0] for v, b, s in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask, sparse)
-             if b and not s and v.aval.shape]
-    examples = math.gcd(*sizes) // num_microbatches if sizes else None
+    dense = {v.aval.shape[0] // num_microbatches for v, b, s in zip(traced.jaxpr.jaxpr.invars, traced.batch_mask,
+                                                                     sparse) if b and not s and v.aval.shape}
     for size, n in sorted({u for found in meshes.batch_undivided.values() for u in found
-                           if examples is None or u[0] == examples}):
+                           if not dense or u[0] in dense}):
         warnings.warn(
             f"autopp.parallelize: microbatches of {size} example(s) do not divide over a stage's {n} data-parallel "
             f"devices (data x fsdp), so those devices repeat the same examples instead of sharing them. Use a batch "
