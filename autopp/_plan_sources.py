@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import itertools
 import re
 import time
@@ -539,8 +540,6 @@ def _layer_ranges(prof: Profile, traced: TracedStep, forward) -> list[tuple[int,
 def _aligned(full, small) -> list[int]:
     """For each equation index of ``full`` (and its end, ``len(full)``), the index in ``small`` of the first
     equation at or after it that the two share (:class:`difflib.SequenceMatcher` over their primitives)."""
-    import difflib
-
     if len(full) == len(small) and all(a.primitive is b.primitive for a, b in zip(full, small)):
         return list(range(len(full) + 1))
     names = ([e.primitive.name for e in full], [e.primitive.name for e in small])

@@ -102,42 +102,56 @@ def _operand_pieces(we, me, d: int, segments) -> tuple:
 
 
 def _follow_values(we, me, values: dict) -> None:
-    """The values of arrays made from ``jnp.arange`` and literals alone, in both traces (positions computed in the
-    loss: ``jnp.arange(n) + n - 1``, a fixed permutation by ``argsort``), for the rows a gather picks."""
+    """Note the equations (in both traces) that make arrays from ``jnp.arange`` and literals alone: positions
+    computed in the loss (``jnp.arange(n) + n - 1``, a fixed permutation by ``argsort``). They are evaluated only
+    where a gather or a dynamic slice picks rows by them (:func:`_value`): each evaluation runs JAX eagerly."""
     name = me.primitive.name
     if me.effects or (name not in ("pjit", "jit") and next(jex_core.jaxprs_in_params(me.params), None) is not None):
         return  # (a jitted jnp function, argsort: run whole)
     if any(getattr(v.aval, "size", _MAX_VALUES + 1) > _MAX_VALUES for v in me.outvars) or "random" in name:
         return
     reads = [a for a in me.invars if not isinstance(a, jex_core.Literal)]
-    if name != "iota" and (not reads or any(a not in values for a in reads)):
-        return
+    if name == "iota" or reads and all(a in values for a in reads):
+        values.update((v, (we, me, k)) for k, v in enumerate(me.outvars))
+
+
+def _value(wa, a, values: dict):
+    """The values of ``a`` (its counterpart in the whole batch's trace: ``wa``) in both traces (:func:`_follow_values`),
+    or None where they are not known."""
+    if isinstance(a, jex_core.Literal):
+        return np.asarray(wa.val), np.asarray(a.val)
+    got = values.get(a)
+    if got is None or len(got) == 2:
+        return got
+    we, me, k = got
+    args = [_value(wb, b, values) for wb, b in zip(we.invars, me.invars)]
+    values[a] = None  # (until evaluated: what cannot be is not tried again)
+    if any(x is None for x in args):
+        return None
     try:
-        got = []
-        for e, k in ((we, 0), (me, 1)):
-            args = [np.asarray(a.val) if isinstance(a, jex_core.Literal) else values[b][k]
-                    for a, b in zip(e.invars, me.invars)]
-            out = e.primitive.bind(*args, **e.params)
-            got.append([np.asarray(o) for o in (out if e.primitive.multiple_results else [out])])
+        outs = []
+        for e, j in ((we, 0), (me, 1)):
+            out = e.primitive.bind(*[x[j] for x in args], **e.params)
+            outs.append([np.asarray(o) for o in (out if e.primitive.multiple_results else [out])])
     except Exception:  # noqa: BLE001 - an operation that cannot run on host values: not followed
-        return
-    values.update((v, (w, m)) for v, w, m in zip(me.outvars, *got))
+        return None
+    values.update((v, (w, m)) for v, w, m in zip(me.outvars, *outs))
+    return values[me.outvars[k]]
 
 
 def _rows_picked(we, me, d: int, values: dict):
     """The rows along axis ``d`` of its operand that a gather (one index per output row) or a dynamic slice picks, in
-    both traces, where they are known (:func:`_follow_values`); else None."""
+    both traces, where they are known (:func:`_value`); else None."""
     if me.primitive.name == "dynamic_slice":
-        starts = [(np.asarray(a.val), np.asarray(b.val)) if isinstance(b, jex_core.Literal) else values.get(b)
-                  for a, b in zip(we.invars[1:], me.invars[1:])]
-        if len(starts) <= d or starts[d] is None:
+        starts = _value(we.invars[1 + d], me.invars[1 + d], values) if len(me.invars) > 1 + d else None
+        if starts is None:
             return None
-        return tuple(int(st) + np.arange(e.params["slice_sizes"][d]) for st, e in zip(starts[d], (we, me)))
-    idx = me.invars[1]
+        return tuple(int(st) + np.arange(e.params["slice_sizes"][d]) for st, e in zip(starts, (we, me)))
     numbers = me.params["dimension_numbers"]
-    if isinstance(idx, jex_core.Literal) or idx not in values or tuple(numbers.start_index_map) != (d,):
+    got = _value(we.invars[1], me.invars[1], values) if tuple(numbers.start_index_map) == (d,) else None
+    if got is None:
         return None
-    w, m = values[idx]
+    w, m = got
     if w.ndim != 2 or m.ndim != 2 or w.shape[1] != 1 or m.shape[1] != 1:
         return None
     return w[:, 0], m[:, 0]

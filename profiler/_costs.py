@@ -563,7 +563,7 @@ def kernel_costs(jaxpr: jex_core.Jaxpr) -> list[tuple[str, OpCost]]:
     ``"matmul"``: one dot/convolution. ``"fused"``: a run of other equations between matmuls, fused into
     one kernel whose memory traffic is only what crosses its boundary (values read from outside the run, only
     the parts of them slices take where slices are all that read them; values used after it). A control-flow
-    equation (scan, while, cond) is the kernels its body launches (:func:`loop_kernels`). Plain calls (``jit``) are
+    equation (scan, while, cond) is the kernels its body runs (:func:`loop_kernels`). Plain calls (``jit``) are
     looked through.
     """
     eqns = _flatten_calls(jaxpr)

@@ -296,7 +296,7 @@ class KernelTimeModel:
         P, W, T, fm, fe, f0 = (float(x) for x in np.exp(np.clip(best.x, lo, hi)))
         try:
             loops = get_device(device).loop_launches
-        except (KeyError, ValueError, TypeError):  # (a device the table does not know: as GPUs do)
+        except (ValueError, TypeError):  # (a device the table does not know: as GPUs do)
             loops = True
         return cls(device=device, flops_per_s=P, bytes_per_s=W, transcendentals_per_s=T, matmul_floor_s=fm,
                    fused_floor_s=fe, matmul_floor_flops=f0, calibrated=True, loop_launches=loops)
