@@ -301,7 +301,8 @@ class ParallelizeConfig:
             if missing:
                 raise ValueError(
                     f"{_WHO}: the plan places stages on {len(planned)} devices, id(s) {_id_ranges(sorted(planned))}; "
-                    f"{_id_ranges(missing)} are not among the {len(devices)} devices given "
+                    f"{'id' if len(missing) == 1 else 'ids'} {_id_ranges(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} not among the {len(devices)} devices given "
                     f"({_id_ranges(sorted(d.id for d in devices))}). Pass devices that include them, or exactly "
                     f"{len(planned)} devices (the plan then runs on them in its order), or make a plan for these "
                     "(autopp.parallelize(step) without a plan plans for the devices it is given).")

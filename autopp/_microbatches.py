@@ -14,6 +14,8 @@ from jax.extend import core as jex_core
 
 from autopp._config import ParallelizeConfig
 from autopp.core import (
+    CALLBACK,
+    FIRST,
     STRUCTURE,
     TracedStep,
     batch_dependent_vars,
@@ -172,13 +174,27 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             f"batch's size, {batch_size(traced)}, is written as a number, so each microbatch's values are regrouped "
             "across its examples and the loss and gradients differ from plain jax.jit's. Take the size from the "
             "array (x.reshape(x.shape[0], -1)).", stacklevel=user_stacklevel())
+    elif STRUCTURE in undetermined and (picked := _rows_read_by_position(traced, forward)):
+        e, k = picked[0]
+        arg = traced.spec.input_name(k)
+        warnings.warn(
+            f"{_WHO}: at {user_line(e) or 'an equation of the loss'} the loss reads each row of {arg} "
+            f"{traced.spec.forward.jaxpr.invars[k].aval.str_short()} (or of a value computed from it along its axis "
+            "0) by its position along axis 0 (v[0] and v[1], or a, b = v), rows that a microbatch does not all hold, "
+            "so that axis is not its examples' (views, channels or parts stacked first, "
+            f"[2, batch, ...]); autopp splits axis 0 of each batch leaf into the {num_microbatches} microbatches, "
+            "so each microbatch holds other rows than those positions name and the loss and gradients differ from "
+            "plain jax.jit's. Put the examples first ([batch, 2, ...], read v[:, 0] and v[:, 1]), or pass each part "
+            "as a batch leaf of its own.", stacklevel=user_stacklevel())
     elif STRUCTURE in undetermined:
         warnings.warn(
             f"{_WHO}: the loss's program is not the same at the whole batch and at a microbatch of 1/{factor} of it"
             + (f" (compared there: each of the {num_microbatches} microbatches holds one example)"
                if factor != num_microbatches else "") + ": "
             "it loops over the batch axis or branches on its size (a lax.fori_loop or Python loop over the examples "
-            "or along axis 0 of the batch, an `if` on x.shape[0]), so how its examples combine cannot be read, and "
+            "or along axis 0 of the batch, an `if` on x.shape[0]), or reads rows at fixed positions that a "
+            "microbatch may not hold (x[:4], x[5]: pass such rows to the loss as an argument of their own), so how "
+            "its examples combine cannot be read, and "
             f"the microbatches' losses are {'added up' if config.loss_reduction == 'sum' else 'averaged'}. If axis 0 "
             "of the batch is not its examples' (time-major [time, batch, ...] data, looped over time), each "
             "microbatch is a stretch of time starting from the initial state, unlike jax.jit: put the examples first "
@@ -186,9 +202,11 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
             stacklevel=user_stacklevel())
     reached = mixing_by_output(mixing, forward) if mixing else {}
     if 0 in reached:  # one warning for a loss whose examples' values depend on other examples of the batch
+        hedged = all(e[0] in (CALLBACK, FIRST) for e in reached[0])  # (their text says where the values are jit's)
         warnings.warn(
             f"{_WHO}: the loss {mixing_summary(reached[0])}. Each of the {num_microbatches} microbatches' losses sees "
-            "only its own examples, so the loss and gradients differ from plain jax.jit's over the whole batch (they "
+            f"only its own examples, so {'otherwise ' if hedged else ''}the loss and gradients differ from plain "
+            "jax.jit's over the whole batch (they "
             "are gradient accumulation's). For jit's values use num_microbatches=1 (a stage's data-parallel devices "
             "then compute over the whole batch, as jit does), or compute such values (statistics, random draws) in "
             "the step, outside the loss, and pass them in: a value without the batch's leading length reaches every "
@@ -421,6 +439,38 @@ def _fixed_batch_reshapes(jaxpr: jex_core.Jaxpr, whole: int, factor: int) -> lis
         for sub in jex_core.jaxprs_in_params(e.params):
             found += _fixed_batch_reshapes(sub, whole, factor)
     return found
+
+
+def _rows_read_by_position(traced: TracedStep, forward: jex_core.ClosedJaxpr) -> list:
+    """``(equation, input)`` where the loss reads every row of a batch input along axis 0 by its position, or of a
+    value computed from it that keeps that axis (``v[0]`` and ``v[1]``, ``jax.vmap(f)(v)[1]``), and a microbatch
+    (``forward``) reads a fixed row past its end (JAX clamps it: a ``dynamic_slice`` at a constant start): that axis
+    is then not the examples' but views or parts stacked first. (A loop over the examples, ``x[i:i + 1]``, reads only
+    rows a microbatch holds; ``x[5]`` reads one row of many.)"""
+    found = []
+    for jaxpr in (traced.spec.forward.jaxpr, forward.jaxpr):
+        rows = {v: k for k, (v, split) in enumerate(zip(jaxpr.invars, traced.microbatched_grad_inputs)) if split}
+        inputs = set(jaxpr.invars)  # (what depends on them: a start that does not is a constant)
+        reads: dict = {}
+        for e in jaxpr.eqns:
+            if any(isinstance(a, jex_core.Var) and a in inputs for a in e.invars):
+                inputs.update(e.outvars)
+            read = [a for a in e.invars if isinstance(a, jex_core.Var) and a in rows and a.aval.shape]
+            if not read:
+                continue
+            a = read[0]
+            if e.primitive.name == "slice" and e.params["limit_indices"][0] - e.params["start_indices"][0] == 1:
+                reads.setdefault(a, []).append((e, e.params["start_indices"][0]))
+            elif (e.primitive.name == "dynamic_slice" and e.params["slice_sizes"][0] == 1
+                  and not (isinstance(e.invars[1], jex_core.Var) and e.invars[1] in inputs)):
+                reads.setdefault(a, []).append((e, None))
+            elif e.outvars and any(b.aval.shape[:1] == getattr(e.outvars[0].aval, "shape", ())[:1] for b in read):
+                rows.update((o, rows[a]) for o in e.outvars)  # (the axis kept: elementwise, a matmul, a vmap)
+        found.append((rows, reads))
+    (rows, whole), (_, micro) = found
+    past_end = any(start is None for picks in micro.values() for _, start in picks)
+    return [(picks[0][0], rows[a]) for a, picks in whole.items()
+            if past_end and {start for _, start in picks} == set(range(a.aval.shape[0]))]
 
 
 def counted_once(forward: jex_core.ClosedJaxpr, traced: TracedStep, num_microbatches: int,

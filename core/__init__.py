@@ -97,7 +97,9 @@ from autopp.core._plan import (
     id_ranges,
     split_summary,
 )
-from autopp.core._reduction import ORDER, PAIRS, SPREAD, STRUCTURE, mixing_by_output, mixing_summary, output_reductions
+from autopp.core._mixing import CALLBACK
+from autopp.core._reduction import (FIRST, ORDER, PAIRS, SPREAD, STRUCTURE, mixing_by_output, mixing_summary,
+                                    output_reductions)
 from autopp.core._remat import layer_checkpointed
 from autopp.core._reroll import ScanRun, find_scan_runs, read_rows, reroll_scans, row_slice
 from autopp.core._stage import RECOMPUTE_POLICIES, StageGraph, StagePrograms, stage_graphs

@@ -17,10 +17,11 @@ import math
 import numpy as np
 from jax.extend import core as jex_core
 
-ORDER, PARTS, STRIDES, FIRST = "order", "parts", "strides", "first"
+ORDER, PARTS, STRIDES, FIRST, POSITIONS = "order", "parts", "strides", "first", "positions"
 """What :func:`batch_parts` finds: a window of the batch by position (``x[1:] - x[:-1]``), a part of its examples
 by position (``x[:n]``, ``jnp.split``, ``x.reshape(2, -1)``), every k-th example in microbatches k does not divide,
-a fixed number of them (``x[0]``)."""
+a fixed number of them (``x[0]``, ``x[jnp.array([0, 5])]``), rows written at fixed positions (``x.at[:2].set(0)``;
+also what :mod:`autopp.core._reduction` says of positions from ``jnp.arange`` used as values)."""
 
 
 def _shape(a) -> tuple:
@@ -40,12 +41,25 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
     name = me.primitive.name
     values = segments.setdefault(_VALUES, {})
     _follow_values(we, me, values)
+
+    def keep(out, pieces):
+        pieces = tuple(p for p in pieces if p[0])
+        if len(pieces) > 1:
+            segments[out] = pieces
+
     dependent = [k for k, (st, ax) in enumerate(ins) if st is not None and st[2] and ax]
     if name in ("gather", "dynamic_slice") and 0 in dependent and microbatches:
         d = ins[0][1][0]
         rows = _rows_picked(we, me, d, values)
-        if rows is not None and not _own_rows(*rows, _operand_pieces(we, me, d, segments), microbatches):
-            return ORDER  # rows picked by computed positions that are not each microbatch's own (z[arange(n) + c])
+        picked = None if rows is None else _picked_segments(*rows, _operand_pieces(we, me, d, segments))
+        if rows is not None and picked is None:  # rows picked by positions that are not each microbatch's own: fixed
+            return FIRST if np.array_equal(*rows) else ORDER  # ones (x[jnp.array([0, 5])]), or z[arange(n) + c]
+        if picked and out_axes[0][:1] == (_picks_axis(me, d),):
+            keep(me.outvars[0], picked)  # (the halves swapped, [rejected; chosen], are two segments)
+    if name.startswith("scatter") and 0 in dependent and microbatches:
+        rows = _rows_written(we, me, ins[0][1][0], values)
+        if rows is not None and not _own_writes(*rows, _operand_pieces(we, me, ins[0][1][0], segments)):
+            return POSITIONS  # rows written at fixed positions: nll.at[:2].set(0), each microbatch's own first two
     if name == "slice" and 0 in dependent and set(ins[0][1]) - set(out_axes[0]):
         return FIRST  # a number of examples that does not grow with the batch (x[0], x[:4])
     if not dependent or not me.outvars or not out_axes[0]:
@@ -58,11 +72,6 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
         if got is not None and ins[k][1][:1] == (d,):
             return got
         return ((whole_in[k][d], micro_in[k][d]),)
-
-    def keep(out, pieces):
-        pieces = tuple(p for p in pieces if p[0])
-        if len(pieces) > 1:
-            segments[out] = pieces
 
     if name == "concatenate":
         d = me.params["dimension"]
@@ -110,9 +119,29 @@ def _follow_values(we, me, values: dict) -> None:
         return  # (a jitted jnp function, argsort: run whole)
     if any(getattr(v.aval, "size", _MAX_VALUES + 1) > _MAX_VALUES for v in me.outvars) or "random" in name:
         return
-    reads = [a for a in me.invars if not isinstance(a, jex_core.Literal)]
-    if name == "iota" or reads and all(a in values for a in reads):
-        values.update((v, (we, me, k)) for k, v in enumerate(me.outvars))
+    if name == "iota" or all(a in values for a in me.invars if not isinstance(a, jex_core.Literal)):
+        values.update((v, (we, me, k)) for k, v in enumerate(me.outvars))  # (of literals alone: x.at[-1], x[3])
+
+
+def seed_values(segments: dict, w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list,
+                in_values: list | None) -> None:
+    """Before a walk of ``m`` (``w``: the whole batch's), the values :func:`_value` knows: its small integer constants
+    (``x[jnp.array([0, 5])]``) and what the caller's operands are known to be (``in_values``, from
+    :func:`call_values`: ``jnp.take(x, 3)`` passes 3 into its jitted body)."""
+    values = segments.setdefault(_VALUES, {})
+    for mv, wc, mc in zip(m.constvars, w_consts, m_consts):
+        dtype = getattr(mv.aval, "dtype", None)  # (integers and flags: not floats, nor a PRNG key's type)
+        if isinstance(dtype, np.dtype) and dtype.kind in "iub" and mv.aval.size <= _MAX_VALUES:
+            values[mv] = (np.asarray(wc), np.asarray(mc))
+    values.update((v, got) for v, got in zip(m.invars, in_values or ()) if got is not None)
+
+
+def call_values(we, me, segments: dict) -> list:
+    """Per operand of a call, how to know its values in the body's walk (:func:`seed_values`): evaluated, as the
+    caller's, only where the body picks rows by them."""
+    values = segments.setdefault(_VALUES, {})
+    return [(lambda wa=wa, a=a: _value(wa, a, values)) if isinstance(a, jex_core.Literal) or a in values else None
+            for wa, a in zip(we.invars, me.invars)]
 
 
 def _value(wa, a, values: dict):
@@ -121,6 +150,8 @@ def _value(wa, a, values: dict):
     if isinstance(a, jex_core.Literal):
         return np.asarray(wa.val), np.asarray(a.val)
     got = values.get(a)
+    if callable(got):  # (a call's operand, known in the caller's walk)
+        values[a] = got = got()
     if got is None or len(got) == 2:
         return got
     we, me, k = got
@@ -151,33 +182,82 @@ def _rows_picked(we, me, d: int, values: dict):
     got = _value(we.invars[1], me.invars[1], values) if tuple(numbers.start_index_map) == (d,) else None
     if got is None:
         return None
-    w, m = got
+    w, m = (x.reshape(1, 1) if x.shape == (1,) else x for x in got)  # (one index alone: jnp.take(x, 3))
     if w.ndim != 2 or m.ndim != 2 or w.shape[1] != 1 or m.shape[1] != 1:
         return None
     return w[:, 0], m[:, 0]
 
 
-def _own_rows(whole, micro, pieces, microbatches: int) -> bool:
-    """Whether a microbatch's gather (``micro``: the operand rows it picks, of segments ``pieces``) reads what the whole
-    batch's (``whole``) reads for it: its picks run through whole segments of the examples, each in order (a part of
-    [chosen; rejected], both swapped), or through rows the same in every microbatch; an offset window or a fixed
-    permutation picks other examples' rows in each microbatch than in the whole batch."""
+def _picked_segments(whole, micro, pieces) -> list | None:
+    """The segments of what a microbatch's gather picks (``micro``: the operand rows, of segments ``pieces``), where
+    it reads what the whole batch's (``whole``) reads for it; else None. Each run of its picks from one segment of the
+    examples stands, in the whole batch, for that run repeated in each microbatch's rows of the segment: a part of
+    [chosen; rejected] (both swapped: two segments), pairs interleaved (``x[jnp.arange(n) * 2]``, partners
+    ``x[jnp.arange(B) ^ 1]``); rows of other segments are the same in every microbatch. An offset window, a fixed
+    permutation or fixed rows (``x[jnp.array([0, 5])]``) pick other examples' rows in each microbatch."""
     wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
     seg = np.searchsorted(mc, micro, side="right") - 1
     if len(micro) == 0 or np.any(seg < 0) or np.any(seg >= len(pieces)):
-        return False
+        return None
     offset = micro - mc[seg]
-    want, i = [], 0
-    while i < len(micro):  # runs of consecutive rows of one segment
+    want, runs, i = [], [], 0
+    while i < len(micro):  # runs of rows of one segment
         k, j = seg[i], i
-        while j + 1 < len(micro) and seg[j + 1] == k and offset[j + 1] == offset[j] + 1:
+        while j + 1 < len(micro) and seg[j + 1] == k:
             j += 1
-        w, m = pieces[k]
-        if w != m and (offset[i] != 0 or j - i + 1 != m):
-            return False  # part of a microbatch's examples by position
-        want.append(wc[k] + (np.arange(w) if w != m else offset[i:j + 1]))
+        (w, m), run = pieces[k], offset[i:j + 1]
+        if w != m and (not m or w % m):
+            return None
+        copies = w // m if w != m else 1
+        want.append(wc[k] + (np.arange(copies)[:, None] * m + run[None, :]).ravel())
+        runs.append((len(run) * copies, len(run)))
         i = j + 1
-    return bool(np.array_equal(whole, np.concatenate(want)))
+    return runs if np.array_equal(whole, np.concatenate(want)) else None
+
+
+def _picks_axis(me, d: int) -> int:
+    """The output axis of a gather (a dynamic slice) that holds the rows it picks along operand axis ``d``."""
+    if me.primitive.name == "dynamic_slice":
+        return d
+    offsets = me.params["dimension_numbers"].offset_dims
+    return next(a for a in range(len(_shape(me.outvars[0])) + 1) if a not in offsets)
+
+
+def _rows_written(we, me, d: int, values: dict):
+    """Per trace, which rows along axis ``d`` of its destination a scatter writes, where its indices are known
+    (:func:`_value`) and the destination is small: the scatter run on zeros, with ones for its updates."""
+    from jax import lax  # (imported where it runs: this module reads jaxprs, it runs none but these)
+
+    got = _value(we.invars[1], me.invars[1], values) if len(me.invars) == 3 else None
+    if got is None or any(math.prod(_shape(e.invars[0])) > _MAX_VALUES for e in (we, me)):
+        return None
+    rows = []
+    for e, index in zip((we, me), got):
+        dest, updates = e.invars[0].aval, e.invars[2].aval
+        try:
+            out = lax.scatter(np.zeros(dest.shape, np.float32), index, np.ones(updates.shape, np.float32),
+                              e.params["dimension_numbers"], mode=e.params["mode"])
+        except Exception:  # noqa: BLE001 - a scatter that cannot run on host values: not followed
+            return None
+        out = np.asarray(out) != 0
+        rows.append(out.any(axis=tuple(a for a in range(out.ndim) if a != d)))
+    return tuple(rows)
+
+
+def _own_writes(whole, micro, pieces) -> bool:
+    """Whether the rows a microbatch's scatter writes (``micro``: a mask along the destination's rows, of segments
+    ``pieces``) stand for those the whole batch's writes (``whole``): the same rows of each microbatch's examples
+    (every row, or every k-th), the same rows of the others."""
+    wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
+    if len(whole) != wc[-1] or len(micro) != mc[-1]:
+        return False
+    for k, (w, m) in enumerate(pieces):
+        ws, ms = whole[wc[k]:wc[k + 1]], micro[mc[k]:mc[k + 1]]
+        if w != m and (not m or w % m):
+            return False
+        if not np.array_equal(ws, np.tile(ms, w // m if w != m else 1)):
+            return False
+    return True
 
 
 def _reshape(we, me, ins, out_axes, pieces, keep) -> str | None:
@@ -289,5 +369,5 @@ def examples_blocks(pieces) -> tuple[int, ...] | None:
     return tuple(int(w) for w, _ in pieces) if pieces and len(pieces) > 1 and _examples_only(pieces) else None
 
 
-__all__ = ["FIRST", "ORDER", "PARTS", "STRIDES", "across_examples", "batch_parts", "examples_blocks",
-           "indexes_the_batch"]
+__all__ = ["FIRST", "ORDER", "PARTS", "POSITIONS", "STRIDES", "across_examples", "batch_parts", "call_values",
+           "examples_blocks", "indexes_the_batch", "seed_values"]

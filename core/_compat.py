@@ -639,13 +639,14 @@ class replaying_scans:
 
     def __enter__(self):
         from jax._src import ad_checkpoint
+        from jax._src.lax import control_flow  # (its scan: what a callback's vmap_method="sequential" loops by)
         from jax._src.lax.control_flow import loops
 
         cls = type(self)
         if threading.get_ident() not in cls._inside:
             _loss_frames.traced, _loss_frames.step = False, self.steps
         if not cls._inside:
-            original = cls._original = (loops.scan, jax.lax.scan)
+            original = cls._original = (loops.scan, jax.lax.scan, control_flow.scan)
             cls._remat_trace = ad_checkpoint._trace_to_jaxpr
             inside = cls._inside
 
@@ -662,7 +663,7 @@ class replaying_scans:
                     init = jax.tree_util.tree_map(lambda x: LoopCounter(x) if type(x) is int else x, init)
                 return original[0](f, init, xs, length, reverse, unroll, _split_transpose)
 
-            loops.scan = jax.lax.scan = scan
+            loops.scan = jax.lax.scan = control_flow.scan = scan
             ad_checkpoint._trace_to_jaxpr = _linking_remat(cls._remat_trace)
         me = threading.get_ident()
         cls._inside[me] = cls._inside.get(me, 0) + 1
@@ -670,6 +671,7 @@ class replaying_scans:
 
     def __exit__(self, *exc):
         from jax._src import ad_checkpoint
+        from jax._src.lax import control_flow
         from jax._src.lax.control_flow import loops
 
         cls = type(self)
@@ -678,7 +680,7 @@ class replaying_scans:
         if not cls._inside[me]:
             del cls._inside[me]
         if not cls._inside:
-            loops.scan, jax.lax.scan = cls._original
+            loops.scan, jax.lax.scan, control_flow.scan = cls._original
             ad_checkpoint._trace_to_jaxpr = cls._remat_trace
             cls._original = cls._remat_trace = None
         return False

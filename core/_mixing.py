@@ -8,14 +8,14 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES, across_examples
+from autopp.core._batch_parts import FIRST, ORDER, PARTS, POSITIONS, STRIDES, across_examples
 from autopp.core._compat import user_line
 
 __all__ = ["CALLBACK", "CONTROL", "DRAWS", "INDEXED", "PAIRS", "POSITIONS", "SIZE", "SIZED", "SPREAD",
            "decides_by_statistic", "loop_bounds", "loop_test", "lost_reason", "mixes", "mixing_by_output",
            "mixing_summary", "JOINED", "TIME"]
 
-PAIRS, SPREAD, DRAWS, POSITIONS, INDEXED = "pairs", "spread", "draws", "positions", "indexed"
+PAIRS, SPREAD, DRAWS, INDEXED = "pairs", "spread", "draws", "indexed"
 CONTROL, SIZED, SIZE, JOINED, TIME = "control", "sized", "size", "joined", "time"
 CALLBACK = "callback"
 _CALLBACKS = frozenset({"pure_callback", "io_callback"})  # (what CALLBACK is said of)
@@ -45,8 +45,9 @@ _MIXING_KINDS = {
           "0 of every batch leaf into microbatches: put the examples first, jnp.swapaxes(x, 0, 1), and scan over "
           "axis 1 in the loss)",
     POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
-               "microbatch numbers its own from 0) as values (a weight or padding mask by position) or to index an "
-               "array not split with the batch (pass such per-example values, row weights, a padding mask, global "
+               "microbatch numbers its own from 0) as values (a weight or padding mask by position), to write rows "
+               "at fixed positions (x.at[:2].set(0), x.at[-1]: each microbatch's own first or last rows) or to index "
+               "an array not split with the batch (pass such per-example values, row weights, a padding mask, global "
                "document ids, with the batch)",
     PARTS: "takes parts of the batch by position or regroups its rows across examples (x[:n] and x[n:], jnp.split, "
            "x.reshape(2, -1): chosen and rejected sequences or two views of the examples concatenated into one batch; "

@@ -29,7 +29,8 @@ from fractions import Fraction
 import numpy as np
 from jax.extend import core as jex_core
 
-from autopp.core._batch_parts import FIRST, ORDER, PARTS, STRIDES, batch_parts, examples_blocks, indexes_the_batch
+from autopp.core._batch_parts import (FIRST, ORDER, PARTS, STRIDES, batch_parts, call_values, examples_blocks,
+                                     indexes_the_batch, seed_values)
 from autopp.core._joined import after_joined, follow_joined, fractional, new_joined, sums_apart, unfollowed_join
 from autopp.core._mixing import (_ADD, _GUARD, _MIX_ALONG, _RANDOM, _MAX, _MIN, _MIXED, _RATIO, _RATIO_SUM, _READABLE,
                                  _SHARE, _TEST, CONTROL, DRAWS, note_choice, note_part, INDEXED, JOINED, PAIRS,
@@ -117,7 +118,7 @@ def output_reductions(whole: jex_core.ClosedJaxpr, micro: jex_core.ClosedJaxpr, 
 
 
 def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, in_states: list,
-          M: int, in_segments: list | None = None, in_positions: list | None = None) -> list:
+          M: int, in_segments: list | None = None, in_positions: list | None = None, in_values=None) -> list:
     if len(w.eqns) != len(m.eqns) or len(w.invars) != len(m.invars) or len(in_states) != len(m.invars):
         raise _Mismatch
     env: dict = {}  # micro var -> (state, batch axes)
@@ -133,6 +134,7 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
     firsts: dict = {}  # values read off a fixed number of examples (x[0]), not yet combined with the others'
     joined = new_joined(top)  # values of the examples joined with rows the same in every microbatch (core._joined)
     segments.update((v, g) for v, g in zip(m.invars, in_segments or ()) if g)
+    seed_values(segments, w, m, w_consts, m_consts, in_values)  # (index arrays: constants, a call's operands)
     positions.update((v, p) for v, p in zip(m.invars, in_positions or ()) if p)  # (a call's operands')
     depends = {v for v, st in zip(m.invars, in_states) if st is None or st[2]}  # on the batch, whatever the state
     users, pending = {a: e for e in m.eqns for a in e.invars if not isinstance(a, jex_core.Literal)}, {}  # (a reader
@@ -155,13 +157,13 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
         if call:  # a call's body sees the segments of its operands, and its results get the body's
             _MIXING.call_in = [(None, None) if isinstance(a, jex_core.Literal) else (segments.get(a), positions.get(a))
                                for a in me.invars]
-            _MIXING.call_out = None  # (set by the body's walk, if the rule walks it)
+            _MIXING.call_values, _MIXING.call_out = call_values(we, me, segments), None  # (out: set by its walk)
         outs = _rule(we, me, ins, M)
         if (getattr(_MIXING, "parts", None) is not None and me.primitive.name in _ADD and outs == [None]
                 and not any(ax for _, ax in ins)):  # (terms of the loss, not a statistic spread over the examples)
             _MIXING.parts.extend(("mean" if st[1] == -1 else "sum", me, _MIXING.top) for st, _ in ins
                                  if st is not None and st[2] and st[0] == 1 and st[1] in (-1, 0))
-        _MIXING.__dict__.pop("call_in", None)  # (left where the rule did not walk the body)
+        _MIXING.__dict__.pop("call_in", None), _MIXING.__dict__.pop("call_values", None)  # (left unwalked)
         returned = _MIXING.__dict__.pop("call_out", None) if call else None
         positions.update((v, p) for v, (_, p) in zip(me.outvars, returned or ()) if p)  # (an argsort's indices)
         out_axes = [_batch_axes(wv, mv) for wv, mv in zip(we.outvars, me.outvars)]
@@ -533,9 +535,9 @@ def _sub_jaxprs(we, me):
         return None
     if len(mb.jaxpr.invars) != len(me.invars) or len(mb.jaxpr.outvars) != len(me.outvars):
         return None
-    called = _MIXING.__dict__.pop("call_in", None) or ()
+    called, known = _MIXING.__dict__.pop("call_in", None) or (), _MIXING.__dict__.pop("call_values", None)
     return lambda ins, M: _walk(wb.jaxpr, mb.jaxpr, list(wb.consts), list(mb.consts), [st for st, _ in ins], M,
-                                [g for g, _ in called], [p for _, p in called])
+                                [g for g, _ in called], [p for _, p in called], known)
 
 
 def _is_call(eqn) -> bool:

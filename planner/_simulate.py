@@ -108,6 +108,13 @@ def fp32_warning(prof: Profile, cluster: Cluster, who: str) -> None:
             stacklevel=3)
 
 
+def _split_by(sm: StepModel, tensor: int, sequence_parallel: bool) -> float:
+    """The fraction of the parameter bytes that a tensor degree splits (0 where it divides none of the weights)."""
+    whole, split = sm.params(1, sequence_parallel), sm.params(tensor, sequence_parallel)
+    total = whole.chunk_state(0, len(sm.layers))[0]
+    return 1.0 - split.chunk_state(0, len(sm.layers))[0] / total if total else 0.0
+
+
 def check_layout(prof: Profile, cluster: Cluster, *, global_batch: int, tp: int, pp: int, dp: int,
                  microbatch_size: int, schedule: str, recompute: str, virtual_stages: int, fsdp: int,
                  who: str = "simulate") -> tuple[Layout, list[tuple[int, int]]]:
@@ -190,6 +197,13 @@ def simulate(model: Any, cluster: Cluster | str, *, global_batch: int, tp: int, 
     fp32_warning(prof, cluster, who)
     layout = dataclasses.replace(layout, zero1=zero1, sequence_parallel=sequence_parallel)
     sm = step_model(prof, cluster, tuple(overlap))
+    if tp > 1 and _split_by(sm, tp, sequence_parallel) < 1e-9:
+        splits = [t for t in divisors(cluster.devices_per_node) if t > 1 and _split_by(sm, t, sequence_parallel) >= 1e-9]
+        warnings.warn(
+            f"{who}: tp={tp} splits none of the step's weights (it divides no head count, width or vocabulary that "
+            "a matmul splits by, or splitting them is priced slower than keeping them whole): each of the tensor "
+            f"group's {tp} devices holds and computes the whole model, as predicted. Tensor degrees that split "
+            f"weights here: {splits or 'none'}.", stacklevel=2)
     M = global_batch // (layout.microbatch_size * dp)
     exact = M * layout.num_chunks <= 20_000
     return sm.evaluate(layout, global_batch, split, [recompute] * layout.num_chunks, exact=exact).estimate

@@ -929,6 +929,131 @@ def test_halves_read_back_by_positions_that_mix_them_are_warned():
         assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-5), loss.__name__
 
 
+def _features(p, b):
+    return jnp.tanh(p["embed"][b["x"]] @ p["w"]).mean(1)  # [B, H]
+
+
+def _prototypes(pick):
+    def loss(p, b):
+        e = _features(p, b)
+        return jax.nn.logsumexp(e @ pick(e).T, -1).mean()
+    return loss
+
+
+def _nll_rows(change):
+    return lambda p, b: change(_nll(p, b).mean(1)).mean()
+
+
+@pytest.mark.parametrize("name", ["rows by a constant array", "rows by a numpy array", "jnp.take of rows",
+                                  "a row by a scalar", "jnp.take of a row", "first rows written",
+                                  "rows written by a constant array", "rows scaled by jnp.arange", "last row written"])
+def test_rows_picked_or_written_at_fixed_positions_are_warned(name):
+    """Rows of the batch picked or written at fixed positions in the loss (trial NOISE20, each silent before): each
+    microbatch picks or writes its own rows at those positions, past its end JAX clamps them (or fills NaN), so
+    prototypes taken as ``e[jnp.array([0, 5, 10, 15])]`` gave 4.8273 for jit's 4.8349 and ``nll.at[:2].set(0)``
+    9.6109 for 15.6199. The positions are known values (constants, literals, ``jnp.arange``), so the rows are
+    compared with the whole batch's: warned, as some examples read for all (picked) or by position (written)."""
+    cases = {
+        "rows by a constant array": (_prototypes(lambda e: e[jnp.array([0, 5, 10, 15])]), "reads some examples'"),
+        "rows by a numpy array": (_prototypes(lambda e: e[np.array([0, 5, 10, 15])]), "reads some examples'"),
+        "jnp.take of rows": (_prototypes(lambda e: jnp.take(e, jnp.array([0, 5, 10, 15]), axis=0)),
+                             "reads some examples'"),
+        "a row by a scalar": (_prototypes(lambda e: e[jnp.int32(3)][None]), "reads some examples'"),
+        "jnp.take of a row": (_prototypes(lambda e: jnp.take(e, 3, axis=0)[None]), "reads some examples'"),
+        "first rows written": (_nll_rows(lambda n: n.at[:2].set(0.0)), "write rows at fixed positions"),
+        "rows written by a constant array": (_nll_rows(lambda n: n.at[jnp.array([0, 6])].set(0.0)),
+                                             "write rows at fixed positions"),
+        "rows scaled by jnp.arange": (_nll_rows(lambda n: n.at[jnp.arange(2)].multiply(3.0)),
+                                      "write rows at fixed positions"),
+        "last row written": (_nll_rows(lambda n: n.at[-1].set(0.0)), "write rows at fixed positions"),
+    }
+    loss, words = cases[name]
+    texts, l_jit, l_pp = _warning_texts(loss)
+    assert len(texts) == 1 and words in texts[0], texts
+    assert not np.isclose(l_jit, l_pp, rtol=1e-5)
+
+
+def test_pairs_interleaved_read_by_computed_positions_run_silent():
+    """Anchors in the even rows and positives in the odd ones, read by positions computed from ``jnp.arange``
+    (trial NOISE20: jit's values, 0.971383 both, with a warning that the loss orders its examples): each microbatch
+    reads its own pairs, as ``e[::2]`` does. Silent, jit's values; a partner swap ``e[jnp.arange(B) ^ 1]`` too."""
+    def strided(p, b):
+        e = _features(p, b)
+        n = e.shape[0] // 2
+        return ((e[jnp.arange(n) * 2] - e[jnp.arange(n) * 2 + 1]) ** 2).sum(-1).mean()
+
+    def taken(p, b):
+        e = _features(p, b)
+        return ((jnp.take(e, jnp.arange(0, e.shape[0], 2), 0) - jnp.take(e, jnp.arange(1, e.shape[0], 2), 0))
+                ** 2).sum(-1).mean()
+
+    def partners(p, b):
+        e = _features(p, b)
+        return (e * e[jnp.arange(e.shape[0]) ^ 1]).sum(-1).mean()
+
+    for loss in (strided, taken, partners):
+        _assert_quiet_and_jit_s(_step(loss), what=loss.__name__)
+
+
+def test_a_host_function_per_example_by_a_sequential_vmap_is_read_as_per_example():
+    """DETR's matching per image by a host solver, ``jax.pure_callback(..., vmap_method="sequential")`` under
+    ``jax.vmap`` (trial DETECT): JAX loops over the examples by ``lax.scan``, which autopp's tracing unrolled (JAX's
+    callback rule calls the scan its own module imports), so the whole batch's program and a microbatch's differed and
+    a false warning said the loss looped over the batch axis (19.85756 both). The loop stays a scan over the
+    examples: no warning, jit's values."""
+    def nearest(cost):  # each example's best column, on the host
+        return np.argmin(np.asarray(cost), -1).astype(np.int32)
+
+    def per_example(h):
+        cost = jnp.abs(h[:, None] - h[None, :] - 1.0)  # [H, H]
+        pick = jax.pure_callback(nearest, jax.ShapeDtypeStruct((H,), jnp.int32), jax.lax.stop_gradient(cost),
+                                 vmap_method="sequential")
+        return jnp.abs(h[pick] - h).sum()
+
+    def loss(p, b):
+        return jax.vmap(per_example)(_features(p, b)).mean()
+
+    _assert_quiet_and_jit_s(_step(loss))
+
+
+def test_views_stacked_before_the_examples_are_named_as_such():
+    """Two views stacked as one batch leaf ``[2, B, ...]`` and read as ``v[0]``, ``v[1]`` (trial NOISE19): autopp
+    split the views into the microbatches, a loss of 0 for jit's 3.18, with a warning about a loop over the batch
+    axis; so too through ``jax.vmap`` over the views (trial NOISE20). It now names the leaf read by position along
+    axis 0, and its advice, the examples first (``v[:, 0]``), gives jit's values without a warning."""
+    x = _batch(0)["x"]
+
+    def distance(p, a, b):
+        return ((_pair_logits(p, {"x": a, "y": a}) - _pair_logits(p, {"x": b, "y": b})) ** 2).mean()
+
+    def stacked(p, b):
+        return distance(p, b["views"][0], b["views"][1])
+
+    def examples_first(p, b):
+        return distance(p, b["views"][:, 0], b["views"][:, 1])
+
+    def mapped(p, b):  # (the views through jax.vmap, then read by position)
+        z = jax.vmap(lambda v: _pair_logits(p, {"x": v, "y": v}))(b["views"])
+        return ((z[0] - z[1]) ** 2).mean()
+
+    params = _params(jax.random.key(0))
+    pair = (x, (x + 1) % V)
+    for loss, views in ((stacked, jnp.stack(pair)), (mapped, jnp.stack(pair)), (examples_first, jnp.stack(pair, 1))):
+        step = _step(loss)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            outs = [fn(params, TX.init(params), {"views": views}) for fn in (jax.jit(step), autopp.parallelize(
+                step, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]))]
+        texts = [str(w.message) for w in seen if "autopp" in str(w.message)]
+        if loss is not examples_first:
+            assert len(texts) == 1 and "reads each row of args[1]['views'] int32[2,16,8]" in texts[0]
+            assert "test_loss_reduction.py" in texts[0] and "[batch, 2, ...]" in texts[0], texts
+            assert not np.isclose(float(outs[0][2]), float(outs[1][2]), rtol=1e-3)
+        else:
+            assert texts == []
+            _assert_equal(outs[0], outs[1])
+
+
 def test_a_solver_per_example_is_read_as_per_example():
     """Each example solving its own system with ``jax.scipy.sparse.linalg.cg`` under ``vmap`` (user trial META):
     JAX's solver passes its residuals and a scalar tolerance through one ``device_put``, which the walk read as

@@ -87,12 +87,15 @@ def test_a_plan_replays_after_a_change_of_learning_rate(mlp_case):
 def test_plan_on_missing_devices_is_refused(mlp_case):
     step, state, batch = mlp_case
     plan = autopp.parallelize(step, num_stages=2, devices=jax.devices()[6:]).plan_for(*state, batch)
-    with pytest.raises(ValueError, match=r"on 2 devices, id\(s\) 6-7; 6-7 are not among the 4 devices given \(0-3\)"):
+    with pytest.raises(ValueError, match=r"on 2 devices, id\(s\) 6-7; ids 6-7 are not among the 4 devices "
+                                         r"given \(0-3\)"):
         autopp.parallelize(step, plan=plan, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"; id 7 is not among the 7 devices given \(0-6\)"):  # (it said "7 are")
+        autopp.parallelize(step, plan=plan, devices=jax.devices()[:7])
     # a plan for a cluster of 1024 devices names the missing ones as runs (it used to list 1016 ids, 5,194 characters)
     big = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, devices=tuple(range(512 * st.index, 512 * (
         st.index + 1))), mesh_shape={"data": 512}) for st in plan.stages))
-    with pytest.raises(ValueError, match=r"on 1024 devices, id\(s\) 0-1023; 8-1023 are not among the 8 devices "
+    with pytest.raises(ValueError, match=r"on 1024 devices, id\(s\) 0-1023; ids 8-1023 are not among the 8 devices "
                                          r"given \(0-7\)\.") as refused:
         autopp.parallelize(step, plan=big, devices=jax.devices())
     assert len(str(refused.value)) < 400
