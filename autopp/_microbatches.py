@@ -145,7 +145,13 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
     factor = num_microbatches
     if retrace is not None and num_microbatches > 1 and batch_size(traced) == num_microbatches:
         factor = max((k for k in range(2, num_microbatches) if num_microbatches % k == 0), default=num_microbatches)
-        forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
+        try:
+            forward = retrace(factor) if factor < num_microbatches else forward  # (its outputs are the same values')
+        except ValueError as e:
+            raise ValueError(
+                f"{e}\n(num_microbatches={factor} above is where autopp compares the step: each of the "
+                f"{num_microbatches} microbatches asked for holds one example, whose rows JAX broadcasts against "
+                "arrays of the whole batch, so the step traces there but would not compute jit's values.)") from e
     lost: list = []
     blocks: dict = {}
     parts: list = []

@@ -190,15 +190,18 @@ def _stage_plans(traced: TracedStep, forward, split: StageSplit, stage_devices, 
     # the weights only work moved out of the loss reads (their gradients come from its backward alone), where that
     # work runs: the stage of the weights it reads, else the first its results go to (runtime/_placement.py)
     moved = moved_work_inputs(traced.jaxpr.jaxpr, traced.grad_index)
-    trained = spec.returned_mask or spec.diff_mask
-    own = sum(aval_bytes(fwd.invars[k].aval) for k in moved if trained[k] and not spec.diff_mask[k])
     results = range(len(fwd.invars) - spec.num_hoisted, len(fwd.invars))
+    split_rows = traced.microbatched_grad_inputs
+    # weights not differentiated (a frozen teacher, an EMA copy; not the batch, nor the moved work's results): held
+    # whole where they are read, as the runtime places them
+    frozen = {k for k in range(len(fwd.invars)) if not spec.diff_mask[k] and not split_rows[k] and k not in results}
+    own = sum(aval_bytes(fwd.invars[k].aval) for k in moved if k in frozen)
     home = min((s for k in moved for s in users.get(k, ())), default=None)
     home = min((s for k in results for s in users.get(k, ())), default=0) if home is None else home
     stages = []
     for s, ids in enumerate(split.stage_eqns):
         owned = sum(aval_bytes(fwd.invars[k].aval) for k, st in users.items()  # (not the moved work's results)
-                    if s in st and spec.diff_mask[k] and k not in stacked and k not in results)
+                    if s in st and (spec.diff_mask[k] and k not in stacked or k in frozen) and k not in results)
         owned += own if s == home else 0
         owned += sum(aval_bytes(fwd.invars[k].aval) * len(rows[(s, k)]) // fwd.invars[k].aval.shape[0]
                      for k in stacked if spec.diff_mask[k])

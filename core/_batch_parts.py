@@ -39,7 +39,7 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
     :data:`STRIDES` (``microbatches``: how many the step runs), :data:`ORDER`, :data:`FIRST` (a fixed number of
     examples: the caller says so where their values meet the others'), or None."""
     name = me.primitive.name
-    values = segments.setdefault(_VALUES, {})
+    values = segments.setdefault(_VALUES, {_FROM_IOTA: set()})
     _follow_values(we, me, values)
 
     def keep(out, pieces):
@@ -53,10 +53,10 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
         rows = _rows_picked(we, me, d, values)
         picked = None if rows is None else _picked_segments(*rows, _operand_pieces(we, me, d, segments))
         if rows is not None and picked is None:  # rows picked by positions that are not each microbatch's own: fixed
-            return FIRST if np.array_equal(*rows) else ORDER  # ones (x[jnp.array([0, 5])]), or z[arange(n) + c]
+            return FIRST if np.array_equal(*rows) else _misread(rows[0])  # ones (x[jnp.array([0, 5])]), or others
         if picked and out_axes[0][:1] == (_picks_axis(me, d),):
             keep(me.outvars[0], picked)  # (the halves swapped, [rejected; chosen], are two segments)
-    if name.startswith("scatter") and 0 in dependent and microbatches:
+    if name.startswith("scatter") and ins[0][1] and microbatches:  # (into the batch's values, or a weight per row)
         rows = _rows_written(we, me, ins[0][1][0], values)
         if rows is not None and not _own_writes(*rows, _operand_pieces(we, me, ins[0][1][0], segments)):
             return POSITIONS  # rows written at fixed positions: nll.at[:2].set(0), each microbatch's own first two
@@ -72,6 +72,17 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
         if got is not None and ins[k][1][:1] == (d,):
             return got
         return ((whole_in[k][d], micro_in[k][d]),)
+
+    indexed = name in ("gather", "dynamic_slice", "dynamic_update_slice") or name.startswith("scatter")
+    for k, a in enumerate(me.invars):  # values made in the loss from literals alone, as long as the batch, that meet
+        if (microbatches and k not in dependent and ins[k][1] and not isinstance(a, jex_core.Literal)
+                and a in values and not (indexed and k) and a not in values[_FROM_IOTA]):  # (positions a gather
+            # picks by: checked above; positions from jnp.arange: by autopp.core._reduction)
+            d = ins[k][1][0]  # its examples (a padding mask concatenate([ones(B - 4), zeros(4)]), ones(B).at[0])
+            peer = next((j for j in dependent if micro_in[j] == micro_in[k] and d in ins[j][1]), None)
+            got = _value(we.invars[k], a, values)
+            if got is not None and not _tiled(*got, d, pieces_of(k, d) if peer is None else pieces_of(peer, d)):
+                return POSITIONS
 
     if name == "concatenate":
         d = me.params["dimension"]
@@ -100,6 +111,7 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
 
 
 _VALUES = "values"  # key of the segments dict holding (whole, microbatch) values made from positions alone
+_FROM_IOTA = "iota"  # key of that dict holding the values made from jnp.arange
 _MAX_VALUES = 1 << 16
 
 
@@ -119,28 +131,36 @@ def _follow_values(we, me, values: dict) -> None:
         return  # (a jitted jnp function, argsort: run whole)
     if any(getattr(v.aval, "size", _MAX_VALUES + 1) > _MAX_VALUES for v in me.outvars) or "random" in name:
         return
-    if name == "iota" or all(a in values for a in me.invars if not isinstance(a, jex_core.Literal)):
+    reads = [a for a in me.invars if not isinstance(a, jex_core.Literal)]
+    if name == "iota" or all(a in values for a in reads):
         values.update((v, (we, me, k)) for k, v in enumerate(me.outvars))  # (of literals alone: x.at[-1], x[3])
+        if name == "iota" or any(a in values[_FROM_IOTA] for a in reads):
+            values[_FROM_IOTA].update(me.outvars)  # (positions: what autopp.core._reduction follows as such)
 
 
 def seed_values(segments: dict, w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list,
                 in_values: list | None) -> None:
-    """Before a walk of ``m`` (``w``: the whole batch's), the values :func:`_value` knows: its small integer constants
+    """Before a walk of ``m`` (``w``: the whole batch's), the values :func:`_value` knows: its small constants
     (``x[jnp.array([0, 5])]``) and what the caller's operands are known to be (``in_values``, from
     :func:`call_values`: ``jnp.take(x, 3)`` passes 3 into its jitted body)."""
-    values = segments.setdefault(_VALUES, {})
+    values = segments.setdefault(_VALUES, {_FROM_IOTA: set()})
     for mv, wc, mc in zip(m.constvars, w_consts, m_consts):
-        dtype = getattr(mv.aval, "dtype", None)  # (integers and flags: not floats, nor a PRNG key's type)
-        if isinstance(dtype, np.dtype) and dtype.kind in "iub" and mv.aval.size <= _MAX_VALUES:
+        dtype = getattr(mv.aval, "dtype", None)  # (numbers and flags, not a PRNG key's type)
+        if isinstance(dtype, np.dtype) and dtype.kind in "iubf" and mv.aval.size <= _MAX_VALUES:
             values[mv] = (np.asarray(wc), np.asarray(mc))
-    values.update((v, got) for v, got in zip(m.invars, in_values or ()) if got is not None)
+    for v, got in zip(m.invars, in_values or ()):
+        if got is not None:
+            values[v] = got[0]
+            if got[1]:
+                values[_FROM_IOTA].add(v)
 
 
 def call_values(we, me, segments: dict) -> list:
-    """Per operand of a call, how to know its values in the body's walk (:func:`seed_values`): evaluated, as the
-    caller's, only where the body picks rows by them."""
-    values = segments.setdefault(_VALUES, {})
-    return [(lambda wa=wa, a=a: _value(wa, a, values)) if isinstance(a, jex_core.Literal) or a in values else None
+    """Per operand of a call, how to know its values in the body's walk (:func:`seed_values`), evaluated, as the
+    caller's, only where the body picks rows by them, and whether they are made from ``jnp.arange``."""
+    values = segments.setdefault(_VALUES, {_FROM_IOTA: set()})
+    return [((lambda wa=wa, a=a: _value(wa, a, values)), not isinstance(a, jex_core.Literal)
+             and a in values[_FROM_IOTA]) if isinstance(a, jex_core.Literal) or a in values else None
             for wa, a in zip(we.invars, me.invars)]
 
 
@@ -213,6 +233,35 @@ def _picked_segments(whole, micro, pieces) -> list | None:
         runs.append((len(run) * copies, len(run)))
         i = j + 1
     return runs if np.array_equal(whole, np.concatenate(want)) else None
+
+
+def _misread(whole) -> str:
+    """What picks that are not each microbatch's own read (``whole``: the whole batch's): a window of consecutive rows
+    is a part by position (``z[jnp.arange(n) + n]`` where the microbatches do not hold the halves), rows a stride
+    apart every k-th example (``z[jnp.arange(n) * 2]`` in microbatches of odd size), others an order."""
+    steps = set(np.diff(whole).tolist()) if len(whole) > 1 else set()
+    return PARTS if steps == {1} else STRIDES if len(steps) == 1 and steps.pop() > 1 else ORDER
+
+
+def _tiled(whole, micro, d: int, pieces) -> bool:
+    """Whether a value made from literals alone (``whole`` and ``micro``, its values in both traces) holds along its
+    batch axis ``d`` the same for each microbatch's rows of every segment of the examples as the whole batch's (a
+    parity, a weight per position within a pair), and the same rows of the other segments; True where the shapes do
+    not say (its other axes grow with the batch too) and where every row is the same in each trace."""
+    whole, micro = np.moveaxis(whole, d, 0), np.moveaxis(micro, d, 0)
+    wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
+    if whole.shape[1:] != micro.shape[1:] or len(whole) != wc[-1] or len(micro) != mc[-1]:
+        return True
+    if all(len({np.ascontiguousarray(r).tobytes() for r in x}) <= 1 for x in (whole, micro)):
+        return True  # the same in every row (a mean's cotangent 1 / B: its size, said elsewhere, not a position)
+    for k, (w, m) in enumerate(pieces):
+        ws, ms = whole[wc[k]:wc[k + 1]], micro[mc[k]:mc[k + 1]]
+        if w != m and (not m or w % m):
+            return False
+        tiled = np.tile(ms, (w // m if w != m else 1,) + (1,) * (ms.ndim - 1))
+        if ws.shape != tiled.shape or np.ascontiguousarray(ws).tobytes() != np.ascontiguousarray(tiled).tobytes():
+            return False  # (bytes: NaN fills, jnp.var's, are equal)
+    return True
 
 
 def _picks_axis(me, d: int) -> int:

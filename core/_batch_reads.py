@@ -48,10 +48,12 @@ def refuse_reads_past_rows(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep,
                     else f"loss input {traced.spec.input_name(split[e.invars[0]])}")
             raise ValueError(
                 f"{who}: the loss reads batch leaf {name} at fixed positions up to {reach} along its first axis, past "
-                f"the {rows} rows of a microbatch ({num_microbatches} microbatches split it like the batch): it is a "
-                "table (positions, classes), not per-example data, whose length happens to be the batch size. Pass it "
-                "in another argument of the step (batch_argnums names the batch), or read it by the examples' own "
-                "positions.")
+                f"the {rows} rows of a microbatch ({num_microbatches} microbatches split it like the batch). If it is "
+                "a table (positions, classes), not per-example data, whose length happens to be the batch size, pass "
+                "it in another argument of the step (batch_argnums names the batch), or read it by the examples' own "
+                "positions. If it holds the examples and the loss reads some of them by position (x[jnp.array([0, "
+                "5])]: chosen examples, prototypes), each microbatch holds other rows there: pass "
+                "num_microbatches=1, or pass those examples as an argument of their own.")
 
 
 def refuse_batch_positions(mb_forward: jex_core.ClosedJaxpr, traced: TracedStep, who: str) -> None:

@@ -44,8 +44,9 @@ _MIXING_KINDS = {
           "num_microbatches=1; where that axis is time, a time-major [T, B, ...] batch, note that autopp splits axis "
           "0 of every batch leaf into microbatches: put the examples first, jnp.swapaxes(x, 0, 1), and scan over "
           "axis 1 in the loss)",
-    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis: each "
-               "microbatch numbers its own from 0) as values (a weight or padding mask by position), to write rows "
+    POSITIONS: "numbers its examples by their position in the batch (jnp.arange along the batch axis, or values "
+               "as long as the batch made from constants, concatenate([ones(B - 4), zeros(4)]): each microbatch "
+               "numbers its own from 0) as values (a weight or padding mask by position), to write rows "
                "at fixed positions (x.at[:2].set(0), x.at[-1]: each microbatch's own first or last rows) or to index "
                "an array not split with the batch (pass such per-example values, row weights, a padding mask, global "
                "document ids, with the batch)",

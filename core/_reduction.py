@@ -15,8 +15,8 @@ the batch size it is multiplied by, through literals that differ between the two
 microbatches (``jnp.mean``'s divisor: ``b = -1``). A loss of ``(1, -1)`` is a mean, ``(1, 0)`` a sum. A maximum
 (minimum) over examples, through operations that keep order, is ``"max"`` (``"min"``): an aux value the runtime
 combines by its maximum (a loss cannot be: its gradient is no combination of the microbatches'). Anything else (a
-logarithm of a sum, a statistic of the batch broadcast back to its examples, programs that differ in structure between
-the two sizes) is left undetermined (None), and the caller's ``loss_reduction`` stands.
+logarithm of a sum, programs that differ in structure between the two sizes) is left undetermined (None), and the
+caller's ``loss_reduction`` stands; a statistic broadcast back is read on as if the step had passed it (and said).
 """
 
 from __future__ import annotations
@@ -203,6 +203,8 @@ def _walk(w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: list, m_consts: list, 
             why = settle_shares(pending, me, outs, why, users, events, _MIXING.top)  # (held while summed)
             if why:
                 events.append((why, me, _MIXING.top))
+            if why == SPREAD:  # read on as each example's value, as if the statistic came from the step (as said)
+                env.update((v, ((0, 0, True), ax)) for v, o, ax in zip(me.outvars, outs, out_axes) if o is None and ax)
             for v, (g, _) in zip(me.outvars, returned or ()):
                 if g:
                     segments[v] = g
@@ -284,13 +286,11 @@ def _fold_scalar(me, positions: dict) -> None:
 
 
 def _scalar_value(a, positions: dict):
-    if isinstance(a, jex_core.Literal):
-        return np.asarray(a.val) if np.ndim(a.val) == 0 else None
-    return positions.get(_SCALARS, {}).get(a)
+    literal = isinstance(a, jex_core.Literal)
+    return (np.asarray(a.val) if np.ndim(a.val) == 0 else None) if literal else positions.get(_SCALARS, {}).get(a)
 
 
-_MIXING = threading.local()  # .events: where output_reductions records mixing equations (None: nowhere); .depth:
-# how deep in inner programs the walk is; .top: the index of the outermost program's equation being walked
+_MIXING = threading.local()  # .events: mixing equations (None: not recorded); .depth, .top: the walk's place
 
 
 def _batch_axes(wv, mv) -> tuple[int, ...]:

@@ -365,12 +365,20 @@ def split_stages(
             and _wraps(eqn)):  # (two recurrent layers' scans, 53% and 47% of the work, on two stages: balanced enough)
         name = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
         where = user_line(eqn)
+        inputs = {v: k for k, v in enumerate(forward.jaxpr.invars)}
+        frozen = eqn.primitive.name == "scan" and diff_invars is not None and any(
+            a in inputs and not batch_invars[inputs[a]] and not diff_invars[inputs[a]] and len(a.aval.shape) >= 2
+            for a in eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:])
+        frozen_advice = (" It scans over stacked weights the loss does not differentiate (a frozen teacher's layers "
+                         "passed as an argument of their own), which autopp reads as a loop over data: pass them "
+                         "with the parameters, read behind jax.lax.stop_gradient (optax.set_to_zero keeps them "
+                         "fixed), and the scan is split by layer like the model's.") if frozen else ""
         raise ValueError(
             f"autopp: one {name} call{f' at {where}' if where else ''} holds {problem.costs[heaviest] / total:.0%} of "
             f"the loss's work, and a stage boundary cannot cut inside it: whichever stage runs it would do that share "
             f"alone, so {num_stages} stages cannot balance. {_uncuttable([name], _mapped([eqn]))} Or use fewer stages: "
             f"num_stages <= {max(1, int(1.5 * total / problem.costs[heaviest]))} (a solver's or a loop's iterations "
-            "run on one stage, beside the work before and after it).")
+            f"run on one stage, beside the work before and after it).{frozen_advice}")
     if weights is not None and len(set(weights)) == 1:
         weights = None
     bottleneck = _min_bottleneck(problem.costs, num_stages, weights)

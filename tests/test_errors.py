@@ -514,8 +514,9 @@ def test_a_table_in_the_batch_as_long_as_the_batch_is_refused():
         updates, opt_state = tx.update(grads, opt_state, w)
         return optax.apply_updates(w, updates), opt_state, value
 
-    autopp.parallelize(step_first_row, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(
-        w, tx.init(w), batch)
+    with pytest.warns(UserWarning, match="reads some examples' values for all of them"):  # (not refused: warned,
+        autopp.parallelize(step_first_row, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(
+            w, tx.init(w), batch)  # as each microbatch's row 0 is not the whole batch's, since the eighteenth session)
 
 
 @pytest.mark.parametrize("check", ["check", "debug_check", "automatic"])
@@ -904,3 +905,83 @@ def test_a_key_last_in_the_step_s_arguments_names_the_argument_that_looks_like_t
     want = jax.jit(step)(*args)
     got = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2], batch_argnums=3)(*args)
     np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
+
+
+def test_a_failure_at_the_compared_fraction_says_why_it_is_not_the_count_asked_for():
+    """Teacher logits passed beside the batch, outside batch_argnums, with 4 examples in 4 microbatches (trial KD):
+    at one example per microbatch JAX broadcasts its rows against the whole batch's logits, so autopp compares the
+    step at 2 microbatches, where it fails. The refusal said "divided by num_microbatches=2" for a step asked at 4;
+    it now says why."""
+    import optax
+
+    tx = optax.sgd(0.1)
+
+    def loss(w, logits, batch):
+        return ((batch["x"] @ w - logits) ** 2).mean()
+
+    def step(w, opt, logits, batch):
+        value, grads = autopp.value_and_grad(loss)(w, logits, batch)
+        updates, opt = tx.update(grads, opt, w)
+        return optax.apply_updates(w, updates), opt, value
+
+    w = jnp.ones((8, 3))
+    args = (w, tx.init(w), jnp.ones((4, 3)), {"x": jnp.ones((4, 8))})
+    with pytest.raises(ValueError, match=r"(?s)divided by num_microbatches=2\).*batch_argnums.*num_microbatches=2 "
+                                         r"above is where autopp compares the step: each of the 4 microbatches asked "
+                                         r"for holds one example"):
+        autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2], batch_argnums=3)(*args)
+
+
+def test_a_frozen_stack_scanned_as_an_argument_of_its_own_is_refused_with_the_fix():
+    """A frozen teacher written as a ``lax.scan`` over stacked layers and passed as an argument of its own (trial KD):
+    not differentiated, its scan was read as a loop over data and refused at 4 stages with advice about time steps
+    and samplers. The refusal now says what it scans and the fix, which runs: the stack with the parameters, read
+    behind ``stop_gradient``, split by layer, jit's values (SGD leaves it as it is)."""
+    import numpy as np
+    import optax
+
+    depth, width = 8, 32
+
+    def init(key):
+        ks = jax.random.split(key, 4)
+        return {"inp": jax.random.normal(ks[0], (16, width)) / 4,
+                "stack": {"w1": jax.random.normal(ks[1], (depth, width, width)) / np.sqrt(width),
+                          "w2": jax.random.normal(ks[2], (depth, width, width)) / np.sqrt(width)},
+                "out": jax.random.normal(ks[3], (width, 8)) / np.sqrt(width)}
+
+    def apply(p, x):
+        h = x @ p["inp"]
+        if p["stack"]:
+            h, _ = jax.lax.scan(lambda h, q: (h + jnp.tanh(h @ q["w1"]) @ q["w2"], None), h, p["stack"])
+        return h @ p["out"]
+
+    def kl(teacher_logits, student_logits):
+        t = jax.lax.stop_gradient(teacher_logits)
+        return (jax.nn.softmax(t) * (jax.nn.log_softmax(t) - jax.nn.log_softmax(student_logits))).sum(-1).mean()
+
+    tx = optax.sgd(0.05)
+
+    def apart(sp, opt, tp, b):
+        value, grads = autopp.value_and_grad(lambda s, t, b: kl(apply(t, b["x"]), apply(s, b["x"])))(sp, tp, b)
+        updates, opt = tx.update(grads, opt, sp)
+        return optax.apply_updates(sp, updates), opt, value
+
+    def within(p, opt, b):  # the advice: the teacher with the parameters, behind stop_gradient
+        value, grads = autopp.value_and_grad(lambda p, b: kl(apply(jax.lax.stop_gradient(p["teacher"]), b["x"]),
+                                                             apply(p["student"], b["x"])))(p, b)
+        updates, opt = tx.update(grads, opt, p)
+        return optax.apply_updates(p, updates), opt, value
+
+    teacher = init(jax.random.key(1))
+    student = {"inp": teacher["inp"] * 0.5, "stack": {}, "out": teacher["out"] * 0.5}  # (no layers: the teacher's
+    batch = {"x": jax.random.normal(jax.random.key(3), (16, 16))}  # scan is the loss's work)
+    with pytest.raises(ValueError, match=r"(?s)scans over stacked weights the loss does not differentiate.*behind "
+                                         r"jax\.lax\.stop_gradient"):
+        autopp.parallelize(apart, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])(
+            student, tx.init(student), teacher, batch)
+    params = {"teacher": teacher, "student": student}
+    want = jax.jit(within)(params, tx.init(params), batch)
+    got = autopp.parallelize(within, num_stages=4, num_microbatches=4, devices=jax.devices()[:4])(
+        params, tx.init(params), batch)
+    for a, b in zip(jax.tree.leaves((want[0], want[2])), jax.tree.leaves((autopp.gather(got[0]), got[2]))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -905,7 +905,8 @@ def test_halves_read_back_by_positions_that_mix_them_are_warned():
     """Positions computed in the loss that pick other examples' rows in each microbatch than in the whole batch
     (trial NOISE19, each silent before: 0.610273 for jit's 0.614482 and the like): an index one row off the second
     half, a dynamic slice at an offset that straddles the halves, a fixed permutation by argsort. They are read as
-    the rows they pick, as a slice's bounds are, and warned about as an order of the examples (values differ)."""
+    the rows they pick, as a slice's bounds are, and warned about (values differ): a window of consecutive rows as a
+    part by position (since the eighteenth session; an order before), a permutation as an order."""
     def pairs(p, b):
         rejected = jax.tree.map(lambda a: jnp.flip(a, -1) if a.ndim > 1 else a, b)
         s = _pair_logits(p, jax.tree.map(lambda c, r: jnp.concatenate([c, r]), b, rejected))
@@ -923,8 +924,9 @@ def test_halves_read_back_by_positions_that_mix_them_are_warned():
         s, n = pairs(p, b)
         return _dpo(s[:n], s[n:][jnp.argsort(jnp.sin(jnp.arange(n) * 1.7))])
 
-    for loss in (off_by_one, straddling, permuted):
-        with pytest.warns(UserWarning, match="orders its examples"):
+    for loss, said in ((off_by_one, "takes parts of the batch"), (straddling, "takes parts of the batch"),
+                       (permuted, "orders its examples")):
+        with pytest.warns(UserWarning, match=said):
             (p_jit, l_jit), (p_pp, l_pp) = _run(_step(loss))
         assert not np.isclose(float(l_jit), float(l_pp), rtol=1e-5), loss.__name__
 
@@ -971,6 +973,72 @@ def test_rows_picked_or_written_at_fixed_positions_are_warned(name):
     texts, l_jit, l_pp = _warning_texts(loss)
     assert len(texts) == 1 and words in texts[0], texts
     assert not np.isclose(l_jit, l_pp, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["a padding mask by concatenation", "a weight written into ones",
+                                  "a mask written into zeros", "a row dropped by a pad", "a row weighted by an update"])
+def test_weights_by_position_made_from_literals_are_warned(name):
+    """Per-row weights or masks the loss makes from literals alone, as long as the batch (trial NOISE21, silent before;
+    with ``jnp.arange`` they were warned): each microbatch makes its own, so a padding mask
+    ``concatenate([ones(B - 4), zeros(4)])`` in microbatches of 4 is all zeros (NaN for jit's 2.1792), and
+    ``ones(B).at[0].set(2)`` weights each microbatch's first example (2.5652 for 2.1491). Their values are known in
+    both traces and compared with the whole batch's: warned, as numbers by position."""
+    def ratio(w):  # a masked mean by the mask's own count
+        return lambda p, b: (_nll(p, b).mean(1) * w(b["x"].shape[0])).sum() / w(b["x"].shape[0]).sum()
+
+    cases = {
+        "a padding mask by concatenation": ratio(lambda n: jnp.concatenate([jnp.ones(n - 4), jnp.zeros(4)])),
+        "a weight written into ones": _nll_rows(lambda nll: nll * jnp.ones(nll.shape[0]).at[0].set(2.0)),
+        "a mask written into zeros": _nll_rows(lambda nll: jnp.where(
+            jnp.zeros(nll.shape[0], bool).at[:2].set(True), 0.0, nll)),
+        "a row dropped by a pad": _nll_rows(lambda nll: nll * jnp.pad(jnp.ones(nll.shape[0] - 1), (1, 0))),
+        "a row weighted by an update": _nll_rows(lambda nll: nll * jax.lax.dynamic_update_slice(
+            jnp.ones(nll.shape[0]), jnp.array([3.0]), (0,))),
+    }
+    texts, l_jit, l_pp = _warning_texts(cases[name])
+    assert len(texts) == 1 and "numbers its examples by their position" in texts[0], texts
+    assert not np.isclose(l_jit, l_pp, rtol=1e-5)
+
+
+def test_weights_the_same_in_each_microbatch_made_from_literals_run_silent():
+    """Weights made from literals that repeat with each microbatch's rows (a weight per position within a pair,
+    ``jnp.tile``; ones written everywhere), and a target written into a constant at each example's own row
+    (``.at[jnp.arange(B), label]``, whose positions index, not weigh), are each microbatch's own: no warning, jit's
+    values."""
+    def paired(p, b):
+        nll = _nll(p, b).mean(1)
+        return (nll * jnp.tile(jnp.array([1.0, 0.5]), nll.shape[0] // 2)).mean()
+
+    def uniform(p, b):
+        nll = _nll(p, b).mean(1)
+        return (nll * jnp.zeros(nll.shape[0]).at[:].set(2.0)).mean()
+
+    def smoothed(p, b):  # label smoothing written into a constant by each example's position (trial NOISE22)
+        n, label = b["x"].shape[0], b["x"][:, 0]
+        target = jnp.full((n, V), 0.1 / V).at[jnp.arange(n), label].add(0.9)
+        return -(target * jax.nn.log_softmax(_features(p, b) @ p["head"])).sum(-1).mean()
+
+    for loss in (paired, uniform, smoothed):
+        _assert_quiet_and_jit_s(_step(loss), what=loss.__name__)
+
+
+def test_picks_that_straddle_microbatches_say_how():
+    """Rows picked by computed positions that are not each microbatch's own (trial NOISE21): pairs a stride apart in
+    microbatches of odd size are said as every k-th example, with the advice on num_microbatches, and a window of
+    consecutive rows as a part by position (both were said as an order: a sort, a top-k, a scan ...)."""
+    def strided(z):
+        n = z.shape[0] // 2
+        return ((z[jnp.arange(n) * 2] - z[jnp.arange(n) * 2 + 1]) ** 2).mean()
+
+    def halves(z):
+        n = z.shape[0] // 2
+        return ((z[jnp.arange(n)] - z[jnp.arange(n) + n]) ** 2).mean()
+
+    z = jax.random.normal(jax.random.key(0), (12, T))
+    for fn, want in ((strided, "strides"), (halves, "parts")):
+        mixing = []
+        output_reductions(jax.make_jaxpr(fn)(z), jax.make_jaxpr(fn)(z[:3]), [True], 4, mixing)
+        assert want in {e[0] for e in mixing} and "order" not in {e[0] for e in mixing}, (fn.__name__, mixing)
 
 
 def test_pairs_interleaved_read_by_computed_positions_run_silent():

@@ -268,3 +268,39 @@ def test_a_one_program_plan_has_no_bubble_and_says_its_host_dispatch(mlp_case):
     assert e.bubble_s == 0.0
     assert f"host dispatch {e.dispatch_s:.4g}" in str(plan)
     assert e.compute_s + e.dispatch_s + e.optimizer_s == pytest.approx(e.step_time_s, rel=0.05)
+
+
+def test_a_frozen_teachers_weights_are_counted_where_they_are_read():
+    """Trials KD and MAE: a frozen teacher passed beside the student (not differentiated) was left out of the plan
+    table's "params MB": a stage running only teacher layers read 0 MB where it holds about 1 MB. The table counts
+    every weight a stage reads: over the stages, the teacher's and the student's bytes, each once (hand count)."""
+    import jax.numpy as jnp
+
+    def mlp(sizes, key):
+        keys = jax.random.split(key, len(sizes) - 1)
+        return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+                for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+    def apply(layers, x):
+        for layer in layers[:-1]:
+            x = jnp.tanh(x @ layer["w"] + layer["b"])
+        return x @ layers[-1]["w"] + layers[-1]["b"]
+
+    teacher, student = mlp([32] + [128] * 6 + [10], jax.random.key(1)), mlp([32, 16, 10], jax.random.key(2))
+    tx = optax.sgd(0.1)
+
+    def loss(sp, tp, batch):
+        target = jax.nn.softmax(jax.lax.stop_gradient(apply(tp, batch["x"])))
+        return -(target * jax.nn.log_softmax(apply(sp, batch["x"]))).sum(-1).mean()
+
+    def step(sp, opt, tp, batch):
+        value, grads = autopp.value_and_grad(loss)(sp, tp, batch)
+        updates, opt = tx.update(grads, opt, sp)
+        return optax.apply_updates(sp, updates), opt, value
+
+    batch = {"x": jax.random.normal(jax.random.key(3), (16, 32))}
+    plan = autopp.parallelize(step, num_stages=2, num_microbatches=4, devices=jax.devices()[:2]).plan_for(
+        student, tx.init(student), teacher, batch)
+    nbytes = sum(a.nbytes for a in jax.tree.leaves((teacher, student)))
+    assert nbytes <= sum(st.param_bytes for st in plan.stages) <= nbytes * 1.01
+    assert min(st.param_bytes for st in plan.stages) > 0.2 * nbytes
