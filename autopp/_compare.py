@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 import statistics
 import time
 from collections.abc import Sequence
@@ -277,7 +278,9 @@ def predict_baseline(name: str, config, cluster, global_batch: int, *, tensor: i
                 kw = dict(global_batch=global_batch, tp=deg["tp"], pp=1, dp=deg["dp"], fsdp=deg["fsdp"],
                           zero1=False, sequence_parallel=False, microbatch_size=mbs, schedule="1f1b",
                           recompute=rec)
-                est = simulate(config, cluster, **kw)
+                with warnings.catch_warnings():  # (a baseline's tensor degree that splits nothing is priced so)
+                    warnings.filterwarnings("ignore", message=r"simulate: tp=\d+ splits none")
+                    est = simulate(config, cluster, **kw)
                 rank = (not est.fits, est.step_time_s if est.fits else est.peak_memory_bytes_per_gpu)
                 if best is None or rank < best[0]:
                     best = (rank, kw, est)

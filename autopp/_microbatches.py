@@ -212,9 +212,9 @@ def reductions(config: ParallelizeConfig, traced: TracedStep, forward: jex_core.
         warnings.warn(
             f"{_WHO}: the loss {mixing_summary(reached[0])}. Each of the {num_microbatches} microbatches' losses sees "
             f"only its own examples, so {'otherwise ' if hedged else ''}the loss and gradients differ from plain "
-            "jax.jit's over the whole batch (they "
-            "are gradient accumulation's). For jit's values use num_microbatches=1 (a stage's data-parallel devices "
-            "then compute over the whole batch, as jit does), or compute such values (statistics, random draws) in "
+            "jax.jit's over the whole batch (they are gradient accumulation's). For jit's values use "
+            "num_microbatches=1 (a stage's data-parallel devices then compute over the whole batch, as jit does), or "
+            "compute such values (statistics, random draws) in "
             "the step, outside the loss, and pass them in: a value without the batch's leading length reaches every "
             "microbatch whole, while one with it (negatives or a cache computed from the batch's examples) is split "
             "with the batch, so pairs across the whole batch need num_microbatches=1. A value passed in is not "

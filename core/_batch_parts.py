@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 
 ORDER, PARTS, STRIDES, FIRST, POSITIONS = "order", "parts", "strides", "first", "positions"
@@ -58,7 +59,7 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
             keep(me.outvars[0], picked)  # (the halves swapped, [rejected; chosen], are two segments)
     if name.startswith("scatter") and ins[0][1] and microbatches:  # (into the batch's values, or a weight per row)
         rows = _rows_written(we, me, ins[0][1][0], values)
-        if rows is not None and not _own_writes(*rows, _operand_pieces(we, me, ins[0][1][0], segments)):
+        if rows is not None and not _tiled(*rows, 0, _operand_pieces(we, me, ins[0][1][0], segments)):
             return POSITIONS  # rows written at fixed positions: nll.at[:2].set(0), each microbatch's own first two
     if name == "slice" and 0 in dependent and set(ins[0][1]) - set(out_axes[0]):
         return FIRST  # a number of examples that does not grow with the batch (x[0], x[:4])
@@ -244,10 +245,11 @@ def _misread(whole) -> str:
 
 
 def _tiled(whole, micro, d: int, pieces) -> bool:
-    """Whether a value made from literals alone (``whole`` and ``micro``, its values in both traces) holds along its
-    batch axis ``d`` the same for each microbatch's rows of every segment of the examples as the whole batch's (a
-    parity, a weight per position within a pair), and the same rows of the other segments; True where the shapes do
-    not say (its other axes grow with the batch too) and where every row is the same in each trace."""
+    """Whether a value made from literals alone (``whole`` and ``micro``, its values in both traces; or the rows a
+    scatter writes, as flags) holds along its batch axis ``d`` the same for each microbatch's rows of every segment
+    of the examples as the whole batch's (a parity, a weight per position within a pair, every row written), and the
+    same rows of the other segments; True where the shapes do not say (its other axes grow with the batch too) and
+    where every row is the same in each trace."""
     whole, micro = np.moveaxis(whole, d, 0), np.moveaxis(micro, d, 0)
     wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
     if whole.shape[1:] != micro.shape[1:] or len(whole) != wc[-1] or len(micro) != mc[-1]:
@@ -273,10 +275,9 @@ def _picks_axis(me, d: int) -> int:
 
 
 def _rows_written(we, me, d: int, values: dict):
-    """Per trace, which rows along axis ``d`` of its destination a scatter writes, where its indices are known
-    (:func:`_value`) and the destination is small: the scatter run on zeros, with ones for its updates."""
-    from jax import lax  # (imported where it runs: this module reads jaxprs, it runs none but these)
-
+    """Per trace, which rows along axis ``d`` of its destination a scatter writes (flags, moved to axis 0), where its
+    indices are known (:func:`_value`) and the destination is small: the scatter run on zeros, with ones for its
+    updates."""
     got = _value(we.invars[1], me.invars[1], values) if len(me.invars) == 3 else None
     if got is None or any(math.prod(_shape(e.invars[0])) > _MAX_VALUES for e in (we, me)):
         return None
@@ -291,22 +292,6 @@ def _rows_written(we, me, d: int, values: dict):
         out = np.asarray(out) != 0
         rows.append(out.any(axis=tuple(a for a in range(out.ndim) if a != d)))
     return tuple(rows)
-
-
-def _own_writes(whole, micro, pieces) -> bool:
-    """Whether the rows a microbatch's scatter writes (``micro``: a mask along the destination's rows, of segments
-    ``pieces``) stand for those the whole batch's writes (``whole``): the same rows of each microbatch's examples
-    (every row, or every k-th), the same rows of the others."""
-    wc, mc = np.cumsum([0] + [w for w, _ in pieces]), np.cumsum([0] + [m for _, m in pieces])
-    if len(whole) != wc[-1] or len(micro) != mc[-1]:
-        return False
-    for k, (w, m) in enumerate(pieces):
-        ws, ms = whole[wc[k]:wc[k + 1]], micro[mc[k]:mc[k + 1]]
-        if w != m and (not m or w % m):
-            return False
-        if not np.array_equal(ws, np.tile(ms, w // m if w != m else 1)):
-            return False
-    return True
 
 
 def _reshape(we, me, ins, out_axes, pieces, keep) -> str | None:

@@ -236,6 +236,7 @@ SAVED_PLAN = json.dumps({
                 "flops": 1.0, "param_bytes": 1, "cut_bytes_after": 0}]})
 
 
+@pytest.mark.filterwarnings("ignore:simulate. tp=.* splits none:UserWarning")  # (small models: tp leaves them whole)
 def test_simulate_step_is_simulate_of_the_steps_profile(repo_root, capsys):
     from autopp.planner import simulate
     from autopp.profiler import profile

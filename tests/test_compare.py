@@ -31,6 +31,7 @@ def test_compare_on_the_local_devices_measures_every_layout(capsys):
             ref["tflops_per_device"] * ref["step_time_s"], rel=1e-9)
 
 
+@pytest.mark.filterwarnings("ignore:simulate. tp=.* splits none:UserWarning")  # (small models: tp leaves them whole)
 def test_compare_for_a_cluster_prints_the_simulators_predictions(capsys, tmp_path):
     from autopp.planner import plan_model, simulate
 
@@ -82,6 +83,7 @@ def test_compare_refuses_what_it_cannot_honour(capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:simulate. tp=.* splits none:UserWarning")  # (small models: tp leaves them whole)
 def test_compare_predicts_a_llama_and_a_users_step_for_a_cluster(capsys, monkeypatch):
     import pathlib
     import sys
