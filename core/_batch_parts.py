@@ -81,6 +81,10 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
             # picks by: checked above; positions from jnp.arange: by autopp.core._reduction)
             d = ins[k][1][0]  # its examples (a padding mask concatenate([ones(B - 4), zeros(4)]), ones(B).at[0])
             peer = next((j for j in dependent if micro_in[j] == micro_in[k] and d in ins[j][1]), None)
+            made = values[a]  # (a fill, an attention mask's -inf broadcast over [B, H, T, T]: not evaluated)
+            if math.prod(whole_in[k]) > _MAX_WEIGHTS or isinstance(made, tuple) and len(made) == 3 and (
+                    made[1].primitive.name == "broadcast_in_dim" and isinstance(made[1].invars[0], jex_core.Literal)):
+                continue
             got = _value(we.invars[k], a, values)
             if got is not None and not _tiled(*got, d, pieces_of(k, d) if peer is None else pieces_of(peer, d)):
                 return POSITIONS
@@ -114,6 +118,7 @@ def batch_parts(we, me, ins: list, out_axes: list, segments: dict, microbatches:
 _VALUES = "values"  # key of the segments dict holding (whole, microbatch) values made from positions alone
 _FROM_IOTA = "iota"  # key of that dict holding the values made from jnp.arange
 _MAX_VALUES = 1 << 16
+_MAX_WEIGHTS = 1 << 14  # (weights or masks as long as the batch, compared only up to this size: each runs eagerly)
 
 
 def _operand_pieces(we, me, d: int, segments) -> tuple:
