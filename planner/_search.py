@@ -138,7 +138,8 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
 
     n, dpn = cluster.num_devices, cluster.devices_per_node
     blocks = sum(1 for l in prof.layers if l.name.startswith("block")) or len(prof.layers)
-    if microbatch_sizes is DEFAULT_MICROBATCH_SIZES and num_microbatches is None:
+    by_default = microbatch_sizes is DEFAULT_MICROBATCH_SIZES and num_microbatches is None
+    if by_default:
         microbatch_sizes = _with_larger_microbatches(sm, global_batch)
     tps = [t for t in divisors(dpn) if tensor_degrees is None or t in tensor_degrees]
     # Every layout family (degrees, microbatch size, schedule, virtual stages, sequence parallelism) with its
@@ -158,6 +159,10 @@ def plan_model(model: Any, cluster: Cluster | str, *, global_batch: int,
             sizes = microbatch_sizes
             if num_microbatches is not None:
                 sizes = [global_batch // (dp * num_microbatches)] if global_batch % (dp * num_microbatches) == 0 else []
+            elif by_default:  # and each replica's batch in a few microbatch counts: sizes no power of two divides
+                per = global_batch // dp  # (125 per replica: 1 microbatch of 125, not 125 of 1; trial PLANS6)
+                counts = {*_MICROBATCH_COUNTS, pp, 2 * pp, 4 * pp}
+                sizes = sorted(set(sizes) | {per // c for c in counts if per % c == 0})
             # GPipe takes as long as 1F1B in the closed form and holds more microbatches: screen it only alone
             screen_schedules = [s for s in schedules if s != "gpipe" or "1f1b" not in schedules]
             for mbs in [b for b in sizes if b >= 1 and (global_batch // dp) % b == 0]:
@@ -295,6 +300,9 @@ def _with_larger_microbatches(sm: StepModel, global_batch: int) -> tuple[int, ..
         sizes.append(size)
     return tuple(sizes)
 
+
+_MICROBATCH_COUNTS = (1, 2, 4, 8, 16, 32)
+"""Microbatch counts whose size (each replica's batch divided by them) is searched beside the sizes, by default."""
 
 _LARGER_WHILE = 1.9
 """A doubled microbatch that costs less than this many times the work is worth trying (5% less per example)."""

@@ -24,6 +24,8 @@ from tests._helpers import assert_trees_close, make_optimizer, make_step, run_st
 
 # Plans in about a second. The slow links between nodes (10 Gbit/s) make data parallelism across nodes expensive,
 # so the best plan pipelines over the two nodes.
+# the exhaustive searches below simulate tensor degrees that the small models' matmuls are priced faster without
+pytestmark = pytest.mark.filterwarnings("ignore:simulate. tp=.* splits none:UserWarning")
 MODEL = GPTConfig(layers=4, hidden=512, heads=8, seq=128, vocab=1024, dtype="bfloat16")
 CLUSTER = Cluster.parse("2x4xA100-80GB").with_device_overrides(inter_node_bandwidth=1.25e9)
 BATCH = 16
@@ -498,3 +500,18 @@ def test_schedules_no_pipeline_can_use_are_said_so():
     with pytest.warns(UserWarning, match=r"no pipelined layout could use schedules=\('dualpipev',\).*one stage"):
         plan = plan_model(prof, "1x8xH100", global_batch=8, schedules=("dualpipev",), tensor_degrees=(1,))
     assert plan.num_stages == 1
+
+
+def test_each_replicas_batch_is_searched_in_a_few_microbatch_counts():
+    """Trial PLANS6: only powers of two were searched as microbatch sizes, so a global batch of 1000 on 8 H100s was
+    planned at 4 stages x data 2, 125 microbatches of 4 (12.15 ms), where one microbatch of 125 per replica on data 8
+    is priced at 3.71 ms by the same cost model; likewise 768 on 128 devices (6 per replica). Each replica's batch is
+    now also searched in 1, 2, 4, ... microbatches: the plan is the best over every divisor of the batch (the
+    exhaustive search, by microbatch_sizes given)."""
+    gpt = _traced(MODEL, CLUSTER)
+    for batch in (1000, 48):
+        planned = plan_model(gpt, CLUSTER, global_batch=batch)
+        every = plan_model(gpt, CLUSTER, global_batch=batch,
+                           microbatch_sizes=tuple(d for d in range(1, batch + 1) if batch % d == 0))
+        assert planned.predicted.step_time_s == pytest.approx(every.predicted.step_time_s, rel=1e-9), batch
+        assert planned.microbatch_size not in (1, 2, 4, 8) or batch % 16 == 0
