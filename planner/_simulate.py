@@ -198,7 +198,8 @@ def simulate(model: Any, cluster: Cluster | str, *, global_batch: int, tp: int, 
     layout = dataclasses.replace(layout, zero1=zero1, sequence_parallel=sequence_parallel)
     sm = step_model(prof, cluster, tuple(overlap))
     if tp > 1 and _split_by(sm, tp, sequence_parallel) < 1e-9:
-        splits = [t for t in divisors(cluster.devices_per_node) if t > 1 and _split_by(sm, t, sequence_parallel) >= 1e-9]
+        splits = [t for t in divisors(cluster.devices_per_node)
+                  if t > 1 and _split_by(sm, t, sequence_parallel) >= 1e-9]
         warnings.warn(
             f"{who}: tp={tp} splits none of the step's weights (it divides no head count, width or vocabulary that "
             "a matmul splits by, or splitting them is priced slower than keeping them whole): each of the tensor "
