@@ -25,7 +25,7 @@ from autopp.runtime._pipeline_config import (EXTREMES, PipelineConfig, concatena
 from autopp.runtime._passes import zeros_program
 from autopp.runtime._placement import label_outer, place_outer
 from autopp.runtime._tasks import Program, TaskList, assemble, place, put, sds, view
-from autopp.runtime._tensor import tensor_specs
+from autopp.runtime._tensor import tensor_specs, whole_weights
 
 Literal = jex_core.Literal
 
@@ -218,8 +218,11 @@ def analyse(traced, forward, split, meshes: StageMeshes, config: PipelineConfig)
         # trained and frozen weights (neither differentiated nor split with the batch: a LoRA base) split alike
         params = [v for v in g.inputs if v in invar_pos and (diff_mask[invar_pos[v]]
                                                              or traced.frozen_grad_inputs[invar_pos[v]])]
-        for v, spec_ in tensor_specs(g.jaxpr, params, tp).items():
+        specs = tensor_specs(g.jaxpr, params, tp)
+        for v, spec_ in specs.items():
             tensor_spec[(g.index, invar_pos[v])] = spec_
+        whole_weights(g.index, tp, [(traced.spec.input_name(invar_pos[v]), v.aval) for v in params if v not in specs],
+                      [v.aval for v in params])
     label, opt_state = label_outer(traced)
     return Step(traced=traced, forward=forward, split=split, meshes=meshes, config=config,
                 out_stage=tuple(out_stage), graphs=graphs, invar_pos=invar_pos, users=users, owner=owner,

@@ -27,8 +27,11 @@ numerically the same computation, so the rule only decides where communication h
 from __future__ import annotations
 
 import math
+import warnings
 
 from jax.extend import core as jex_core
+
+from autopp.core import user_stacklevel
 
 Literal = jex_core.Literal
 
@@ -46,6 +49,30 @@ def tensor_specs(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
     (a ``lax.scan`` over layers, unrolled in a stage) reads its row, ``w[i]``: the row's split is the stack's, one
     dimension further in."""
     return _walk(jaxpr, params, tp)[0]
+
+
+WHOLE_WEIGHTS_WARNED = 1 << 20
+"""Bytes of weights a tensor group holds whole, per stage, from which an explicit tensor layout is warned about
+(when they are also most of the stage's weights): below, small models' tables and norms, as Megatron-LM keeps."""
+
+
+def whole_weights(stage: int, tp: int, whole: list, weights: list) -> None:
+    """Warn where the tensor rule leaves most of a stage's weights whole (``whole``: (name, aval) of those, of
+    ``weights``' avals): an embedding table read by a gather is no matmul's weight, so ``layout={"tensor": 2}`` holds
+    it on every device of the tensor group (a trial's two tables of 100k and 50k rows: 91.59 MiB per device, as
+    without tensor parallelism, where a plan from the planner splits them by columns, 37 MiB)."""
+    size = lambda a: math.prod(a.shape) * a.dtype.itemsize  # noqa: E731
+    kept, total = sum(size(a) for _, a in whole), sum(size(a) for a in weights)
+    if kept < WHOLE_WEIGHTS_WARNED or 2 * kept <= total:
+        return
+    largest = sorted(whole, key=lambda w: -size(w[1]))[:3]
+    warnings.warn(
+        f"autopp.parallelize: tensor={tp} leaves {kept / 2**20:.1f} of stage {stage}'s {total / 2**20:.1f} MiB of "
+        f"weights whole on each device of its tensor group ({', '.join(f'{n} {a.str_short()}' for n, a in largest)}"
+        f"{', ...' if len(whole) > 3 else ''}): autopp's tensor rule splits the weights of matmuls, and these are "
+        "read otherwise (an embedding table by a gather). A plan from the planner splits such tables (autopp."
+        "parallelize(step) without counts, or plan_model), and layout={'fsdp': ...} divides every weight.",
+        stacklevel=user_stacklevel())
 
 
 def activation_splits(jaxpr: jex_core.Jaxpr, params, tp: int) -> dict:
