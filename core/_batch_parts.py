@@ -153,7 +153,7 @@ def seed_values(segments: dict, w: jex_core.Jaxpr, m: jex_core.Jaxpr, w_consts: 
     for mv, wc, mc in zip(m.constvars, w_consts, m_consts):
         dtype = getattr(mv.aval, "dtype", None)  # (numbers and flags, not a PRNG key's type)
         if isinstance(dtype, np.dtype) and dtype.kind in "iubf" and mv.aval.size <= _MAX_VALUES:
-            values[mv] = (np.asarray(wc), np.asarray(mc))
+            values[mv] = lambda wc=wc, mc=mc: (np.asarray(wc), np.asarray(mc))  # (copied to the host where read)
     for v, got in zip(m.invars, in_values or ()):
         if got is not None:
             values[v] = got[0]

@@ -18,7 +18,8 @@ from typing import Any
 
 from autopp.planner._chunks import chunk_split
 from autopp.planner._costmodel import Layout, StepModel
-from autopp.core import DEFAULT_OVERLAP, OVERLAPS, RECOMPUTE_MODES, SCHEDULES, Estimate, divisors, positive_int
+from autopp.core import (DEFAULT_OVERLAP, OVERLAPS, RECOMPUTE_MODES, SCHEDULES, Estimate, divisors, positive_int,
+                         user_stacklevel)
 from autopp.profiler import Cluster, Profile, profile
 
 __all__ = ["Estimate", "RECOMPUTE_MODES", "SCHEDULES", "OVERLAPS", "DEFAULT_OVERLAP", "as_profile", "clear_cache",
@@ -204,7 +205,7 @@ def simulate(model: Any, cluster: Cluster | str, *, global_batch: int, tp: int, 
             f"{who}: tp={tp} splits none of the step's weights (it divides no head count, width or vocabulary that "
             "a matmul splits by, or splitting them is priced slower than keeping them whole): each of the tensor "
             f"group's {tp} devices holds and computes the whole model, as predicted. Tensor degrees that split "
-            f"weights here: {splits or 'none'}.", stacklevel=2)
+            f"weights here: {splits or 'none'}.", stacklevel=user_stacklevel())
     M = global_batch // (layout.microbatch_size * dp)
     exact = M * layout.num_chunks <= 20_000
     return sm.evaluate(layout, global_batch, split, [recompute] * layout.num_chunks, exact=exact).estimate

@@ -32,6 +32,7 @@ import warnings
 from jax.extend import core as jex_core
 
 from autopp.core import user_stacklevel
+from autopp.profiler import aval_bytes
 
 Literal = jex_core.Literal
 
@@ -61,11 +62,10 @@ def whole_weights(stage: int, tp: int, whole: list, weights: list) -> None:
     ``weights``' avals): an embedding table read by a gather is no matmul's weight, so ``layout={"tensor": 2}`` holds
     it on every device of the tensor group (a trial's two tables of 100k and 50k rows: 91.59 MiB per device, as
     without tensor parallelism, where a plan from the planner splits them by columns, 37 MiB)."""
-    size = lambda a: math.prod(a.shape) * a.dtype.itemsize  # noqa: E731
-    kept, total = sum(size(a) for _, a in whole), sum(size(a) for a in weights)
+    kept, total = sum(aval_bytes(a) for _, a in whole), sum(aval_bytes(a) for a in weights)
     if kept < WHOLE_WEIGHTS_WARNED or 2 * kept <= total:
         return
-    largest = sorted(whole, key=lambda w: -size(w[1]))[:3]
+    largest = sorted(whole, key=lambda w: -aval_bytes(w[1]))[:3]
     warnings.warn(
         f"autopp.parallelize: tensor={tp} leaves {kept / 2**20:.1f} of stage {stage}'s {total / 2**20:.1f} MiB of "
         f"weights whole on each device of its tensor group ({', '.join(f'{n} {a.str_short()}' for n, a in largest)}"
